@@ -1,0 +1,25 @@
+"""zoo: Equinox transformer modules and model families, scanned over depth.
+
+**Example:**
+
+```python
+import jax, jax.numpy as jnp, zoo
+cfg = zoo.LlamaConfig.preset("tiny")
+model = zoo.Llama(cfg, key=jax.random.key(0))
+logits = jax.vmap(model)(jnp.zeros((2, 16), jnp.int32))   # (2, 16, vocab)
+```
+"""
+
+from . import nn as nn
+from . import sharding as sharding
+from ._build import abstract_model as abstract_model
+from ._build import build_model as build_model
+from ._config import DecoderConfig as DecoderConfig
+from ._config import GPT2Config as GPT2Config
+from ._config import LlamaConfig as LlamaConfig
+from ._gpt2 import GPT2 as GPT2
+from ._llama import Llama as Llama
+from ._loss import cross_entropy as cross_entropy
+from ._loss import lm_loss as lm_loss
+
+__version__ = "0.1.0"

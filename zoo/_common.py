@@ -1,0 +1,22 @@
+"""Checks shared by the model families."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def check_tokens(tokens, max_seq_len: int, name: str) -> None:
+    """Raise a clear error for token arrays of the wrong rank, dtype or length."""
+    if not hasattr(tokens, "ndim"):
+        raise TypeError(f"{name} expects a jax array of token ids, got {type(tokens).__name__}")
+    if tokens.ndim != 1:
+        raise ValueError(
+            f"{name} takes one sequence of token ids of rank 1 (seq,), got rank {tokens.ndim} with shape "
+            f"{tuple(tokens.shape)}; batch with jax.vmap(model)"
+        )
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"{name} expects integer token ids, got dtype {tokens.dtype}")
+    if tokens.shape[0] > max_seq_len:
+        raise ValueError(f"{name}: sequence length {tokens.shape[0]} exceeds max_seq_len={max_seq_len}")
+    if tokens.shape[0] == 0:
+        raise ValueError(f"{name}: empty sequence")

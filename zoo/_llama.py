@@ -1,0 +1,108 @@
+"""Llama family (also Mistral- and Qwen2-shaped models)."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from . import nn
+from ._common import check_tokens
+from ._config import LlamaConfig
+
+
+class Llama(eqx.Module):
+    """A Llama decoder: token embedding, pre-norm blocks (RMSNorm, rotary GQA attention,
+    SwiGLU) scanned over depth, final RMSNorm, output head (tied or separate).
+
+    Call on one sequence of token ids; batch with `jax.vmap`.
+
+    **Arguments:**
+
+    - `config`: a :class:`LlamaConfig`.
+    - `key`: a `jax.random` key.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    logits = model(jnp.arange(16))            # (16, vocab)
+    ```
+    """
+
+    embed: nn.Embedding
+    stack: nn.Stack
+    norm: nn.RMSNorm
+    lm_head: nn.Linear | None
+    config: LlamaConfig = eqx.field(static=True)
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"Llama needs a LlamaConfig, got {type(config).__name__}")
+        c = config
+        dtype = c.param_jnp_dtype
+        k_emb, k_stack, k_head = jax.random.split(key, 3)
+        out_std = c.init_std / math.sqrt(2 * c.n_layers)
+        rotary = nn.RotaryEmbedding(c.head_size, theta=c.rope_theta, scaling=c.rope_scaling)
+
+        def make_block(k):
+            ka, km = jax.random.split(k)
+            return nn.Block(
+                attn_norm=nn.RMSNorm(c.d_model, eps=c.norm_eps, dtype=dtype),
+                attn=nn.Attention(
+                    c.d_model,
+                    c.n_heads,
+                    n_kv_heads=c.n_kv_heads,
+                    head_dim=c.head_size,
+                    qkv_bias=c.qkv_bias,
+                    o_bias=c.o_bias,
+                    rotary=rotary,
+                    sliding_window=c.sliding_window,
+                    init_std=c.init_std,
+                    out_init_std=out_std,
+                    dtype=dtype,
+                    key=ka,
+                ),
+                mlp_norm=nn.RMSNorm(c.d_model, eps=c.norm_eps, dtype=dtype),
+                mlp=nn.SwiGLU(
+                    c.d_model,
+                    c.d_ff,
+                    use_bias=c.mlp_bias,
+                    init_std=c.init_std,
+                    out_init_std=out_std,
+                    dtype=dtype,
+                    key=km,
+                ),
+            )
+
+        self.embed = nn.Embedding(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype, key=k_emb)
+        self.stack = nn.Stack(make_block, c.n_layers, scan=c.scan_layers, key=k_stack)
+        self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if c.tie_embeddings
+            else nn.Linear(
+                c.d_model, c.vocab_size, axes=("embed", "vocab"), init_std=c.init_std, dtype=dtype, key=k_head
+            )
+        )
+        self.config = c
+
+    @property
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
+        return self.stack.checkpoint_names
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq vocab"]:
+        c = self.config
+        check_tokens(tokens, c.max_seq_len, "Llama")
+        if positions is None:
+            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        x = self.embed(tokens).astype(c.compute_jnp_dtype)
+        x = self.norm(self.stack(x, positions=positions))
+        return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)

@@ -1,0 +1,118 @@
+"""Causal self-attention: multi-head, grouped-query and multi-query."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._linear import Linear
+from ._rotary import RotaryEmbedding
+
+
+class Attention(eqx.Module):
+    """Causal self-attention over one sequence.
+
+    ``n_kv_heads == n_heads`` is multi-head attention, ``n_kv_heads == 1`` multi-query, anything
+    in between grouped-query (each key/value head serves ``n_heads // n_kv_heads`` query heads).
+    The scores go through `jax.nn.dot_product_attention`, so a GPU may use its fused kernel.
+
+    Named activation points (see :class:`zoo.nn.Stack`): ``q_proj``, ``k_proj``, ``v_proj`` (the
+    projections, before rotary), ``attn_context`` (the attention-weighted values, before the
+    output projection) and ``attn_out`` (after it).
+
+    **Arguments:**
+
+    - `d_model`: residual width.
+    - `n_heads`, `n_kv_heads`: numbers of query and key/value heads.
+    - `head_dim`: width of each head (default ``d_model // n_heads``).
+    - `qkv_bias`, `o_bias`: biases on the input and output projections.
+    - `rotary`: a :class:`RotaryEmbedding` applied to queries and keys, or ``None``.
+    - `sliding_window`: if given, each query sees only itself and the ``sliding_window - 1``
+      keys before it.
+    - `init_std`, `out_init_std`: initialisation scales of the input and output projections.
+    - `dtype`: parameter dtype.
+    - `key`: a `jax.random` key.
+    """
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    rotary: RotaryEmbedding | None
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    sliding_window: int | None = eqx.field(static=True)
+
+    checkpoint_names = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_out")
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        rotary: RotaryEmbedding | None = None,
+        sliding_window: int | None = None,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads <= 0 or n_kv_heads <= 0:
+            raise ValueError(f"Attention needs positive head counts, got n_heads={n_heads}, n_kv_heads={n_kv_heads}")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+            head_dim = d_model // n_heads
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        common = dict(init_std=init_std, dtype=dtype)
+        self.q_proj = Linear(d_model, n_heads * head_dim, use_bias=qkv_bias, axes=("embed", "heads"), key=kq, **common)
+        self.k_proj = Linear(
+            d_model, n_kv_heads * head_dim, use_bias=qkv_bias, axes=("embed", "kv_heads"), key=kk, **common
+        )
+        self.v_proj = Linear(
+            d_model, n_kv_heads * head_dim, use_bias=qkv_bias, axes=("embed", "kv_heads"), key=kv, **common
+        )
+        self.o_proj = Linear(
+            n_heads * head_dim,
+            d_model,
+            use_bias=o_bias,
+            axes=("heads", "embed"),
+            init_std=init_std if out_init_std is None else out_init_std,
+            dtype=dtype,
+            key=ko,
+        )
+        self.rotary = rotary
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+
+    def __call__(
+        self, x: Float[Array, "seq embed"], *, positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq embed"]:
+        seq = x.shape[0]
+        if positions is None:
+            positions = jnp.arange(seq, dtype=jnp.int32)
+        q = checkpoint_name(self.q_proj(x), "q_proj").reshape(seq, self.n_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), "k_proj").reshape(seq, self.n_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), "v_proj").reshape(seq, self.n_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q = self.rotary(q, positions)
+            k = self.rotary(k, positions)
+        window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
+        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)  # (seq, heads, hd)
+        ctx = checkpoint_name(ctx.reshape(seq, self.n_heads * self.head_dim), "attn_context")
+        return checkpoint_name(self.o_proj(ctx), "attn_out")

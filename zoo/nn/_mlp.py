@@ -1,0 +1,88 @@
+"""Feed-forward blocks: GELU MLP (GPT-2) and SwiGLU (Llama)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ._linear import Linear
+
+
+class GeluMLP(eqx.Module):
+    """``down(gelu(up(x)))`` with the tanh approximation of GELU, as in GPT-2.
+
+    Named activation point: ``mlp_hidden`` (after the nonlinearity).
+
+    **Arguments:** `d_model`, `d_ff` (hidden width), `use_bias`, `init_std`, `out_init_std`,
+    `dtype`, `key`.
+    """
+
+    up: Linear
+    down: Linear
+
+    checkpoint_names = ("mlp_hidden",)
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        use_bias: bool = True,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        k1, k2 = jax.random.split(key)
+        out_std = init_std if out_init_std is None else out_init_std
+        self.up = Linear(
+            d_model, d_ff, use_bias=use_bias, axes=("embed", "mlp"), init_std=init_std, dtype=dtype, key=k1
+        )
+        self.down = Linear(
+            d_ff, d_model, use_bias=use_bias, axes=("mlp", "embed"), init_std=out_std, dtype=dtype, key=k2
+        )
+
+    def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
+        h = checkpoint_name(jax.nn.gelu(self.up(x), approximate=True), "mlp_hidden")
+        return self.down(h)
+
+
+class SwiGLU(eqx.Module):
+    """``down(silu(gate(x)) * up(x))``, the Llama feed-forward block.
+
+    Named activation point: ``mlp_hidden`` (the gated product, input of ``down``).
+
+    **Arguments:** `d_model`, `d_ff` (hidden width), `use_bias`, `init_std`, `out_init_std`,
+    `dtype`, `key`.
+    """
+
+    gate: Linear
+    up: Linear
+    down: Linear
+
+    checkpoint_names = ("mlp_hidden",)
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        use_bias: bool = False,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        k1, k2, k3 = jax.random.split(key, 3)
+        out_std = init_std if out_init_std is None else out_init_std
+        common = dict(use_bias=use_bias, dtype=dtype)
+        self.gate = Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k1, **common)
+        self.up = Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k2, **common)
+        self.down = Linear(d_ff, d_model, axes=("mlp", "embed"), init_std=out_std, key=k3, **common)
+
+    def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
+        h = checkpoint_name(jax.nn.silu(self.gate(x)) * self.up(x), "mlp_hidden")
+        return self.down(h)

@@ -1,0 +1,147 @@
+"""N identical layers stored stacked and run with `jax.lax.scan`."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ._axes import AxisNamed, logical_axes
+from ._remat import Remat
+
+
+class Stack(AxisNamed):
+    """``n_layers`` identical layers whose arrays carry a leading layer axis.
+
+    Built with `eqx.filter_vmap` over ``make_layer(key)``, run with `jax.lax.scan` (one compiled
+    body whatever the depth) or, with ``scan=False``, with a Python loop that computes the same
+    thing. Each iteration names its input ``block_input`` with `checkpoint_name`, then calls the
+    layer; with a :class:`Remat` spec the body is wrapped in `jax.checkpoint` with that policy.
+
+    Any layer works: ``layer(x, **kwargs) -> x`` with the same shape. A layer that declares a
+    ``checkpoint_names`` attribute makes those names valid for :class:`Remat`.
+
+    **Arguments:**
+
+    - `make_layer`: ``key -> layer``.
+    - `n_layers`: depth (>= 1).
+    - `scan`: run with `lax.scan` (default) or a Python loop.
+    - `remat`: a :class:`Remat` or ``None`` (no checkpointing).
+    - `key`: a `jax.random` key; split into one key per layer.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp
+    from zoo import nn
+    stack = nn.Stack(lambda k: nn.Linear(8, 8, key=k), 4, key=jax.random.key(0))
+    y = stack(jnp.ones((3, 8)))
+    ```
+    """
+
+    layers: eqx.Module
+    n_layers: int = eqx.field(static=True)
+    scan: bool = eqx.field(static=True)
+    remat: Remat | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        make_layer: Callable[[PRNGKeyArray], eqx.Module],
+        n_layers: int,
+        *,
+        scan: bool = True,
+        remat: Remat | None = None,
+        key: PRNGKeyArray,
+    ):
+        if not isinstance(n_layers, int) or n_layers < 1:
+            raise ValueError(f"Stack needs n_layers >= 1, got {n_layers!r}")
+        self.layers = eqx.filter_vmap(make_layer)(jax.random.split(key, n_layers))
+        self.n_layers = n_layers
+        self.scan = scan
+        self.remat = remat
+
+    def __check_init__(self):
+        if self.remat is not None:
+            if not isinstance(self.remat, Remat):
+                raise TypeError(f"Stack.remat must be a zoo.nn.Remat or None, got {type(self.remat).__name__}")
+            self.remat.validate(self.checkpoint_names)
+
+    @property
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """Names of the activations this stack's layers tag, valid in a :class:`Remat`."""
+        layer_names = getattr(self.layers, "checkpoint_names", ())
+        return ("block_input", *layer_names)
+
+    def layer(self, i: int) -> eqx.Module:
+        """Layer ``i`` as an ordinary (unstacked) module."""
+        arrays, static = eqx.partition(self.layers, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda a: a[i], arrays), static)
+
+    def logical_axes(self) -> Stack:
+        inner = logical_axes(self.layers)
+        stacked = jax.tree.map(lambda spec: P("layers", *spec), inner, is_leaf=lambda s: isinstance(s, P))
+        return eqx.tree_at(lambda s: s.layers, self, stacked)
+
+    def __call__(self, x: Float[Array, "seq embed"], **kwargs) -> Float[Array, "seq embed"]:
+        arrays, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, layer_arrays):
+            layer = eqx.combine(layer_arrays, static)
+            h = checkpoint_name(h, "block_input")
+            return layer(h, **kwargs), None
+
+        if self.remat is not None:
+            body = jax.checkpoint(body, policy=self.remat.policy(), prevent_cse=False)
+        if self.scan:
+            x, _ = jax.lax.scan(body, x, arrays)
+            return x
+        for i in range(self.n_layers):
+            x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], arrays))
+        return x
+
+
+def _replace_static(module: eqx.Module, **changes) -> eqx.Module:
+    new = copy.copy(module)
+    for name, value in changes.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
+def _map_stacks(tree, fn):
+    return jax.tree.map(lambda n: fn(n) if isinstance(n, Stack) else n, tree, is_leaf=lambda n: isinstance(n, Stack))
+
+
+def with_remat(tree, remat: Remat | None):
+    """Return ``tree`` with every :class:`Stack` in it set to use ``remat``.
+
+    Raises `ValueError` if ``remat`` names an activation a stack does not tag, listing the
+    valid names.
+    """
+    if remat is not None and not isinstance(remat, Remat):
+        raise TypeError(f"remat must be a zoo.nn.Remat or None, got {type(remat).__name__}")
+
+    def one(stack: Stack) -> Stack:
+        if remat is not None:
+            remat.validate(stack.checkpoint_names)
+        return _replace_static(stack, remat=remat)
+
+    return _map_stacks(tree, one)
+
+
+def with_scan(tree, scan: bool):
+    """Return ``tree`` with every :class:`Stack` run by `lax.scan` (``True``) or a Python loop."""
+    return _map_stacks(tree, lambda s: _replace_static(s, scan=bool(scan)))
+
+
+def checkpoint_names(tree) -> tuple[str, ...]:
+    """All activation names tagged by the stacks in ``tree`` (valid names for :class:`Remat`)."""
+    names: list[str] = []
+    for node in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, Stack)):
+        if isinstance(node, Stack):
+            names.extend(n for n in node.checkpoint_names if n not in names)
+    return tuple(names)
