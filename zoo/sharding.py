@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .nn import logical_axes
+from .nn._axes import is_array_like
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -124,7 +125,7 @@ def init_sharded(make: Callable, mesh: Mesh, *, key, rules: Mapping | None = Non
     """Build ``make(key)`` under `jit` with sharded outputs: each weight is created directly in
     its shards, never whole on one device."""
     abstract = eqx.filter_eval_shape(make, key)
-    arrays, static = eqx.partition(abstract, eqx.is_array)
+    arrays, static = eqx.partition(abstract, is_array_like)
     out = shardings(arrays, mesh, rules)
 
     @jax.jit

@@ -23,6 +23,11 @@ class AxisNamed(eqx.Module):
         logical axis names (one name, or ``None``, per dimension)."""
 
 
+def is_array_like(node) -> bool:
+    """True for arrays and for abstract arrays (`jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`)."""
+    return eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
+
+
 def _is_axis_named(node) -> bool:
     return isinstance(node, AxisNamed)
 
@@ -46,7 +51,7 @@ def logical_axes(tree):
     def one(node):
         if _is_axis_named(node):
             return node.logical_axes()
-        if eqx.is_array(node):
+        if is_array_like(node):
             return P(*([None] * node.ndim))
         return None
 

@@ -49,7 +49,7 @@ class Linear(AxisNamed):
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
         y = x @ self.weight.astype(x.dtype)
         if self.bias is not None:
-            y = y + self.bias.astype(x.dtype)
+            y = y + self.bias.astype(x.dtype).reshape((1,) * (y.ndim - 1) + self.bias.shape)
         return y
 
     def logical_axes(self) -> Linear:

@@ -15,6 +15,11 @@ def _upcast(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def _param(p, like):
+    """A ``(dim,)`` parameter, upcast and given leading unit axes to broadcast against ``like``."""
+    return _upcast(p).reshape((1,) * (like.ndim - 1) + p.shape)
+
+
 class LayerNorm(AxisNamed):
     """Layer normalisation over the last dimension with a learned scale and (optional) bias.
 
@@ -39,9 +44,9 @@ class LayerNorm(AxisNamed):
         h = _upcast(x)
         mean = jnp.mean(h, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-        h = (h - mean) * jax.lax.rsqrt(var + self.eps) * _upcast(self.weight)
+        h = (h - mean) * jax.lax.rsqrt(var + self.eps) * _param(self.weight, h)
         if self.bias is not None:
-            h = h + _upcast(self.bias)
+            h = h + _param(self.bias, h)
         return h.astype(x.dtype)
 
     def logical_axes(self) -> LayerNorm:
@@ -69,7 +74,7 @@ class RMSNorm(AxisNamed):
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         h = _upcast(x)
         h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
-        return (h * _upcast(self.weight)).astype(x.dtype)
+        return (h * _param(self.weight, h)).astype(x.dtype)
 
     def logical_axes(self) -> RMSNorm:
         return eqx.tree_at(lambda m: m.weight, self, P("embed"))
