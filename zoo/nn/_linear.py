@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._axes import AxisNamed
+from ._placement import use_param
 
 
 class Linear(AxisNamed):
@@ -47,9 +48,9 @@ class Linear(AxisNamed):
         self.axes = tuple(axes)
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        y = x @ self.weight.astype(x.dtype)
+        y = x @ use_param(self.weight, x.dtype)
         if self.bias is not None:
-            y = y + self.bias.astype(x.dtype).reshape((1,) * (y.ndim - 1) + self.bias.shape)
+            y = y + use_param(self.bias, x.dtype).reshape((1,) * (y.ndim - 1) + self.bias.shape)
         return y
 
     def logical_axes(self) -> Linear:
@@ -87,11 +88,11 @@ class Embedding(AxisNamed):
         self.axes = tuple(axes)
 
     def __call__(self, ids: Int[Array, " seq"]) -> Float[Array, "seq dim"]:
-        return jnp.take(self.weight, ids, axis=0)
+        return jnp.take(use_param(self.weight), ids, axis=0)
 
     def attend(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq num"]:
         """Project activations onto the table (a tied output head): ``x @ weight.T``."""
-        return x @ self.weight.astype(x.dtype).T
+        return x @ use_param(self.weight, x.dtype).T
 
     def logical_axes(self) -> Embedding:
         return eqx.tree_at(lambda m: m.weight, self, P(*self.axes))

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from ._axes import AxisNamed
+from ._placement import use_param
 
 
 def _upcast(x):
@@ -17,7 +18,8 @@ def _upcast(x):
 
 def _param(p, like):
     """A ``(dim,)`` parameter, upcast and given leading unit axes to broadcast against ``like``."""
-    return _upcast(p).reshape((1,) * (like.ndim - 1) + p.shape)
+    p = use_param(p, jnp.promote_types(p.dtype, jnp.float32))
+    return p.reshape((1,) * (like.ndim - 1) + p.shape)
 
 
 class LayerNorm(AxisNamed):

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
+from ._placement import PARAM_NAME, any_on_host
 from ._remat import Remat
 
 
@@ -87,6 +88,20 @@ class Stack(AxisNamed):
         stacked = jax.tree.map(lambda spec: P("layers", *spec), inner, is_leaf=lambda s: isinstance(s, P))
         return eqx.tree_at(lambda s: s.layers, self, stacked)
 
+    def _policy(self, arrays):
+        """The checkpoint policy of the scan body, or ``None`` for no checkpointing.
+
+        With host-resident weights (see :func:`transforms.offload_params`) the body is always
+        checkpointed, and the device copies of the weights are never saved: the backward pass
+        fetches each layer's weights again, so the device holds one layer's weights at a time.
+        """
+        streamed = any_on_host(arrays)
+        if self.remat is not None:
+            return self.remat.policy()  # saves only named activations, never PARAM_NAME
+        if streamed:
+            return jax.checkpoint_policies.save_anything_except_these_names(PARAM_NAME)
+        return None
+
     def __call__(self, x: Float[Array, "seq embed"], **kwargs) -> Float[Array, "seq embed"]:
         arrays, static = eqx.partition(self.layers, eqx.is_array)
 
@@ -95,9 +110,12 @@ class Stack(AxisNamed):
             h = checkpoint_name(h, "block_input")
             return layer(h, **kwargs), None
 
-        if self.remat is not None:
-            body = jax.checkpoint(body, policy=self.remat.policy(), prevent_cse=False)
-        if self.scan:
+        policy = self._policy(arrays)
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        # A loop of one iteration is run without `lax.scan`: XLA fails to compile host offload
+        # inside a while loop of trip count 1 on some backends (seen as maxtext#4995).
+        if self.scan and self.n_layers > 1:
             x, _ = jax.lax.scan(body, x, arrays)
             return x
         for i in range(self.n_layers):

@@ -1,0 +1,28 @@
+"""transforms: move parameters, saved activations and optimizer state to host memory.
+
+**Example:**
+
+```python
+import equinox as eqx, jax, optax, zoo, transforms
+model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+model = transforms.offload_params(model)                          # weights in pinned_host
+model = transforms.offload_activations(model, names=("block_input",))
+opt = transforms.offload_opt_state(optax.adamw(1e-3))             # Adam moments in pinned_host
+state = opt.init(eqx.filter(model, eqx.is_array))
+step = transforms.train_step(zoo.lm_loss, opt)
+model, state, metrics = step(model, state, jax.random.randint(jax.random.key(1), (4, 33), 0, 256))
+print(transforms.memory_report(params=model, opt_state=state))
+```
+"""
+
+from ._activations import PRESETS as ACTIVATION_PRESETS
+from ._activations import offload_activations as offload_activations
+from ._memory import host_and_device_share_memory as host_and_device_share_memory
+from ._opt_state import offload_opt_state as offload_opt_state
+from ._params import offload_params as offload_params
+from ._report import MemoryReport as MemoryReport
+from ._report import TransferReport as TransferReport
+from ._report import memory_report as memory_report
+from ._report import transfer_report as transfer_report
+from ._train_step import TrainStep as TrainStep
+from ._train_step import train_step as train_step

@@ -1,0 +1,84 @@
+"""Memory kinds: checks and moves shared by the transforms."""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+HOST = "pinned_host"
+DEVICE = "device"
+
+
+@functools.cache
+def _memory_kinds(platform: str) -> frozenset[str]:
+    device = jax.devices(platform)[0]
+    return frozenset(m.kind for m in device.addressable_memories())
+
+
+def require_host_memory() -> None:
+    """Raise `RuntimeError` if the default backend has no ``pinned_host`` memory."""
+    device = jax.devices()[0]
+    kinds = _memory_kinds(device.platform)
+    if HOST not in kinds:
+        raise RuntimeError(
+            f"the {device.platform!r} backend ({device.device_kind}) has no {HOST!r} memory "
+            f"(it has {sorted(kinds)}); host offload is not possible here"
+        )
+
+
+def host_and_device_share_memory() -> bool:
+    """True where "host" and "device" memory are the same physical memory (the CPU backend).
+
+    Unified-memory GPUs (e.g. DGX Spark) are the same in effect, but report themselves as GPUs:
+    see the planner's device profiles.
+    """
+    return jax.devices()[0].platform == "cpu"
+
+
+def memory_kind(x) -> str | None:
+    """Memory kind of a concrete or abstract array (``None`` if it has no sharding)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return None
+    return sharding.memory_kind or DEVICE
+
+
+def is_floating(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def is_arraylike(x) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def place(x, kind: str):
+    """``x`` with its sharding moved to memory ``kind`` (concrete arrays are copied, abstract ones
+    get a new sharding). Inside `jit`, use :func:`to_device` / :func:`to_host` instead."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        if x.sharding is None:
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+        else:
+            sharding = x.sharding.with_memory_kind(kind)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, x.sharding.with_memory_kind(kind))
+
+
+def to_device(x):
+    """Inside `jit`: ``x`` in device memory (a no-op for a value already there)."""
+    if getattr(getattr(x, "aval", None), "memory_space", None) == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
+def to_host(x):
+    """Inside `jit`: ``x`` in host memory (a no-op for a value already there)."""
+    if getattr(getattr(x, "aval", None), "memory_space", None) == jax.memory.Space.Host:
+        return x
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def tree_to_device(tree):
+    return jax.tree.map(lambda x: to_device(x) if eqx.is_array(x) else x, tree)

@@ -1,0 +1,79 @@
+"""offload_params: keep weights in host memory, stream them to the device layer by layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+
+from ._memory import HOST, is_arraylike, is_floating, memory_kind, place, require_host_memory
+
+
+def _selected(model, where: Callable | None):
+    """Boolean pytree (over array leaves) of what ``where`` selects; default: floating leaves."""
+    if where is None:
+        return jax.tree.map(lambda x: is_arraylike(x) and is_floating(x), model)
+    if not callable(where):
+        raise TypeError(f"where must be a callable filter (leaf -> bool) or None, got {type(where).__name__}")
+    return jax.tree.map(lambda x: bool(is_arraylike(x) and where(x)), model)
+
+
+def offload_params(model, *, where: Callable | None = None):
+    """Place the model's floating-point weights in host memory (``pinned_host``).
+
+    Each selected leaf keeps its sharding (`PartitionSpec`, mesh) and changes only its memory
+    kind. Nothing else about the model changes: its layers read every weight through
+    :func:`zoo.nn.use_param`, so inside `jit` a host-resident weight moves to the device at its
+    point of use. In a :class:`zoo.nn.Stack` that point is inside the scan body, so the device
+    holds one layer's weights at a time; the body is checkpointed so that the backward pass
+    fetches each layer again instead of keeping every layer's copy. Weights outside the stack
+    (embeddings, final norm, head) move when they are used. Gradients of host-resident weights
+    come back in host memory; :func:`transforms.train_step` moves them to the device before
+    any optimizer math.
+
+    **Arguments:**
+
+    - `model`: an Equinox model (concrete, or abstract from `eqx.filter_eval_shape`).
+    - `where`: optional filter ``leaf -> bool`` choosing the leaves to offload; it may only
+      select floating-point arrays.
+
+    **Returns:** the model with the selected leaves in ``pinned_host``.
+
+    **Raises:** `ValueError` if nothing is selected or everything selected is already on host;
+    `TypeError` if `where` selects a non-floating leaf; `RuntimeError` on a backend without
+    host memory.
+
+    **Example:**
+
+    ```python
+    import jax, zoo, transforms
+    model = transforms.offload_params(zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0)))
+    model.stack.layers.mlp.up.weight.sharding.memory_kind   # 'pinned_host'
+    ```
+    """
+    require_host_memory()
+    selected = _selected(model, where)
+    leaves = jax.tree.leaves(model)
+    flags = jax.tree.leaves(selected)
+    chosen = [x for x, flag in zip(leaves, flags, strict=True) if flag]
+    if not chosen:
+        raise ValueError("offload_params: the filter selects no array leaf of the model; nothing would move")
+    bad = [x for x in chosen if not is_floating(x)]
+    if bad:
+        raise TypeError(
+            f"offload_params: `where` selected {len(bad)} non-floating leaves "
+            f"(e.g. {bad[0].dtype}{list(bad[0].shape)}); only floating-point weights can be offloaded"
+        )
+    if all(memory_kind(x) == HOST for x in chosen):
+        raise ValueError("offload_params: every selected leaf is already in pinned_host (model offloaded twice?)")
+    return jax.tree.map(lambda x, flag: place(x, HOST) if flag else x, model, selected)
+
+
+def param_memory_kinds(model) -> dict[str, int]:
+    """Count of the model's array leaves per memory kind (a quick placement check)."""
+    counts: dict[str, int] = {}
+    for x in jax.tree.leaves(eqx.filter(model, is_arraylike)):
+        kind = memory_kind(x) or "unknown"
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts

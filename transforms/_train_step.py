@@ -1,0 +1,142 @@
+"""A jitted train step that keeps every leaf where it was (device or host)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._memory import HOST, to_host, tree_to_device
+
+
+def _space(x) -> str:
+    aval = getattr(x, "aval", None)
+    return HOST if getattr(aval, "memory_space", None) == jax.memory.Space.Host else "device"
+
+
+def _restore(tree, kinds):
+    return jax.tree.map(lambda x, k: to_host(x) if k == HOST and eqx.is_array(x) else x, tree, kinds)
+
+
+def _split_microbatches(batch, accum_steps: int):
+    def one(x):
+        if x.shape[0] % accum_steps:
+            raise ValueError(
+                f"train_step: batch dimension {x.shape[0]} does not divide into accum_steps={accum_steps} micro-batches"
+            )
+        return x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])
+
+    return jax.tree.map(one, batch)
+
+
+class TrainStep:
+    """``step(model, opt_state, batch) -> (model, opt_state, metrics)``, jitted, placement-preserving.
+
+    - Every leaf of the returned model and optimizer state has the sharding and memory kind it
+      came in with (`out_shardings` equal the input shardings), so offloaded state stays on host
+      over a run; the inputs are donated.
+    - Gradients (which come back in host memory for host-resident weights) are moved to the
+      device before any optimizer math.
+    - With ``accum_steps > 1`` the batch's leading dimension is split into that many
+      micro-batches whose gradients are averaged (a `lax.scan`, one compiled body).
+    - ``metrics`` holds ``loss`` (mean over micro-batches) and ``grad_norm``.
+    - One trace per model structure and placement: :attr:`trace_count` counts them.
+
+    **Arguments:**
+
+    - `loss_fn`: ``loss_fn(model, batch) -> scalar``, e.g. :func:`zoo.lm_loss`.
+    - `optimizer`: an optax `GradientTransformation` (offloaded or not).
+    - `accum_steps`: number of micro-batches per step.
+    - `donate`: donate the model and optimizer state buffers.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, optax, zoo, transforms
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    opt = optax.adamw(1e-3)
+    state = opt.init(eqx.filter(model, eqx.is_array))
+    step = transforms.train_step(zoo.lm_loss, opt)
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
+    model, state, metrics = step(model, state, tokens)
+    ```
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[Any, Any], jax.Array],
+        optimizer: optax.GradientTransformation,
+        *,
+        accum_steps: int = 1,
+        donate: bool = True,
+    ):
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+        if not isinstance(accum_steps, int) or accum_steps < 1:
+            raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.accum_steps = accum_steps
+        self.donate = donate
+        self.trace_count = 0
+        self._compiled: dict[Any, Callable] = {}
+
+    def _grads(self, model, batch):
+        value_and_grad = eqx.filter_value_and_grad(self.loss_fn)
+        if self.accum_steps == 1:
+            loss, grads = value_and_grad(model, batch)
+            return loss, tree_to_device(grads)
+
+        micro = _split_microbatches(batch, self.accum_steps)
+
+        def body(carry, mb):
+            loss_sum, grad_sum = carry
+            loss, grads = value_and_grad(model, mb)
+            grads = tree_to_device(grads)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree_to_device(eqx.filter(model, eqx.is_array)))
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+        scale = 1.0 / self.accum_steps
+        return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
+
+    def _build(self, static):
+        def step(params, opt_state, batch):
+            self.trace_count += 1
+            kinds = jax.tree.map(_space, params)
+            model = eqx.combine(params, static)
+            loss, grads = self._grads(model, batch)
+            params_dev = tree_to_device(params)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params_dev)
+            new_params = _restore(optax.apply_updates(params_dev, updates), kinds)
+            return new_params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+        return step
+
+    def __call__(self, model, opt_state, batch):
+        params, static = eqx.partition(model, eqx.is_array)
+        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        state_shardings = jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else None, opt_state)
+        key = (jax.tree.structure(params), static, jax.tree.structure(opt_state))
+        key = (key, tuple(jax.tree.leaves(param_shardings)), tuple(jax.tree.leaves(state_shardings)))
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = jax.jit(
+                self._build(static),
+                out_shardings=(param_shardings, state_shardings, None),
+                donate_argnums=(0, 1) if self.donate else (),
+            )
+            self._compiled[key] = fn
+        new_params, new_state, metrics = fn(params, opt_state, batch)
+        return eqx.combine(new_params, static), new_state, metrics
+
+
+def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True) -> TrainStep:
+    """Make a :class:`TrainStep` (see there)."""
+    return TrainStep(loss_fn, optimizer, accum_steps=accum_steps, donate=donate)

@@ -1,0 +1,44 @@
+"""Placement-polymorphic parameter use.
+
+Parameters may live in device memory or in host memory (``pinned_host``, put there by
+:func:`transforms.offload_params`). Layers read every weight through :func:`use_param`, which
+moves a host-resident weight to the device at its point of use and tags the device copy with
+:data:`PARAM_NAME`, so that checkpoint policies can refuse to keep it: the backward pass then
+fetches the weight again from host instead of holding every layer's copy on the device.
+For a weight already on the device, `use_param` is only the dtype cast.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+#: Name tagged on the device copies of host-resident weights (never saved for the backward pass).
+PARAM_NAME = "zoo_streamed_param"
+
+
+def memory_space(x):
+    """The memory space of an array or tracer (`jax.memory.Space`), or ``None`` if unknown."""
+    aval = getattr(x, "aval", None)
+    return getattr(aval, "memory_space", None)
+
+
+def on_host(x) -> bool:
+    """True if ``x`` (an array or a tracer inside `jit`) lives in host memory."""
+    return memory_space(x) == jax.memory.Space.Host
+
+
+def use_param(p, dtype=None):
+    """``p`` on the device and in ``dtype``: a copy from host if ``p`` lives there (tagged
+    :data:`PARAM_NAME`), otherwise just the cast."""
+    if on_host(p):
+        p = jax.device_put(p, jax.memory.Space.Device)
+        if dtype is not None:
+            p = p.astype(dtype)
+        return checkpoint_name(p, PARAM_NAME)
+    return p if dtype is None else p.astype(dtype)
+
+
+def any_on_host(tree) -> bool:
+    """True if any leaf of ``tree`` lives in host memory."""
+    return any(on_host(leaf) for leaf in jax.tree.leaves(tree))
