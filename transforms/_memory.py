@@ -82,3 +82,28 @@ def to_host(x):
 
 def tree_to_device(tree):
     return jax.tree.map(lambda x: to_device(x) if eqx.is_array(x) else x, tree)
+
+
+def mesh_of(tree):
+    """The `Mesh` of the first `NamedSharding` leaf of ``tree`` (``None`` if there is none)."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def replicate_strays(tree, mesh):
+    """Give leaves that sit on a single device (constants such as step counters that XLA placed
+    on device 0) a replicated sharding over ``mesh``, so every leaf spans the same devices."""
+    if mesh is None:
+        return tree
+
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind)
+            return jax.device_put(x, target)
+        return x
+
+    return jax.tree.map(one, tree)

@@ -7,7 +7,16 @@ from collections.abc import Callable
 import jax
 import optax
 
-from ._memory import HOST, is_arraylike, is_floating, require_host_memory, to_host, tree_to_device
+from ._memory import (
+    HOST,
+    is_arraylike,
+    is_floating,
+    mesh_of,
+    replicate_strays,
+    require_host_memory,
+    to_host,
+    tree_to_device,
+)
 
 
 def _default_where(x) -> bool:
@@ -61,7 +70,7 @@ def offload_opt_state(optimizer: optax.GradientTransformation, *, where: Callabl
         if where is not None and not any(jax.tree.leaves(chosen)):
             raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
         target = jax.tree.map(lambda s, c: s.with_memory_kind(HOST) if c else s, out_shardings, chosen)
-        return jax.jit(build, out_shardings=target)(params)
+        return replicate_strays(jax.jit(build, out_shardings=target)(params), mesh_of(params))
 
     def update(updates, state, params=None):
         kinds = jax.tree.map(_space, state)

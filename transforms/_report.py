@@ -17,7 +17,7 @@ SHARED_MEMORY_NOTE = (
 )
 
 
-def format_bytes(n: float) -> str:
+def format_bytes(n: float | int) -> str:
     """``1536 -> '1.5 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -10,12 +10,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._memory import HOST, to_host, tree_to_device
+from ._memory import HOST, mesh_of, replicate_strays, to_host, tree_to_device
 
 
 def _space(x) -> str:
     aval = getattr(x, "aval", None)
     return HOST if getattr(aval, "memory_space", None) == jax.memory.Space.Host else "device"
+
+
+def _global_norm(tree) -> jax.Array:
+    leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(leaves)) if leaves else jnp.zeros((), jnp.float32)
 
 
 def _restore(tree, kinds):
@@ -59,8 +64,8 @@ class TrainStep:
     import equinox as eqx, jax, optax, zoo, transforms
     model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
     opt = optax.adamw(1e-3)
-    state = opt.init(eqx.filter(model, eqx.is_array))
     step = transforms.train_step(zoo.lm_loss, opt)
+    state = step.init(model)
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
     model, state, metrics = step(model, state, tokens)
     ```
@@ -115,9 +120,22 @@ class TrainStep:
             params_dev = tree_to_device(params)
             updates, opt_state = self.optimizer.update(grads, opt_state, params_dev)
             new_params = _restore(optax.apply_updates(params_dev, updates), kinds)
-            return new_params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            return new_params, opt_state, {"loss": loss, "grad_norm": _global_norm(grads)}
 
         return step
+
+    def init(self, model):
+        """The optimizer state for ``model``, created under `jit` on the device.
+
+        Use this rather than ``optimizer.init(params)`` when weights live in host memory: optax's
+        eager ``zeros_like`` on a ``pinned_host`` array fails inside JAX. An optimizer wrapped by
+        :func:`transforms.offload_opt_state` puts its state in host memory itself.
+        """
+        params = eqx.filter(model, eqx.is_array)
+        if isinstance(getattr(self.optimizer, "_offload_inner", None), optax.GradientTransformation):
+            return self.optimizer.init(params)
+        state = jax.jit(lambda p: self.optimizer.init(tree_to_device(p)))(params)
+        return replicate_strays(state, mesh_of(params))
 
     def __call__(self, model, opt_state, batch):
         params, static = eqx.partition(model, eqx.is_array)

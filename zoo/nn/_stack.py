@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
-from ._placement import PARAM_NAME, any_on_host
+from ._placement import any_on_host
 from ._remat import Remat
 
 
@@ -92,14 +92,19 @@ class Stack(AxisNamed):
         """The checkpoint policy of the scan body, or ``None`` for no checkpointing.
 
         With host-resident weights (see :func:`transforms.offload_params`) the body is always
-        checkpointed, and the device copies of the weights are never saved: the backward pass
-        fetches each layer's weights again, so the device holds one layer's weights at a time.
+        checkpointed with a policy that saves no weight copy: the backward pass fetches each
+        layer's weights again, so the device holds one layer's weights at a time.
         """
-        streamed = any_on_host(arrays)
         if self.remat is not None:
-            return self.remat.policy()  # saves only named activations, never PARAM_NAME
-        if streamed:
-            return jax.checkpoint_policies.save_anything_except_these_names(PARAM_NAME)
+            return self.remat.policy()  # saves only named activations, never a weight copy
+        if any_on_host(arrays):
+            # "Save everything" minus the weights: keep every matmul output and named
+            # activation, recompute elementwise work and fetch each weight again. (A policy
+            # of "anything except PARAM_NAME" would still keep the untagged copy itself.)
+            return jax.checkpoint_policies.save_from_both_policies(
+                jax.checkpoint_policies.dots_saveable,
+                jax.checkpoint_policies.save_only_these_names(*self.checkpoint_names),
+            )
         return None
 
     def __call__(self, x: Float[Array, "seq embed"], **kwargs) -> Float[Array, "seq embed"]:
