@@ -54,7 +54,9 @@ class TrainStep:
     **Arguments:**
 
     - `loss_fn`: ``loss_fn(model, batch) -> scalar``, e.g. :func:`zoo.lm_loss`.
-    - `optimizer`: an optax `GradientTransformation` (offloaded or not).
+    - `optimizer`: an optax `GradientTransformation` (offloaded or not). It updates the
+      floating-point leaves of the model (``eqx.filter(model, eqx.is_inexact_array)``); create
+      its state with :meth:`init`.
     - `accum_steps`: number of micro-batches per step.
     - `donate`: donate the model and optimizer state buffers.
 
@@ -106,7 +108,7 @@ class TrainStep:
             grads = tree_to_device(grads)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree_to_device(eqx.filter(model, eqx.is_array)))
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), eqx.filter(model, eqx.is_inexact_array))
         (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
         scale = 1.0 / self.accum_steps
         return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
@@ -114,13 +116,15 @@ class TrainStep:
     def _build(self, static):
         def step(params, opt_state, batch):
             self.trace_count += 1
-            kinds = jax.tree.map(_space, params)
             model = eqx.combine(params, static)
             loss, grads = self._grads(model, batch)
-            params_dev = tree_to_device(params)
-            updates, opt_state = self.optimizer.update(grads, opt_state, params_dev)
-            new_params = _restore(optax.apply_updates(params_dev, updates), kinds)
-            return new_params, opt_state, {"loss": loss, "grad_norm": _global_norm(grads)}
+            # The optimizer sees the floating-point leaves, as `eqx.filter_value_and_grad` does.
+            trainable, frozen = eqx.partition(params, eqx.is_inexact_array)
+            kinds = jax.tree.map(_space, trainable)
+            trainable = tree_to_device(trainable)
+            updates, opt_state = self.optimizer.update(grads, opt_state, trainable)
+            trainable = _restore(optax.apply_updates(trainable, updates), kinds)
+            return eqx.combine(trainable, frozen), opt_state, {"loss": loss, "grad_norm": _global_norm(grads)}
 
         return step
 
@@ -131,7 +135,7 @@ class TrainStep:
         eager ``zeros_like`` on a ``pinned_host`` array fails inside JAX. An optimizer wrapped by
         :func:`transforms.offload_opt_state` puts its state in host memory itself.
         """
-        params = eqx.filter(model, eqx.is_array)
+        params = eqx.filter(model, eqx.is_inexact_array)
         if isinstance(getattr(self.optimizer, "_offload_inner", None), optax.GradientTransformation):
             return self.optimizer.init(params)
         state = jax.jit(lambda p: self.optimizer.init(tree_to_device(p)))(params)

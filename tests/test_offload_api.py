@@ -1,0 +1,215 @@
+"""Offload transforms on a user's own model, and clear errors for bad input."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import transforms
+import zoo
+from zoo import nn
+
+
+class GatedBlock(eqx.Module):
+    """A research block that is not a zoo family: norm, gated linear unit, residual."""
+
+    norm: nn.RMSNorm
+    gate: nn.Linear
+    value: nn.Linear
+    out: nn.Linear
+
+    checkpoint_names = ("gated",)
+
+    def __init__(self, dim, *, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm = nn.RMSNorm(dim)
+        self.gate = nn.Linear(dim, 2 * dim, axes=("embed", "mlp"), key=k1)
+        self.value = nn.Linear(dim, 2 * dim, axes=("embed", "mlp"), key=k2)
+        self.out = nn.Linear(2 * dim, dim, axes=("mlp", "embed"), key=k3)
+
+    def __call__(self, x):
+        h = self.norm(x)
+        g = checkpoint_name(jax.nn.sigmoid(self.gate(h)) * self.value(h), "gated")
+        return x + self.out(g)
+
+
+class TinyResearchModel(eqx.Module):
+    embed: nn.Embedding
+    stack: nn.Stack
+    head: nn.Linear
+    step_count: jax.Array  # an integer leaf that must stay where it is
+
+    def __init__(self, *, n_layers=3, dim=32, vocab=64, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = nn.Embedding(vocab, dim, key=k1)
+        self.stack = nn.Stack(lambda k: GatedBlock(dim, key=k), n_layers, key=k2)
+        self.head = nn.Linear(dim, vocab, axes=("embed", "vocab"), key=k3)
+        self.step_count = jnp.zeros((), jnp.int32)
+
+    def __call__(self, tokens):
+        return self.head(self.stack(self.embed(tokens)))
+
+
+def custom_loss(model, tokens):
+    logits = jax.vmap(model)(tokens[:, :-1])
+    return zoo.cross_entropy(logits, tokens[:, 1:])
+
+
+@pytest.mark.parametrize("n_layers", [3, 1], ids=["3-layers", "trip-count-1"])
+def test_all_transforms_on_a_custom_model_match_plain_training(n_layers):
+    tokens = jax.random.randint(jax.random.key(1), (4, 13), 0, 64)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+    def run(offload):
+        model = TinyResearchModel(n_layers=n_layers, key=jax.random.key(0))
+        optimizer = opt
+        if offload:
+            model = transforms.offload_params(model)
+            model = transforms.offload_activations(model, policy={"block_input": "offload", "gated": "save"})
+            optimizer = transforms.offload_opt_state(opt)
+        step = transforms.train_step(custom_loss, optimizer)
+        state = step.init(model)
+        losses = []
+        for _ in range(3):
+            model, state, metrics = step(model, state, tokens)
+            losses.append(float(metrics["loss"]))
+        return model, losses
+
+    plain, losses_plain = run(False)
+    offloaded, losses = run(True)
+    np.testing.assert_allclose(losses, losses_plain, rtol=1e-6)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(plain, eqx.is_array)), jax.tree.leaves(eqx.filter(offloaded, eqx.is_array))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert offloaded.step_count.sharding.memory_kind == "device"  # integer leaves are not offloaded
+    assert offloaded.stack.layers.gate.weight.sharding.memory_kind == "pinned_host"
+    assert zoo.nn.checkpoint_names(offloaded) == ("block_input", "gated")
+
+
+def test_train_step_accumulation_equals_one_big_batch():
+    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 256)
+    results = []
+    for accum in (1, 4):
+        model = transforms.offload_params(zoo.GPT2(zoo.GPT2Config.preset("tiny"), key=jax.random.key(0)))
+        step = transforms.train_step(zoo.lm_loss, optax.sgd(0.1), accum_steps=accum)
+        model, _, metrics = step(model, step.init(model), tokens)
+        results.append((model, metrics))
+    (m1, met1), (m4, met4) = results
+    np.testing.assert_allclose(met4["loss"], met1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(met4["grad_norm"], met1["grad_norm"], rtol=1e-5)
+    w1, w4 = np.asarray(m1.stack.layers.mlp.up.weight), np.asarray(m4.stack.layers.mlp.up.weight)
+    np.testing.assert_allclose(w4, w1, rtol=1e-5, atol=1e-7)
+    assert m4.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
+
+
+def test_train_step_traces_once_and_rejects_bad_accumulation():
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    step = transforms.train_step(zoo.lm_loss, optax.adam(1e-3), accum_steps=3)
+    state = step.init(model)
+    with pytest.raises(ValueError, match="accum_steps=3"):
+        step(model, state, jnp.zeros((4, 9), jnp.int32))
+    step = transforms.train_step(zoo.lm_loss, optax.adam(1e-3))
+    for _ in range(3):
+        model, state, _ = step(model, state, jnp.zeros((4, 9), jnp.int32))
+    assert step.trace_count == 1
+    with pytest.raises(ValueError, match="accum_steps"):
+        transforms.train_step(zoo.lm_loss, optax.adam(1e-3), accum_steps=0)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        transforms.train_step(zoo.lm_loss, "adam")
+
+
+def test_offload_opt_state_works_with_schedules_injected_hyperparams_and_multi_transform():
+    model = transforms.offload_params(zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0)))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)
+    # (a function: a model is itself callable, so optax would call a labels *tree* like one)
+    labels = lambda params: jax.tree.map(lambda x: "decay" if x.ndim > 1 else "no_decay", params)
+    opt = optax.multi_transform(
+        {"decay": optax.inject_hyperparams(optax.adamw)(learning_rate=schedule), "no_decay": optax.sgd(1e-2)},
+        labels,
+    )
+    step = transforms.train_step(zoo.lm_loss, transforms.offload_opt_state(opt))
+    state = step.init(model)
+    for _ in range(2):
+        model, state, metrics = step(model, state, jnp.zeros((2, 9), jnp.int32))
+    assert np.isfinite(float(metrics["loss"]))
+    moments = [x for x in jax.tree.leaves(state) if x.ndim > 1]
+    assert moments and {x.sharding.memory_kind for x in moments} == {"pinned_host"}
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def tiny():
+    return zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+
+
+def test_unknown_activation_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown activation names \['qproj'\].*block_input.*mlp_hidden"):
+        transforms.offload_activations(tiny(), names=("qproj",))
+    with pytest.raises(ValueError, match="unknown activation preset"):
+        transforms.offload_activations(tiny(), policy="everything")
+    with pytest.raises(ValueError, match="must be one of"):
+        transforms.offload_activations(tiny(), policy={"block_input": "host"})
+    with pytest.raises(ValueError, match="not both"):
+        transforms.offload_activations(tiny(), names=("block_input",), policy="recompute_all")
+
+
+def test_activation_presets_set_the_documented_remat():
+    m = transforms.offload_activations(tiny(), policy="block_input_and_projections")
+    assert set(m.stack.remat.offload) == {"block_input", "q_proj", "k_proj", "v_proj", "attn_out"}
+    m = transforms.offload_activations(tiny(), policy="recompute_all")
+    assert m.stack.remat == zoo.nn.Remat()
+
+
+def test_offload_params_rejects_non_floating_selection_empty_selection_and_double_offload():
+    with pytest.raises(TypeError, match="non-floating"):
+        transforms.offload_params(TinyResearchModel(key=jax.random.key(0)), where=lambda x: True)
+    with pytest.raises(ValueError, match="selects no array"):
+        transforms.offload_params(tiny(), where=lambda x: False)
+    once = transforms.offload_params(tiny())
+    with pytest.raises(ValueError, match="already in pinned_host"):
+        transforms.offload_params(once)
+    with pytest.raises(TypeError, match="(?i)callable"):  # ours, or the jaxtyping hook's in tests
+        transforms.offload_params(tiny(), where="stack")
+
+
+def test_offload_params_with_a_filter_moves_only_what_it_selects():
+    m = transforms.offload_params(tiny(), where=lambda x: x.ndim == 3)  # stacked matrices only
+    assert m.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
+    assert m.embed.weight.sharding.memory_kind == "device"
+    assert m.stack.layers.attn_norm.weight.sharding.memory_kind == "device"
+
+
+def test_offload_opt_state_rejects_bad_input():
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        transforms.offload_opt_state(lambda g: g)
+    wrapped = transforms.offload_opt_state(optax.adam(1e-3))
+    with pytest.raises(ValueError, match="already wrapped"):
+        transforms.offload_opt_state(wrapped)
+    opt = transforms.offload_opt_state(optax.adam(1e-3), where=lambda x: False)
+    with pytest.raises(ValueError, match="selects no leaf"):
+        opt.init(eqx.filter(tiny(), eqx.is_array))
+
+
+def test_activation_offload_in_nested_stacks_is_refused():
+    outer = nn.Stack(lambda k: nn.Stack(lambda k2: nn.Linear(8, 8, key=k2), 2, key=k), 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="nested"):
+        transforms.offload_activations(outer, names=("block_input",))
+
+
+def test_backend_without_pinned_host_is_a_clear_error(monkeypatch):
+    from transforms import _memory
+
+    monkeypatch.setattr(_memory, "_memory_kinds", lambda platform: frozenset({"device"}))
+    with pytest.raises(RuntimeError, match="no 'pinned_host' memory"):
+        transforms.offload_params(tiny())
+    with pytest.raises(RuntimeError, match="no 'pinned_host' memory"):
+        transforms.offload_opt_state(optax.adam(1e-3))
+    with pytest.raises(RuntimeError, match="no 'pinned_host' memory"):
+        transforms.offload_activations(tiny(), names=("block_input",))
+    # Recompute-only policies need no host memory.
+    transforms.offload_activations(tiny(), policy="recompute_all")
