@@ -81,9 +81,8 @@ def test_all_transforms_on_a_custom_model_match_plain_training(n_layers):
     plain, losses_plain = run(False)
     offloaded, losses = run(True)
     np.testing.assert_allclose(losses, losses_plain, rtol=1e-6)
-    for a, b in zip(
-        jax.tree.leaves(eqx.filter(plain, eqx.is_array)), jax.tree.leaves(eqx.filter(offloaded, eqx.is_array))
-    ):
+    leaves = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    for a, b in zip(leaves(plain), leaves(offloaded), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert offloaded.step_count.sharding.memory_kind == "device"  # integer leaves are not offloaded
     assert offloaded.stack.layers.gate.weight.sharding.memory_kind == "pinned_host"
@@ -173,7 +172,7 @@ def test_offload_params_rejects_non_floating_selection_empty_selection_and_doubl
     once = transforms.offload_params(tiny())
     with pytest.raises(ValueError, match="already in pinned_host"):
         transforms.offload_params(once)
-    with pytest.raises(TypeError, match="(?i)callable"):  # ours, or the jaxtyping hook's in tests
+    with pytest.raises(TypeError, match=r"(?i)callable"):  # ours, or the jaxtyping hook's in tests
         transforms.offload_params(tiny(), where="stack")
 
 
