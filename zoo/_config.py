@@ -86,7 +86,9 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
         data = dict(data)
-        data.pop("family", None)
+        family = data.pop("family", cls.family)
+        if family != cls.family:
+            raise ValueError(f"{cls.__name__}.from_dict got a config of family {family!r}, expected {cls.family!r}")
         return cls(**data)
 
     # Subclasses define these.

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Num
+from jaxtyping import Array, Bool, Float, Int, Num
 
 
 def cross_entropy(
     logits: Float[Array, "*batch seq vocab"],
     targets: Int[Array, "*batch seq"],
-    mask: Num[Array, "*batch seq"] | None = None,
+    mask: Bool[Array, "*batch seq"] | Num[Array, "*batch seq"] | None = None,
 ) -> Float[Array, ""]:
     """Mean negative log-likelihood of ``targets`` under ``logits`` (computed in float32).
 
@@ -32,7 +32,7 @@ def cross_entropy(
 def lm_loss(
     model,
     tokens: Int[Array, "batch seq_plus_one"],
-    mask: Num[Array, "batch seq"] | None = None,
+    mask: Bool[Array, "batch seq"] | Num[Array, "batch seq"] | None = None,
 ) -> Float[Array, ""]:
     """Next-token loss of ``model`` on a batch: predict ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
 

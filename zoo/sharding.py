@@ -27,6 +27,17 @@ from jax.sharding import PartitionSpec as P
 from .nn import logical_axes
 from .nn._axes import is_array_like
 
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "batch_sharding",
+    "init_sharded",
+    "make_mesh",
+    "partition_specs",
+    "shard",
+    "shardings",
+]
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 #: Logical axis -> mesh axis (or tuple of mesh axes, or None for replicated).

@@ -59,7 +59,7 @@ class Stack(AxisNamed):
         remat: Remat | None = None,
         key: PRNGKeyArray,
     ):
-        if not isinstance(n_layers, int) or n_layers < 1:
+        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
             raise ValueError(f"Stack needs n_layers >= 1, got {n_layers!r}")
         self.layers = eqx.filter_vmap(make_layer)(jax.random.split(key, n_layers))
         self.n_layers = n_layers

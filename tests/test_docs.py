@@ -1,0 +1,65 @@
+"""The README's Python examples and the public docstring examples run as written."""
+
+import pathlib
+import re
+import textwrap
+
+import pytest
+
+import transforms
+import zoo
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def python_blocks(text: str) -> list[str]:
+    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
+
+
+def test_readme_examples_run_in_order(capsys):
+    namespace: dict = {}
+    blocks = python_blocks((ROOT / "README.md").read_text())
+    assert len(blocks) >= 2
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "pinned_host" in out and "host -> device" in out
+
+
+PUBLIC = [
+    zoo.GPT2,
+    zoo.Llama,
+    zoo.GPT2Config,
+    zoo.LlamaConfig,
+    zoo.lm_loss,
+    zoo.abstract_model,
+    zoo.nn.Stack,
+    zoo.nn.Remat,
+    zoo.nn.logical_axes,
+    zoo.sharding,
+    transforms,
+    transforms.offload_params,
+    transforms.offload_activations,
+    transforms.offload_opt_state,
+    transforms.TrainStep,
+    transforms.memory_report,
+    transforms.transfer_report,
+]
+
+
+@pytest.mark.parametrize("obj", PUBLIC, ids=lambda o: getattr(o, "__name__", str(o)))
+def test_docstring_examples_run(obj):
+    blocks = python_blocks(obj.__doc__ or "")
+    assert blocks, f"{obj} has no example in its docstring"
+    for block in blocks:
+        if "needs 8 devices" in block:
+            continue
+        exec(compile(block, f"{getattr(obj, '__name__', obj)} docstring", "exec"), {})
+
+
+def test_every_public_name_has_a_docstring():
+    for module in (zoo, zoo.nn, zoo.sharding, transforms):
+        for name in getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]:
+            obj = getattr(module, name)
+            if callable(obj) or isinstance(obj, type):
+                assert (obj.__doc__ or "").strip(), f"{module.__name__}.{name} has no docstring"
