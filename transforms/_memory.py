@@ -8,6 +8,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from zoo.nn._placement import on_host
+
 HOST = "pinned_host"
 DEVICE = "device"
 
@@ -68,16 +70,22 @@ def place(x, kind: str):
 
 def to_device(x):
     """Inside `jit`: ``x`` in device memory (a no-op for a value already there)."""
-    if getattr(getattr(x, "aval", None), "memory_space", None) == jax.memory.Space.Host:
-        return jax.device_put(x, jax.memory.Space.Device)
-    return x
+    return jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x
 
 
 def to_host(x):
     """Inside `jit`: ``x`` in host memory (a no-op for a value already there)."""
-    if getattr(getattr(x, "aval", None), "memory_space", None) == jax.memory.Space.Host:
-        return x
-    return jax.device_put(x, jax.memory.Space.Host)
+    return x if on_host(x) else jax.device_put(x, jax.memory.Space.Host)
+
+
+def traced_kind(x) -> str:
+    """Inside `jit`: the memory kind of a traced value (``pinned_host`` or ``device``)."""
+    return HOST if on_host(x) else DEVICE
+
+
+def restore_kinds(tree, kinds):
+    """Send each array leaf of ``tree`` back to host where ``kinds`` (from :func:`traced_kind`) says so."""
+    return jax.tree.map(lambda x, k: to_host(x) if k == HOST and eqx.is_array(x) else x, tree, kinds)
 
 
 def tree_to_device(tree):

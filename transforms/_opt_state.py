@@ -14,7 +14,8 @@ from ._memory import (
     mesh_of,
     replicate_strays,
     require_host_memory,
-    to_host,
+    restore_kinds,
+    traced_kind,
     tree_to_device,
 )
 
@@ -73,12 +74,11 @@ def offload_opt_state(optimizer: optax.GradientTransformation, *, where: Callabl
         return replicate_strays(jax.jit(build, out_shardings=target)(params), mesh_of(params))
 
     def update(updates, state, params=None):
-        kinds = jax.tree.map(_space, state)
+        kinds = jax.tree.map(traced_kind, state)
         new_updates, new_state = optimizer.update(
             tree_to_device(updates), tree_to_device(state), None if params is None else tree_to_device(params)
         )
-        new_state = jax.tree.map(lambda x, k: to_host(x) if k == HOST else x, new_state, kinds)
-        return new_updates, new_state
+        return new_updates, restore_kinds(new_state, kinds)
 
     return _Offloaded(init, update, optimizer)
 
@@ -90,9 +90,3 @@ class _Offloaded(optax.GradientTransformation):
         self = super().__new__(cls, init, update)
         self._offload_inner = inner
         return self
-
-
-def _space(x):
-    aval = getattr(x, "aval", None)
-    space = getattr(aval, "memory_space", None)
-    return HOST if space == jax.memory.Space.Host else "device"

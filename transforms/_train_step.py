@@ -10,21 +10,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._memory import HOST, mesh_of, replicate_strays, to_host, tree_to_device
-
-
-def _space(x) -> str:
-    aval = getattr(x, "aval", None)
-    return HOST if getattr(aval, "memory_space", None) == jax.memory.Space.Host else "device"
+from ._memory import mesh_of, replicate_strays, restore_kinds, traced_kind, tree_to_device
 
 
 def _global_norm(tree) -> jax.Array:
     leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
     return jnp.sqrt(sum(leaves)) if leaves else jnp.zeros((), jnp.float32)
-
-
-def _restore(tree, kinds):
-    return jax.tree.map(lambda x, k: to_host(x) if k == HOST and eqx.is_array(x) else x, tree, kinds)
 
 
 def _split_microbatches(batch, accum_steps: int):
@@ -120,10 +111,10 @@ class TrainStep:
             loss, grads = self._grads(model, batch)
             # The optimizer sees the floating-point leaves, as `eqx.filter_value_and_grad` does.
             trainable, frozen = eqx.partition(params, eqx.is_inexact_array)
-            kinds = jax.tree.map(_space, trainable)
+            kinds = jax.tree.map(traced_kind, trainable)
             trainable = tree_to_device(trainable)
             updates, opt_state = self.optimizer.update(grads, opt_state, trainable)
-            trainable = _restore(optax.apply_updates(trainable, updates), kinds)
+            trainable = restore_kinds(optax.apply_updates(trainable, updates), kinds)
             return eqx.combine(trainable, frozen), opt_state, {"loss": loss, "grad_norm": _global_norm(grads)}
 
         return step
