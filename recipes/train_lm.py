@@ -6,6 +6,7 @@ fresh machine with no download:
     python recipes/train_lm.py                       # tiny Llama, ~1-2 minutes on 2 CPU cores
     python recipes/train_lm.py --model gpt2:tiny --steps 500
     python recipes/train_lm.py --data path/to/text_or_dir
+    python recipes/train_lm.py --offload params,opt_state,activations   # state in host memory
 
 It prints the training loss as it falls, the validation loss in bits per byte next to the
 unigram baseline (what a model that ignores context would score), and a sampled continuation.
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import transforms
 import zoo
 
 FAMILIES = {"llama": zoo.LlamaConfig, "gpt2": zoo.GPT2Config}
@@ -123,7 +125,22 @@ def main(argv=None):
     p.add_argument("--compute-dtype", default="float32")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--offload",
+        default="",
+        help="comma-separated subset of params,opt_state,activations to keep in host memory (pinned_host)",
+    )
+    p.add_argument(
+        "--activations",
+        default="block_input",
+        help=f"with --offload activations: a preset ({', '.join(transforms.ACTIVATION_PRESETS)}) "
+        "or comma-separated activation names to offload",
+    )
     args = p.parse_args(argv)
+    offload = {x for x in args.offload.split(",") if x}
+    unknown = offload - {"params", "opt_state", "activations"}
+    if unknown:
+        raise SystemExit(f"--offload: unknown {sorted(unknown)}; choose from params, opt_state, activations")
 
     cfg = make_config(args.model, args)
     train, val = load_bytes(corpus_files(args.data), args.data_bytes, args.seed)
@@ -133,13 +150,19 @@ def main(argv=None):
 
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps, args.lr / 10)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-
-    @eqx.filter_jit(donate="all")
-    def step(model, opt_state, tokens):
-        loss, grads = eqx.filter_value_and_grad(zoo.lm_loss)(model, tokens)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, loss
+    if "params" in offload:
+        model = transforms.offload_params(model)
+    if "activations" in offload:
+        if args.activations in transforms.ACTIVATION_PRESETS:
+            model = transforms.offload_activations(model, policy=args.activations)
+        else:
+            model = transforms.offload_activations(model, names=tuple(args.activations.split(",")))
+    if "opt_state" in offload:
+        optimizer = transforms.offload_opt_state(optimizer)
+    train_step = transforms.train_step(zoo.lm_loss, optimizer)
+    opt_state = train_step.init(model)
+    if offload:
+        print(transforms.memory_report(params=model, opt_state=opt_state))
 
     eval_loss = eqx.filter_jit(zoo.lm_loss)
 
@@ -152,7 +175,8 @@ def main(argv=None):
     data = batches(train, args.batch, args.seq, args.seed)
     start = time.perf_counter()
     for i in range(1, args.steps + 1):
-        model, opt_state, loss = step(model, opt_state, jnp.asarray(next(data)))
+        model, opt_state, metrics = train_step(model, opt_state, jnp.asarray(next(data)))
+        loss = metrics["loss"]
         if i % 20 == 0 or i == 1:
             rate = i * args.batch * args.seq / (time.perf_counter() - start)
             print(f"step {i:5d}  loss {float(loss):.3f}  {rate:,.0f} tok/s", flush=True)
