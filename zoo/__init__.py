@@ -21,5 +21,7 @@ from ._gpt2 import GPT2 as GPT2
 from ._llama import Llama as Llama
 from ._loss import cross_entropy as cross_entropy
 from ._loss import lm_loss as lm_loss
+from .hf import load_hf as load_hf
+from .hf import save_hf as save_hf
 
 __version__ = "0.1.0"

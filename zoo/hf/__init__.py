@@ -1,0 +1,30 @@
+"""Hugging Face interop: load and save GPT-2, Llama, Mistral and Qwen2 checkpoints exactly.
+
+- :func:`load_hf` reads a local model directory (``config.json`` and safetensors, single or
+  sharded) into a :class:`zoo.GPT2` or :class:`zoo.Llama`, lazily and straight into the target
+  sharding and memory kind.
+- :func:`save_hf` writes a zoo model as such a directory, loadable by ``transformers``.
+- :func:`load_hf_tokenizer` reads ``tokenizer.json`` with the optional `tokenizers` package.
+
+Configurations are mapped field by field (``zoo.hf._config_map``) and tensors by an explicit
+name table (``zoo.hf._weights``); whatever the zoo cannot represent exactly is refused with an
+error naming it. `transformers` and `torch` are not needed.
+
+**Example:**
+
+```python
+import tempfile, jax, jax.numpy as jnp, zoo
+model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+with tempfile.TemporaryDirectory() as d:
+    zoo.hf.save_hf(model, d)
+    again = zoo.hf.load_hf(d)
+assert jnp.array_equal(again.embed.weight, model.embed.weight)
+```
+"""
+
+from ._config_map import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from ._load import load_hf as load_hf
+from ._save import save_hf as save_hf
+from ._tokenizer import load_hf_tokenizer as load_hf_tokenizer
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf", "load_hf_tokenizer", "save_hf"]

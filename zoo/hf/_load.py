@@ -1,0 +1,217 @@
+"""`load_hf`: a local Hugging Face model directory -> a zoo model, placed where asked."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import Mesh, Sharding, SingleDeviceSharding
+
+from .. import sharding as _sharding
+from .._build import abstract_model
+from .._config import DTYPES
+from .._gpt2 import GPT2
+from .._llama import Llama
+from ..nn._axes import is_array_like
+from . import _weights
+from ._config_map import model_type_of, zoo_config_from_hf
+from ._safetensors import DTYPES as ST_DTYPES
+from ._safetensors import Reader, TensorInfo, read_header
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def param_dtype_name(dtype: Any) -> str:
+    """``"float32"``, ``"bfloat16"`` or ``"float16"`` for any spelling of those dtypes."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} (or the numpy/jax dtype), got {dtype!r}")
+    return name
+
+
+def read_config(directory: pathlib.Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory")
+    with open(path) as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return config
+
+
+def read_tensors(directory: pathlib.Path) -> dict[str, TensorInfo]:
+    """Name -> location of every tensor of the checkpoint (headers only; no tensor is read)."""
+    single, index = directory / SINGLE_FILE, directory / INDEX_FILE
+    if single.is_file():  # the file transformers prefers when both exist
+        return read_header(single)[0]
+    if not index.is_file():
+        found = sorted(
+            p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".h5")
+        )
+        hint = f"; found {found} (only safetensors checkpoints are read)" if found else ""
+        raise FileNotFoundError(f"{directory} has no weights: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map")
+    files = sorted(set(weight_map.values()))
+    absent = [name for name in files if not (directory / name).is_file()]
+    if absent:
+        raise FileNotFoundError(f"{index} names shard files that are not in {directory}: {absent}")
+    tensors: dict[str, TensorInfo] = {}
+    problems = []
+    for name in files:
+        for tensor, info in read_header(directory / name)[0].items():
+            if tensor in tensors:
+                problems.append(f"{tensor} is stored twice ({tensors[tensor].file.name} and {name})")
+            tensors[tensor] = info
+    for tensor, name in weight_map.items():
+        if tensor not in tensors or tensors[tensor].file.name != name:
+            problems.append(f"{tensor}: the index says {name}, but it is not there")
+    if problems:
+        raise ValueError(f"{index} disagrees with its shard files:\n  " + "\n  ".join(problems))
+    return tensors
+
+
+def _infer_dtype(tensors: Mapping[str, TensorInfo], names: list[str], hf: Mapping[str, Any]) -> str:
+    stored = {tensors[n].dtype for n in names}
+    if len(stored) == 1:
+        (only,) = stored
+        name = ST_DTYPES[only].name
+        if name in DTYPES:
+            return name
+        raise ValueError(f"the checkpoint stores {only} tensors; pass dtype= (one of {DTYPES}) to convert them")
+    declared = hf.get("dtype", hf.get("torch_dtype"))
+    if declared in DTYPES:
+        return declared
+    raise ValueError(f"the checkpoint mixes dtypes {sorted(stored)}; pass dtype= (one of {DTYPES})")
+
+
+def _check_tied_copy(reader: Reader, head: str, embedding: str) -> None:
+    a, b = reader.view(head), reader.view(embedding)
+    rows = max(1, (1 << 24) // max(1, a[0].nbytes))  # compare ~16 MB at a time
+    for start in range(0, a.shape[0], rows):
+        if not np.array_equal(
+            np.asarray(a[start : start + rows], np.float32), np.asarray(b[start : start + rows], np.float32)
+        ):
+            raise ValueError(
+                f"the checkpoint has a {head} that differs from {embedding}, but config.json ties them "
+                "(tie_word_embeddings); the zoo model cannot hold both"
+            )
+
+
+def load_hf(
+    directory: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    compute_dtype: Any = None,
+    scan_layers: bool = True,
+    mesh: Mesh | None = None,
+    rules: Mapping | None = None,
+    sharding: Sharding | None = None,
+    memory_kind: str | None = None,
+) -> GPT2 | Llama:
+    """Load a local Hugging Face checkpoint (GPT-2, Llama, Mistral or Qwen2) as a zoo model.
+
+    Reads ``config.json`` (written by older or current ``transformers`` releases) and
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``. The architecture must be
+    one the zoo represents exactly; anything else raises `ValueError` naming the config field.
+    Tensors are matched to the model by an explicit name table (see ``zoo.hf._weights``); all
+    missing, unexpected and mis-shaped tensors are reported together in one `ValueError`.
+
+    Loading is lazy: each weight is read from the memory-mapped files shard by shard, converted,
+    and put straight into its target sharding and memory kind, one weight at a time. A checkpoint
+    larger than device memory can so be loaded into ``memory_kind="pinned_host"`` (for
+    :func:`transforms.offload_params`-style training), holding about one weight in host memory
+    beyond the result.
+
+    **Arguments:**
+
+    - `directory`: the model directory (as written by ``save_pretrained`` or :func:`zoo.save_hf`).
+    - `dtype`: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the
+      checkpoint's own dtype.
+    - `compute_dtype`: activation dtype; default: the parameter dtype.
+    - `scan_layers`: the zoo config's ``scan_layers``.
+    - `mesh`, `rules`: shard every weight over ``mesh`` by the rules of :mod:`zoo.sharding`.
+    - `sharding`: instead of a mesh, one `jax.sharding.Sharding` for every weight.
+    - `memory_kind`: e.g. ``"pinned_host"``, ``"device"``; default: the sharding's default.
+
+    Without `mesh` or `sharding` the weights go to the first device.
+
+    **Example:**
+
+    ```python
+    import tempfile, jax, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    with tempfile.TemporaryDirectory() as d:
+        zoo.save_hf(model, d)                       # or any HF gpt2/llama/mistral/qwen2 directory
+        same = zoo.load_hf(d)
+        on_host = zoo.load_hf(d, dtype="bfloat16", memory_kind="pinned_host")
+    on_host.embed.weight.sharding.memory_kind       # 'pinned_host'
+    ```
+    """
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory")
+    if mesh is not None and sharding is not None:
+        raise ValueError("pass either mesh= (with rules=) or sharding=, not both")
+    hf = read_config(directory)
+    model_type_of(hf)
+    tensors = read_tensors(directory)
+    settings = dict(scan_layers=scan_layers)
+    config = zoo_config_from_hf(hf, **settings)
+    prefix = "transformer." if any(n.startswith("transformer.") for n in tensors) else ""
+    entries = _weights.table(config, prefix)
+    leaves = _weights.leaf_paths(abstract_model(config))
+    _weights.check_table(entries, leaves, config.n_layers)
+    tied = _weights.tied_head_name(config, prefix)
+    _weights.validate(
+        tensors,
+        entries,
+        leaves,
+        config.n_layers,
+        ignore=_weights.ignored(config.family),
+        tied=tied,
+        where=str(directory),
+    )
+    names = [n for e in entries for n in e.names(config.n_layers)]
+    param_dtype = _infer_dtype(tensors, names, hf) if dtype is None else param_dtype_name(dtype)
+    config = config.replace(
+        param_dtype=param_dtype,
+        compute_dtype=param_dtype if compute_dtype is None else param_dtype_name(compute_dtype),
+    )
+    abstract = abstract_model(config)
+    arrays, static = eqx.partition(abstract, is_array_like)
+    leaves = _weights.leaf_paths(arrays)
+
+    if mesh is not None:
+        targets = _weights.leaf_paths(_sharding.shardings(arrays, mesh, rules, memory_kind=memory_kind))
+    else:
+        one = SingleDeviceSharding(jax.devices()[0]) if sharding is None else sharding
+        one = one if memory_kind is None else one.with_memory_kind(memory_kind)
+        targets = dict.fromkeys(leaves, one)
+
+    reader = Reader(tensors)
+    try:
+        if tied is not None and tied[0] in tensors:
+            _check_tied_copy(reader, *tied)
+        loader = _weights.LeafLoader(reader, entries, leaves)
+        loaded = []
+        for path, leaf in leaves.items():
+            loaded.append(loader.load(path, leaf.dtype, targets[path]))
+            reader.close()  # unmap after each weight: the pages read stay in the page cache, not in this process
+    finally:
+        reader.close()
+    treedef = jax.tree_util.tree_structure(arrays)
+    return eqx.combine(jax.tree_util.tree_unflatten(treedef, loaded), static)
