@@ -15,6 +15,7 @@ from ._memory import (
     replicate_strays,
     require_host_memory,
     restore_kinds,
+    to_host,
     traced_kind,
     tree_to_device,
 )
@@ -71,7 +72,13 @@ def offload_opt_state(optimizer: optax.GradientTransformation, *, where: Callabl
         if where is not None and not any(jax.tree.leaves(chosen)):
             raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
         target = jax.tree.map(lambda s, c: s.with_memory_kind(HOST) if c else s, out_shardings, chosen)
-        return replicate_strays(jax.jit(build, out_shardings=target)(params), mesh_of(params))
+
+        def build_on_host(p):
+            # Move inside the program as well: arrays that only get a pinned_host out_sharding keep
+            # a device-space type, and programs that take them would then read host memory in place.
+            return jax.tree.map(lambda x, c: to_host(x) if c else x, build(p), chosen)
+
+        return replicate_strays(jax.jit(build_on_host, out_shardings=target)(params), mesh_of(params))
 
     def update(updates, state, params=None):
         kinds = jax.tree.map(traced_kind, state)
