@@ -20,6 +20,12 @@ from ._activations import offload_activations as offload_activations
 from ._memory import host_and_device_share_memory as host_and_device_share_memory
 from ._opt_state import offload_opt_state as offload_opt_state
 from ._params import offload_params as offload_params
+from ._plan import Plan as Plan
+from ._plan import compiled_memory as compiled_memory
+from ._plan import plan as plan
+from ._plan_devices import DEVICES as DEVICE_PROFILES
+from ._plan_devices import DeviceProfile as DeviceProfile
+from ._plan_devices import custom_device as custom_device
 from ._report import MemoryReport as MemoryReport
 from ._report import TransferReport as TransferReport
 from ._report import memory_report as memory_report

@@ -1,0 +1,596 @@
+"""The memory planner: its estimates against XLA and JAX, its choices, its errors, its CLI."""
+
+import json
+import math
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import transforms
+import zoo
+from transforms._plan_model import ACTIVATION_OPTIONS, Candidate
+
+ROOT = pathlib.Path(__file__).parents[1]
+MiB = 2**20
+
+
+def row(p, **kw):
+    return next(r for r in p.rows if r.estimate.candidate == Candidate(**kw))
+
+
+def llama(d, layers, vocab, heads, kv, ff, **kw):
+    return zoo.LlamaConfig.preset(
+        "tiny",
+        d_model=d,
+        n_layers=layers,
+        vocab_size=vocab,
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_ff=ff,
+        max_seq_len=1024,
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Accuracy against XLA's compiled memory_analysis (CPU; configurations without offload)
+# ----------------------------------------------------------------------------------------------
+
+# (config, batch, seq, activation policy). Small-but-not-tiny shapes so fixed overheads do not
+# dominate; float32 compute (XLA:CPU upcasts 16-bit buffers to float32, a GPU does not).
+ACCURACY_CASES = [
+    (llama(256, 2, 1024, 4, 2, 640), 2, 128, None),
+    (llama(512, 2, 4096, 8, 4, 1408), 2, 256, None),
+    (llama(384, 3, 2048, 6, 2, 1024), 8, 128, None),
+    (llama(512, 4, 2048, 8, 2, 1408), 2, 512, None),
+    (llama(256, 2, 4096, 4, 4, 768), 4, 512, None),
+    (llama(256, 4, 1024, 4, 2, 640), 4, 256, "recompute_all"),
+    (llama(512, 2, 4096, 8, 4, 1408), 2, 256, "save_projections"),
+    (
+        zoo.GPT2Config.preset("tiny", d_model=384, n_layers=3, vocab_size=2048, n_heads=6, d_ff=1536, max_seq_len=512),
+        8,
+        128,
+        None,
+    ),
+]
+
+
+def _case_id(case):
+    cfg, b, s, acts = case
+    return f"{cfg.family}-d{cfg.d_model}-L{cfg.n_layers}-V{cfg.vocab_size}-b{b}-s{s}-{acts or 'none'}"
+
+
+@pytest.mark.parametrize("case", ACCURACY_CASES, ids=_case_id)
+def test_device_bytes_agree_with_compiled_memory_analysis(case):
+    cfg, batch, seq, acts = case
+    model = zoo.abstract_model(cfg)
+    if acts is not None:
+        model = transforms.offload_activations(model, policy=ACTIVATION_OPTIONS[acts])  # remat only: no offload
+    measured = transforms.compiled_memory(model, optax.adamw(1e-3), batch=batch, seq=seq)
+    assert measured["aliased"] >= 0.99 * measured["arguments"] - batch * (seq + 1) * 4  # donation worked
+    predicted = row(transforms.plan(cfg, batch=batch, seq=seq, device="h100"), activations=acts).estimate
+    error = predicted.device_bytes / measured["peak"] - 1
+    print(f"{_case_id(case)}: predicted {predicted.device_bytes / MiB:.1f} MiB, XLA {measured['peak'] / MiB:.1f} MiB")
+    assert abs(error) < 0.15, f"{error:+.1%}"
+
+
+def _saved_residuals():
+    try:
+        from jax._src.ad_checkpoint import saved_residuals
+    except ImportError:  # pragma: no cover - private API
+        pytest.skip("jax._src.ad_checkpoint.saved_residuals is not available in this JAX version")
+    return saved_residuals
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_saved_activation_model_matches_what_jax_saves(family, compute_dtype):
+    """The per-layer saved bytes (derived from the architecture) equal JAX's residuals exactly."""
+    saved_residuals = _saved_residuals()
+    if family == "llama":  # head_dim != d_model / n_heads, grouped-query attention
+        cfg = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8, compute_dtype=compute_dtype)
+    else:
+        cfg = zoo.GPT2Config.preset("tiny", n_layers=3, compute_dtype=compute_dtype)
+    batch, seq = 2, 32
+    p = transforms.plan(cfg, batch=batch, seq=seq, device="h100")
+    candidates = [
+        Candidate(),
+        Candidate(params=True),
+        Candidate(activations="recompute_all"),
+        Candidate(activations="save_projections"),
+        Candidate(activations="offload:block_input_and_projections"),
+    ]
+    tokens = jnp.zeros((batch, seq + 1), jnp.int32)
+    for cand in candidates:
+        model = zoo.build_model(cfg, key=jax.random.key(0))
+        if cand.params:
+            model = transforms.offload_params(model)
+        if cand.activations is not None:
+            model = transforms.offload_activations(model, policy=cand.policy)
+        params, static = eqx.partition(model, eqx.is_array)
+        residuals = saved_residuals(lambda p, t, s=static: zoo.lm_loss(eqx.combine(p, s), t), params, tokens)
+        stacked = {"device": 0, "host": 0}
+        for aval, desc in residuals:
+            if "output of scan" in desc and aval.shape[:1] == (cfg.n_layers,):
+                where = "host" if aval.memory_space == jax.memory.Space.Host else "device"
+                stacked[where] += math.prod(aval.shape) * aval.dtype.itemsize
+        est = next(r for r in p.rows if r.estimate.candidate == cand).estimate
+        model_bytes = {
+            w: cfg.n_layers * sum(a["per_layer"] for a in est.activations.values() if a["where"] == w)
+            for w in ("device", "host")
+        }
+        assert model_bytes == stacked, cand.label
+
+
+def test_flops_match_the_config_count():
+    for cfg in (zoo.LlamaConfig.preset("8b"), zoo.GPT2Config.preset("124m")):
+        p = transforms.plan(cfg, batch=1, seq=1024, device="h100", compute_efficiency=1.0)
+        est = p.baseline.estimate
+        rate = p.device.flops(cfg.compute_dtype)
+        assert est.compute_s * rate / 1024 == pytest.approx(cfg.flops_per_token(1024), rel=0.01)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes moved per step: the jaxpr and the program lowered for CUDA
+# ----------------------------------------------------------------------------------------------
+
+CFG = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8)
+B, S = 2, 16
+
+
+def _step_inputs(cand, cfg=CFG):
+    model = zoo.Llama(cfg, key=jax.random.key(0))
+    opt = optax.adamw(1e-3)
+    if cand.params:
+        model = transforms.offload_params(model)
+    if cand.activations is not None:
+        model = transforms.offload_activations(model, policy=cand.policy)
+    if cand.opt_state:
+        opt = transforms.offload_opt_state(opt)
+    step = transforms.train_step(zoo.lm_loss, opt)
+    state = step.init(model)
+    params, static = eqx.partition(model, eqx.is_array)
+    return step._build(static), params, state, jnp.zeros((B, S + 1), jnp.int32)
+
+
+TRANSFER_CASES = [
+    Candidate(params=True),
+    Candidate(activations="offload:block_input"),
+    Candidate(activations="offload:block_input_and_projections"),
+    Candidate(params=True, activations="offload:block_input"),
+]
+
+
+@pytest.mark.parametrize("cand", TRANSFER_CASES, ids=lambda c: c.label)
+def test_bytes_moved_agree_with_the_train_steps_jaxpr(cand):
+    fn, params, state, tokens = _step_inputs(cand)
+    report = transforms.transfer_report(fn, params, state, tokens)
+    est = row(transforms.plan(CFG, batch=B, seq=S, device="h100"), **vars(cand)).estimate
+    assert (est.host_to_device, est.device_to_host) == (report.host_to_device, report.device_to_host)
+
+
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i1": 1, "i64": 8, "f64": 8}
+
+
+def _tensor_bytes(text: str) -> int:
+    dims, dtype = _TENSOR.search(text).groups()
+    return math.prod(int(d) for d in dims.split("x") if d) * _ITEMSIZE[dtype]
+
+
+def cuda_placements(text: str) -> dict[str, int]:
+    """Bytes the StableHLO text annotates for ``pinned_host`` and ``device``, times the trip counts
+    of the `while` loops around them and the calls of the functions that hold them."""
+    funcs: dict[str, list] = {}
+    events: list = []
+    loops: list[dict] = []
+    for line in text.splitlines():
+        start = re.match(r"  func\.func (?:public|private) @([\w.$-]+)\(", line)
+        if start:
+            events = funcs.setdefault(start.group(1), [])
+            loops = []
+            continue
+        indent = len(line) - len(line.lstrip())
+        if "stablehlo.while(" in line:
+            loops.append({"indent": indent, "count": None, "body": False})
+            continue
+        if loops and line.strip() == "} do {" and indent == loops[-1]["indent"]:
+            loops[-1]["body"] = True
+            continue
+        if loops and line.strip() == "}" and indent == loops[-1]["indent"]:
+            loops.pop()
+            continue
+        if loops and not loops[-1]["body"]:
+            const = re.search(r"stablehlo\.constant dense<(\d+)> : tensor<i32>", line)
+            if const:
+                loops[-1]["count"] = int(const.group(1))
+            continue
+        times = math.prod(loop["count"] for loop in loops)
+        if "@annotate_device_placement" in line:
+            kind = re.search(r'_xla_buffer_placement = "(\w+)"', line).group(1)
+            events.append(("bytes", kind, times * _tensor_bytes(line.split("->")[-1])))
+        else:
+            call = re.search(r"\bcall @([\w.$-]+)\(", line)
+            if call:
+                events.append(("call", call.group(1), times))
+
+    def total(name: str, kind: str) -> int:
+        out = 0
+        for what, key, value in funcs.get(name, []):
+            if what == "bytes" and key == kind:
+                out += value
+            elif what == "call":
+                out += value * total(key, kind)
+        return out
+
+    return {kind: total("main", kind) for kind in ("pinned_host", "device")}
+
+
+def _lowered_for_cuda(cand, cfg=CFG):
+    fn, params, state, tokens = _step_inputs(cand, cfg)
+    return jax.jit(fn, donate_argnums=(0, 1)).trace(params, state, tokens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "cand", [Candidate(params=True, activations="offload:block_input_and_projections")], ids=lambda c: c.label
+)
+def test_bytes_moved_agree_with_the_program_lowered_for_cuda(cand):
+    text = _lowered_for_cuda(cand)
+    moved = cuda_placements(text)
+    est = row(transforms.plan(CFG, batch=B, seq=S, device="h100"), **vars(cand)).estimate
+    assert moved == {"pinned_host": est.device_to_host, "device": est.host_to_device}
+    # The weights the plan keeps in host memory arrive in pinned_host.
+    main = text[text.index("func.func public @main(") :].split("{\n", 1)[0]
+    args = re.findall(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}", main)
+    on_host = sum(_tensor_bytes(t) for t, attrs in args if 'memory_kind = "pinned_host"' in attrs)
+    assert on_host == est.host["parameters"]
+
+
+def test_offloaded_optimizer_state_arrives_in_pinned_host():
+    cand = Candidate(opt_state=True)
+    text = _lowered_for_cuda(cand)
+    main = text[text.index("func.func public @main(") :].split("{\n", 1)[0]
+    args = re.findall(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}", main)
+    on_host = sum(_tensor_bytes(t) for t, attrs in args if 'memory_kind = "pinned_host"' in attrs)
+    est = row(transforms.plan(CFG, batch=B, seq=S, device="h100"), opt_state=True).estimate
+    assert on_host == est.host["optimizer state"] > 0
+
+
+def test_offloaded_optimizer_state_moves_once_each_way():
+    fn, params, state, tokens = _step_inputs(Candidate(opt_state=True))
+    report = transforms.transfer_report(fn, params, state, tokens)
+    est = row(transforms.plan(CFG, batch=B, seq=S, device="h100"), opt_state=True).estimate
+    assert (report.host_to_device, report.device_to_host) == (est.host_to_device, est.device_to_host)
+
+
+# ----------------------------------------------------------------------------------------------
+# Choices
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_case_that_fits_gets_no_offload():
+    for model in ("llama-tiny", "gpt2-124m", "llama-small"):
+        p = transforms.plan(model, batch=8, seq=128, device="h100")
+        assert p.fits and p.transforms == () and p.label == "no offload"
+        assert p.activation_policy is None and p.host_bytes == 0 and p.host_to_device == 0
+        assert p.overhead == pytest.approx(0.0)
+        assert "fits without offload" in str(p)
+
+
+def test_chosen_plan_is_the_fastest_that_fits_with_fewer_transforms_on_ties():
+    p = transforms.plan(zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16"), batch=1, seq=4096, device="h200")
+    assert p.fits
+    fitting = [r for r in p.rows if r.fits]
+    assert p.step_time_s == min(r.estimate.step_s for r in fitting)
+    ties = [r for r in fitting if r.estimate.step_s <= p.step_time_s * (1 + 1e-9)]
+    assert p.candidate.n_transforms == min(r.estimate.candidate.n_transforms for r in ties)
+    assert p.device_bytes <= p.device_budget
+    assert not row(p).fits  # the 8B model does not fit without help
+    assert p.device_budget == int(141 * 2**30 * 0.9 * 0.9)
+
+
+def test_more_memory_means_fewer_transforms_and_a_faster_link_less_overhead():
+    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16")
+    big = transforms.custom_device(memory_gb=4096, link_gb_s=50, tflops=989)
+    assert transforms.plan(cfg, batch=1, seq=2048, device=big).transforms == ()
+    slow = row(transforms.plan(cfg, batch=1, seq=2048, device="h100"), params=True).estimate
+    fast = row(transforms.plan(cfg, batch=1, seq=2048, device="gh200"), params=True).estimate
+    assert fast.exposed_transfer_s < slow.exposed_transfer_s
+    assert fast.device_bytes == slow.device_bytes and fast.host_to_device == slow.host_to_device
+
+
+@pytest.mark.parametrize(
+    ("model", "batch", "seq"),
+    [("llama-8b", 1, 8192), ("llama-1b", 4, 4096), ("llama-tiny", 2, 64), ("gpt2-1.5b", 8, 1024)],
+)
+def test_dgx_spark_never_recommends_host_offload(model, batch, seq):
+    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16") if model == "llama-8b" else model
+    p = transforms.plan(cfg, batch=batch, seq=seq, device="dgx-spark")
+    assert not any(r.estimate.candidate.uses_host for r in p.rows)
+    assert "offload_params" not in p.transforms and "offload_opt_state" not in p.transforms
+    assert not any(v == "offload" for v in (p.activation_policy or {}).values())
+    assert p.host_bytes == 0 and p.host_to_device == 0
+    assert any("gains no capacity" in n for n in p.notes)
+
+
+def test_dgx_spark_still_recomputes_when_that_fits():
+    p = transforms.plan(
+        zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16", param_dtype="bfloat16"),
+        batch=1,
+        seq=8192,
+        device="dgx-spark",
+    )
+    assert p.fits and p.transforms == ("offload_activations",)
+    assert set(p.activation_policy.values()) <= {"save"}
+
+
+def test_when_nothing_fits_the_plan_says_what_is_missing_and_what_would_fit():
+    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16")
+    p = transforms.plan(cfg, batch=1, seq=8192, device="a100")
+    assert not p.fits and p.label == "nothing fits" and p.transforms == ()
+    text = "\n".join(p.suggestions)
+    assert "missing:" in text and "of device memory" in text
+    assert "would fit: fsdp=" in text
+    assert "NOTHING FITS" in str(p) and "What would fit" in str(p)
+    with pytest.raises(ValueError, match="nothing fits"):
+        p.apply(zoo.abstract_model(cfg), optax.adamw(1e-3))
+    # Each suggestion is true: re-planning with it fits.
+    fsdp = int(re.search(r"fsdp=(\d+)", text).group(1))
+    per_device = re.search(r"global batch (\d+)", text)
+    batch = int(per_device.group(1)) if per_device else 1
+    assert transforms.plan(cfg, batch=batch, seq=8192, device="a100", fsdp=fsdp).fits
+
+
+def test_smaller_batch_and_shorter_sequence_suggestions_are_the_largest_that_fit():
+    cfg = zoo.LlamaConfig.preset("1b", compute_dtype="bfloat16")
+    p = transforms.plan(cfg, batch=64, seq=4096, device="h100")
+    assert not p.fits
+    text = "\n".join(p.suggestions)
+    batch = int(re.search(r"would fit: batch=(\d+)", text).group(1))
+    assert transforms.plan(cfg, batch=batch, seq=4096, device="h100").fits
+    assert not transforms.plan(cfg, batch=batch + 1, seq=4096, device="h100").fits
+    seq = int(re.search(r"would fit: seq=(\d+)", text).group(1))
+    assert transforms.plan(cfg, batch=64, seq=seq, device="h100").fits
+    accum = int(re.search(r"would fit: accum_steps=(\d+)", text).group(1))
+    assert transforms.plan(cfg, batch=64, seq=4096, device="h100", accum_steps=accum).fits
+    assert not transforms.plan(cfg, batch=64, seq=4096, device="h100", accum_steps=accum // 2).fits
+
+
+def test_plan_components_and_per_layer_activations():
+    p = transforms.plan("llama-8b", batch=1, seq=8192, device="h200")
+    comps = p.components
+    for name in ("parameters", "gradients", "optimizer state", "batch"):
+        assert name in comps
+    assert sum(c["device"] for c in comps.values()) == p.device_bytes
+    assert sum(c["host"] for c in comps.values()) == p.host_bytes
+    base = p.baseline.estimate
+    # Without any transform every layer saves its named and unnamed residuals on the device.
+    assert {"q_proj", "k_proj", "v_proj", "attn_context", "mlp_hidden"} <= set(base.activations)
+    assert all(a["where"] == "device" for a in base.activations.values())
+    cfg = p.config
+    assert base.activations["k_proj"]["per_layer"] == 8192 * cfg.n_kv_heads * cfg.head_size * 4
+    assert base.phases["loss"]["logits"] == 8192 * cfg.vocab_size * (4 + 4)  # log-softmax and its cotangent
+    assert base.phases["update"]["gradients"] == 4 * cfg.n_params()
+    assert base.phases["backward"]["optimizer state"] == 8 * cfg.n_params() + 4  # two moments + count
+
+
+def test_pinned_host_limit_appears_in_the_notes_and_env():
+    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16")
+    p = transforms.plan(cfg, batch=1, seq=4096, device="h200", environ={"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "8"})
+    assert p.host_bytes > 8 * 2**30
+    need = int(p.env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"])
+    assert need * 2**30 >= p.host_bytes
+    assert any("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in n for n in p.notes)
+    ok = transforms.plan(cfg, batch=1, seq=4096, device="h200", environ={"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "512"})
+    assert ok.env == {} and any("within XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=512" in n for n in ok.notes)
+    frac = transforms.plan(cfg, batch=1, seq=4096, device="h200", environ={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
+    assert frac.device_budget == int(141 * 2**30 * 0.5 * 0.9)
+
+
+def test_host_memory_limit_constrains_the_plan():
+    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16")
+    roomy = transforms.plan(cfg, batch=1, seq=4096, device="h200")
+    assert roomy.host_bytes > 0
+    tight = transforms.plan(cfg, batch=1, seq=4096, device="h200", host_memory_gb=roomy.host_bytes / 2**30 / 2)
+    assert all(r.estimate.host_bytes <= tight.host_budget for r in tight.rows if r.fits)
+    assert not tight.fits or tight.host_bytes < roomy.host_bytes
+
+
+def test_device_profiles_carry_their_sources():
+    doc = sys.modules["transforms._plan_devices"].__doc__
+    for name, dev in transforms.DEVICE_PROFILES.items():
+        assert dev.sources and f"``{name}``" in doc
+        assert dev.memory_bytes > 0 and dev.link_bytes_per_s <= dev.link_peak_bytes_per_s
+    assert transforms.DEVICE_PROFILES["dgx-spark"].unified
+    assert "273 GB/s" in doc and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in doc
+    custom = transforms.custom_device(memory_gb=24, link_gb_s=25, tflops=165)
+    assert transforms.plan("llama-tiny", batch=2, seq=32, device=custom).device is custom
+
+
+# ----------------------------------------------------------------------------------------------
+# apply
+# ----------------------------------------------------------------------------------------------
+
+
+def test_apply_uses_the_real_transforms_and_the_step_runs():
+    cfg = zoo.LlamaConfig.preset("tiny")
+    p = transforms.plan(cfg, batch=4, seq=32, device="h100")
+    p.chosen = row(p, params=True, opt_state=True, activations="offload:block_input")  # force a full plan
+    model, opt = p.apply(zoo.Llama(cfg, key=jax.random.key(0)), optax.adamw(1e-3))
+    assert model.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
+    assert model.stack.remat.offload == ("block_input",)
+    assert opt._offload_inner is not None
+    step = transforms.train_step(zoo.lm_loss, opt)
+    state = step.init(model)
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
+    model, state, metrics = step(model, state, tokens)
+    assert np.isfinite(float(metrics["loss"]))
+    assert model.embed.weight.sharding.memory_kind == "pinned_host"
+
+
+def test_apply_no_offload_returns_its_inputs_and_checks_the_config():
+    cfg = zoo.LlamaConfig.preset("tiny")
+    p = transforms.plan(cfg, batch=4, seq=32, device="h100")
+    model, opt = zoo.Llama(cfg, key=jax.random.key(0)), optax.adamw(1e-3)
+    assert p.apply(model, opt) == (model, opt)
+    with pytest.raises(ValueError, match="config differs"):
+        p.apply(zoo.Llama(cfg.replace(n_layers=3), key=jax.random.key(0)), opt)
+    with pytest.raises(TypeError, match="optax"):
+        p.apply(model, "adamw")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_models_can_be_named_configs_or_models():
+    by_name = transforms.plan("llama-tiny", batch=2, seq=32)
+    assert transforms.plan("llama:tiny", batch=2, seq=32).device_bytes == by_name.device_bytes
+    assert transforms.plan(zoo.LlamaConfig.preset("tiny"), batch=2, seq=32).device_bytes == by_name.device_bytes
+    model = zoo.abstract_model(zoo.LlamaConfig.preset("tiny"))
+    assert transforms.plan(model, batch=2, seq=32).device_bytes == by_name.device_bytes
+    assert transforms.plan("mistral-7b", batch=1, seq=128).config == zoo.LlamaConfig.preset("mistral-7b")
+    assert transforms.plan("llama-qwen2-0.5b", batch=1, seq=128).config.family == "llama"
+    sgd = transforms.plan("llama-tiny", batch=2, seq=32, optimizer="sgd").baseline.estimate
+    assert sgd.phases["update"]["optimizer state"] == 0
+    custom = transforms.plan("llama-tiny", batch=2, seq=32, optimizer=optax.adam(1e-3))
+    assert custom.optimizer == "custom optax transform"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(device="h900"), r"unknown device profile 'h900'; known profiles: \['a100', 'dgx-spark'"),
+        (dict(model="llama-9b"), r"unknown model 'llama-9b'; known models .*llama-8b.*gpt2-124m"),
+        (dict(batch=0), "batch must be a positive int"),
+        (dict(batch=True), "batch must be a positive int"),
+        (dict(seq=-1), "seq must be a positive int"),
+        (dict(seq=10**6), "exceeds the model's max_seq_len"),
+        (dict(batch=3, fsdp=2), "must divide into fsdp=2"),
+        (dict(margin=1.5), "margin must be in"),
+        (dict(optimizer="adagrad9"), "unknown optimizer"),
+        (dict(host_memory_gb=-1), "host_memory_gb must be"),
+    ],
+)
+def test_clear_errors(kwargs, match):
+    args = dict(model="llama-tiny", batch=2, seq=32, device="h100")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        transforms.plan(args.pop("model"), **args)
+
+
+def test_wrong_types_are_rejected():
+    with pytest.raises((TypeError, ValueError), match="batch"):  # TypeError from a runtime type checker
+        transforms.plan("llama-tiny", batch=2.0, seq=8)
+    with pytest.raises(TypeError, match="zoo config"):
+        transforms.plan(object(), batch=1, seq=8)
+    with pytest.raises(ValueError, match="must be a positive number"):
+        transforms.custom_device(memory_gb=0, link_gb_s=1, tflops=1)
+
+
+def test_predict_gives_any_transform_set():
+    p = transforms.plan("llama-1b", batch=4, seq=2048, device="h100")
+    assert p.predict()["device_bytes"] == p.baseline.estimate.device_bytes
+    preset = p.predict(params=True, activations="block_input")  # offload_activations' preset name
+    assert preset["transforms"] == "offload_params + activations:offload:block_input"
+    assert preset == p.predict(params=True, activations={"block_input": "offload"})
+    custom = p.predict(
+        opt_state=True, activations={"block_input": "offload", "mlp_hidden": "save", "q_proj": "recompute"}
+    )
+    assert custom["activation_policy"] == {"block_input": "offload", "mlp_hidden": "save"}
+    assert custom["activations"]["mlp_hidden"] == {"per_layer": 4 * 2048 * 8192 * 4, "where": "device"}
+    assert custom["host"]["optimizer state"] > 0
+    with pytest.raises(ValueError, match="bad activation policy"):
+        p.predict(activations={"logits": "save"})
+    with pytest.raises(ValueError, match="unknown activation policy"):
+        p.predict(activations="everything")
+
+
+def test_to_dict_is_json():
+    p = transforms.plan("llama-8b", batch=1, seq=8192, device="h200")
+    data = json.loads(json.dumps(p.to_dict(), default=str))
+    assert data["chosen"]["transforms"] == p.label
+    assert len(data["candidates"]) == len(p.rows)
+    assert data["device"]["name"] == "h200"
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI and docs
+# ----------------------------------------------------------------------------------------------
+
+
+def _run(*args, code=None):
+    cmd = [sys.executable, "-m", "transforms.plan", *args] if code is None else [sys.executable, "-c", code]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_prints_the_table_and_writes_png_and_json(tmp_path):
+    png, js = tmp_path / "plan.png", tmp_path / "plan.json"
+    out = _run(
+        "--model", "llama-8b", "--batch", "1", "--seq", "8192", "--device", "h200", "--png", str(png), "--json", str(js)
+    )
+    assert out.returncode == 0, out.stderr
+    for text in (
+        "Memory plan: llama-8b",
+        "Plan:",
+        "component",
+        "parameters",
+        "optimizer state",
+        "Candidates",
+        "moves per step",
+        "step time",
+        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+    ):
+        assert text in out.stdout
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(js.read_text())["model"] == "llama-8b"
+
+
+def test_cli_errors_list_the_valid_choices():
+    out = _run("--model", "llama-8b", "--batch", "1", "--seq", "8192", "--device", "tpu")
+    assert out.returncode == 2 and "known profiles" in out.stderr and "h200" in out.stderr
+    out = _run("--model", "llama-8b", "--batch", "1", "--seq", "8", "--device", "custom", "--memory-gb", "24")
+    assert out.returncode == 2 and "--link-gb-s" in out.stderr
+
+
+def test_plan_is_the_function_and_the_module_stays_callable():
+    code = textwrap.dedent(
+        """
+        import transforms, types
+        assert isinstance(transforms.plan, types.FunctionType)
+        import transforms.plan                      # binds the submodule to the attribute ...
+        p = transforms.plan("llama-tiny", batch=2, seq=16)   # ... which is still callable
+        assert p.transforms == () and isinstance(p, transforms.Plan)
+        print("ok")
+        """
+    )
+    out = _run(code=code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        transforms.plan,
+        transforms.Plan.apply,
+        transforms.Plan.predict,
+        transforms.custom_device,
+        transforms.compiled_memory,
+    ],
+    ids=lambda o: o.__name__,
+)
+def test_docstring_examples_run(obj):
+    blocks = re.findall(r"```python\n(.*?)```", obj.__doc__, flags=re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(textwrap.dedent(block), obj.__name__, "exec"), {})

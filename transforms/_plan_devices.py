@@ -1,0 +1,294 @@
+"""Device profiles for the memory planner: capacity, host link, peak FLOP/s, host memory.
+
+Every number comes from the vendor's datasheet unless marked as an assumption; "measured" link
+rates are the usual sustained figures for pinned-memory copies (about 80% of the theoretical PCIe
+rate), not measurements made by this project. The planner only needs rough rates: they set the
+predicted step-time overhead, never whether a plan fits.
+
+Profiles (per GPU; "link" is per direction, theoretical / typical sustained):
+
+- ``a100``: A100 80GB PCIe. 80 GB HBM2e; PCIe Gen4 x16, 32 / ~25 GB/s; dense 312 TFLOP/s BF16,
+  156 TF32; host 256 GB (DGX A100: 2 TB for 8 GPUs).
+- ``h100``: H100 80GB SXM. 80 GB HBM3; PCIe Gen5 x16, 64 / ~50 GB/s; 989 BF16, 494 TF32; host
+  256 GB (DGX H100).
+- ``h200``: H200 141GB SXM. 141 GB HBM3e; PCIe Gen5 x16, 64 / ~50 GB/s; 989 BF16, 494 TF32; host
+  256 GB (DGX H200).
+- ``gh200``: GH200 Grace Hopper, 96 GB HBM3 (``gh200-144gb``: 144 GB HBM3e); NVLink-C2C, 900 GB/s
+  bidirectional = 450 / ~380 GB/s; 989 BF16, 494 TF32; host 480 GB LPDDR5X.
+- ``gb200``: one Blackwell GPU of a GB200 superchip. 186 GB HBM3e; NVLink-C2C 450 / ~380 GB/s
+  (shared by the superchip's two GPUs); 2500 BF16 (5 PF per two GPUs), 1250 TF32; host 240 GB
+  (480 GB LPDDR5X per two GPUs).
+- ``dgx-spark``: DGX Spark (GB10). 128 GB unified LPDDR5x at 273 GB/s, shared by CPU and GPU: no
+  host link, offloading gains no capacity; ~125 BF16, ~62 TF32 (assumption, below).
+
+Sources: NVIDIA A100 Tensor Core GPU datasheet (80GB PCIe: 312 TF BF16 dense, 156 TF TF32, PCIe
+Gen4 64 GB/s bidirectional); NVIDIA H100 datasheet (SXM: 989 TF BF16 dense, 494 TF TF32, PCIe Gen5
+128 GB/s bidirectional); NVIDIA H200 datasheet (141 GB HBM3e, same compute as H100 SXM); NVIDIA
+GH200 Grace Hopper Superchip datasheet (96 GB HBM3 or 144 GB HBM3e, 480 GB LPDDR5X, NVLink-C2C
+900 GB/s bidirectional); NVIDIA GB200 NVL72 datasheet (per GPU 186 GB HBM3e, 5 PF dense BF16 per
+two-GPU superchip, 480 GB LPDDR5X per Grace CPU, NVLink-C2C 900 GB/s); NVIDIA DGX Spark datasheet
+(GB10, 128 GB unified LPDDR5x at 273 GB/s, 1 PFLOP sparse FP4). DGX host memory: NVIDIA DGX
+A100/H100/H200 user guides (2 TB per 8-GPU system).
+
+Assumptions, stated rather than hidden:
+
+- **DGX Spark BF16.** NVIDIA quotes only 1 PFLOP of *sparse FP4*. Halving for dense (500 TF FP4),
+  halving again per doubling of precision (FP4 -> FP8 -> BF16) gives ~125 TFLOP/s dense BF16; TF32
+  half of that. Treat these as rough.
+- **Sustained link rates.** PCIe: ~78% of theoretical (25 of 32, 50 of 64 GB/s), the usual
+  pinned-memory `cudaMemcpy` figure. NVLink-C2C: ~85% (380 of 450 GB/s).
+- **float32 compute** is timed at the TF32 tensor-core rate: XLA's default precision for float32
+  matmuls on Ampere and later GPUs (``jax_default_matmul_precision="highest"`` would be several
+  times slower).
+- **Capacities** are binary (GiB): HBM and LPDDR parts are sized in powers of two, and ``nvidia-smi``
+  reports a little less than the nominal figure as usable.
+- **Unified memory** (DGX Spark): offloading to "host" moves bytes within the same memory, so it
+  gains no capacity; the planner never recommends host offload there (recomputation still helps).
+
+Host limits also include XLA's pinned-host allocator: the XLA GPU client reserves pinned host memory
+through a pool capped by the environment variable ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (default 64
+GiB, per GPU), which must be raised before JAX starts when a plan keeps more than that in
+``pinned_host``. Device memory available to XLA is ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.90)
+of the device's memory when JAX preallocates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+GB = 1e9
+GiB = 2**30
+
+#: The XLA GPU client's pinned-host pool limit variable (GiB, default 64; see xla/pjrt/gpu/gpu_helpers.cc).
+PINNED_HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+PINNED_HOST_LIMIT_DEFAULT_GIB = 64
+#: JAX's device-memory preallocation fraction variables (the newer name wins, as in jaxlib).
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+MEM_FRACTION_DEFAULT = 0.90
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator as the planner sees it (all numbers per device).
+
+    **Fields:**
+
+    - `name`, `description`: how the profile is shown.
+    - `memory_bytes`: device (HBM) capacity.
+    - `link_bytes_per_s`: sustained host <-> device copy rate, per direction (full duplex).
+    - `link_peak_bytes_per_s`: theoretical rate of the link, per direction (shown only).
+    - `flops_bf16`, `flops_tf32`: dense peak FLOP/s for 16-bit and float32 (TF32) matmuls.
+    - `host_memory_bytes`: host memory available to this device (``None``: unknown, unlimited).
+    - `unified`: host and device share one physical memory (offload gains no capacity).
+    - `link`: the name of the host link.
+    - `sources`: where the numbers come from.
+
+    Make a custom one with :func:`custom_device`.
+    """
+
+    name: str
+    description: str
+    memory_bytes: int
+    link_bytes_per_s: float | int
+    link_peak_bytes_per_s: float | int
+    flops_bf16: float | int
+    flops_tf32: float | int
+    host_memory_bytes: int | None
+    unified: bool = False
+    link: str = ""
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for field in ("memory_bytes", "link_bytes_per_s", "link_peak_bytes_per_s", "flops_bf16", "flops_tf32"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"DeviceProfile.{field} must be a positive number, got {value!r}")
+        if self.host_memory_bytes is not None and not self.host_memory_bytes > 0:
+            raise ValueError(
+                f"DeviceProfile.host_memory_bytes must be positive or None, got {self.host_memory_bytes!r}"
+            )
+
+    def flops(self, compute_dtype: str) -> float:
+        """Peak dense matmul FLOP/s for activations in ``compute_dtype``."""
+        return self.flops_tf32 if compute_dtype == "float32" else self.flops_bf16
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_PCIE4 = dict(link="PCIe Gen4 x16", link_bytes_per_s=25 * GB, link_peak_bytes_per_s=32 * GB)
+_PCIE5 = dict(link="PCIe Gen5 x16", link_bytes_per_s=50 * GB, link_peak_bytes_per_s=64 * GB)
+_C2C = dict(link="NVLink-C2C", link_bytes_per_s=380 * GB, link_peak_bytes_per_s=450 * GB)
+_HOPPER = dict(flops_bf16=989e12, flops_tf32=494e12)
+
+DEVICES: dict[str, DeviceProfile] = {
+    "a100": DeviceProfile(
+        name="a100",
+        description="NVIDIA A100 80GB PCIe",
+        memory_bytes=80 * GiB,
+        flops_bf16=312e12,
+        flops_tf32=156e12,
+        host_memory_bytes=256 * GiB,
+        sources=("NVIDIA A100 Tensor Core GPU datasheet", "NVIDIA DGX A100 user guide (2 TB host / 8 GPUs)"),
+        **_PCIE4,
+    ),
+    "h100": DeviceProfile(
+        name="h100",
+        description="NVIDIA H100 80GB SXM",
+        memory_bytes=80 * GiB,
+        host_memory_bytes=256 * GiB,
+        sources=("NVIDIA H100 Tensor Core GPU datasheet", "NVIDIA DGX H100 user guide (2 TB host / 8 GPUs)"),
+        **_HOPPER,
+        **_PCIE5,
+    ),
+    "h200": DeviceProfile(
+        name="h200",
+        description="NVIDIA H200 141GB SXM",
+        memory_bytes=141 * GiB,
+        host_memory_bytes=256 * GiB,
+        sources=("NVIDIA H200 Tensor Core GPU datasheet", "NVIDIA DGX H200 user guide (2 TB host / 8 GPUs)"),
+        **_HOPPER,
+        **_PCIE5,
+    ),
+    "gh200": DeviceProfile(
+        name="gh200",
+        description="NVIDIA GH200 Grace Hopper (96 GB HBM3)",
+        memory_bytes=96 * GiB,
+        host_memory_bytes=480 * GiB,
+        sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
+        **_HOPPER,
+        **_C2C,
+    ),
+    "gh200-144gb": DeviceProfile(
+        name="gh200-144gb",
+        description="NVIDIA GH200 Grace Hopper (144 GB HBM3e)",
+        memory_bytes=144 * GiB,
+        host_memory_bytes=480 * GiB,
+        sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
+        **_HOPPER,
+        **_C2C,
+    ),
+    "gb200": DeviceProfile(
+        name="gb200",
+        description="NVIDIA GB200 Grace Blackwell (one GPU, 186 GB HBM3e)",
+        memory_bytes=186 * GiB,
+        flops_bf16=2500e12,
+        flops_tf32=1250e12,
+        host_memory_bytes=240 * GiB,
+        sources=("NVIDIA GB200 NVL72 datasheet (per GPU: 186 GB HBM3e; 5 PF dense BF16 per 2-GPU superchip)",),
+        **_C2C,
+    ),
+    "dgx-spark": DeviceProfile(
+        name="dgx-spark",
+        description="NVIDIA DGX Spark (GB10, 128 GB unified LPDDR5x)",
+        memory_bytes=128 * GiB,
+        link="unified memory (273 GB/s LPDDR5x)",
+        link_bytes_per_s=273 * GB,
+        link_peak_bytes_per_s=273 * GB,
+        flops_bf16=125e12,
+        flops_tf32=62.5e12,
+        host_memory_bytes=128 * GiB,
+        unified=True,
+        sources=("NVIDIA DGX Spark datasheet (1 PFLOP sparse FP4; BF16 rate is an assumption)",),
+    ),
+}
+
+ALIASES = {
+    "a100-80gb": "a100",
+    "h100-sxm": "h100",
+    "h200-141gb": "h200",
+    "gh200-96gb": "gh200",
+    "spark": "dgx-spark",
+    "gb10": "dgx-spark",
+}
+
+
+def custom_device(
+    *,
+    memory_gb: float | int,
+    link_gb_s: float | int,
+    tflops: float | int,
+    tflops_fp32: float | int | None = None,
+    host_memory_gb: float | int | None = None,
+    unified: bool = False,
+    name: str = "custom",
+) -> DeviceProfile:
+    """A device profile from three numbers: memory (GiB), host link per direction (GB/s), peak TFLOP/s.
+
+    `tflops` is the dense 16-bit matmul rate; `tflops_fp32` (default half of it) the float32 one.
+    `host_memory_gb` (GiB) bounds what may be offloaded; `unified=True` marks host and device as
+    one memory (then the planner recommends no host offload).
+
+    **Example:**
+
+    ```python
+    import transforms
+    dev = transforms.custom_device(memory_gb=24, link_gb_s=25, tflops=165)   # e.g. a 24 GB PCIe card
+    dev.memory_bytes == 24 * 2**30   # True
+    ```
+    """
+    for label, value in (("memory_gb", memory_gb), ("link_gb_s", link_gb_s), ("tflops", tflops)):
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"custom_device: {label} must be a positive number, got {value!r}")
+    return DeviceProfile(
+        name=name,
+        description=f"custom ({memory_gb:g} GB, {link_gb_s:g} GB/s link, {tflops:g} TFLOP/s)",
+        memory_bytes=int(memory_gb * GiB),
+        link_bytes_per_s=link_gb_s * GB,
+        link_peak_bytes_per_s=link_gb_s * GB,
+        flops_bf16=tflops * 1e12,
+        flops_tf32=(tflops / 2 if tflops_fp32 is None else tflops_fp32) * 1e12,
+        host_memory_bytes=None if host_memory_gb is None else int(host_memory_gb * GiB),
+        unified=unified,
+        link="custom link",
+        sources=("given by the user",),
+    )
+
+
+def get_device(device: str | DeviceProfile) -> DeviceProfile:
+    """The profile for a name (``"h100"``, ``"dgx-spark"``, ...) or a :class:`DeviceProfile` as is.
+
+    Raises `ValueError` for an unknown name, listing the known ones.
+    """
+    if isinstance(device, DeviceProfile):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a profile name or a DeviceProfile, got {type(device).__name__}")
+    key = device.strip().lower().replace("_", "-")
+    key = ALIASES.get(key, key)
+    if key not in DEVICES:
+        raise ValueError(
+            f"unknown device profile {device!r}; known profiles: {sorted(DEVICES)} "
+            f"(aliases {sorted(ALIASES)}), or pass transforms.custom_device(memory_gb=..., link_gb_s=..., tflops=...)"
+        )
+    return DEVICES[key]
+
+
+def pinned_host_limit_bytes(environ=None) -> tuple[int, bool]:
+    """(limit, set_explicitly): the XLA GPU client's pinned-host pool limit, from the environment."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(PINNED_HOST_LIMIT_VAR)
+    if raw is None or not raw.strip():
+        return PINNED_HOST_LIMIT_DEFAULT_GIB * GiB, False
+    try:
+        value = float(raw)
+    except ValueError as err:
+        raise ValueError(f"{PINNED_HOST_LIMIT_VAR}={raw!r} is not a number of GiB") from err
+    return int(value * GiB), True
+
+
+def device_memory_fraction(environ=None) -> tuple[float, bool]:
+    """(fraction, set_explicitly): the share of device memory JAX preallocates for XLA."""
+    environ = os.environ if environ is None else environ
+    for var in MEM_FRACTION_VARS:
+        raw = environ.get(var)
+        if raw is not None and raw.strip():
+            try:
+                value = float(raw)
+            except ValueError as err:
+                raise ValueError(f"{var}={raw!r} is not a fraction") from err
+            if not 0 < value <= 1:
+                raise ValueError(f"{var}={raw!r} must be in (0, 1]")
+            return value, True
+    return MEM_FRACTION_DEFAULT, False

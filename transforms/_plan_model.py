@@ -1,0 +1,588 @@
+"""The planner's cost model: bytes per component, bytes moved, and step time, for one candidate.
+
+Everything here is arithmetic on shapes: no array is allocated and nothing is compiled, so an 8B
+model is planned in milliseconds. The model follows the program :func:`transforms.train_step`
+builds for ``zoo.lm_loss`` (forward scan over layers, loss, backward scan, optimizer update, buffers
+donated) and is derived from the architecture as follows.
+
+**Persistent bytes.** Parameters in ``param_dtype``; gradients in the same dtype (the train step
+differentiates the floating leaves); optimizer state from ``optax``'s own ``init`` under
+`jax.eval_shape` (Adam(W): two moments in the parameter dtype plus an int32 counter); the token
+batch ``(batch, seq + 1)`` int32. Inputs are donated, so the updated parameters and state reuse
+their buffers and add nothing.
+
+**Saved activations, per layer and example** (``S`` = sequence, ``d`` = width, ``q = heads * head_dim``,
+``kv = kv_heads * head_dim``, ``f`` = MLP width, ``H`` = heads, ``c`` = compute itemsize; norms
+compute in float32):
+
+- *No transform* (everything the backward pass needs is saved, as JAX linearises the block): each
+  norm keeps its float32 input, two float32 intermediates and its output, ``S*d*(3*4 + c)`` (in
+  float32 the input is ``block_input`` / ``attn_residual`` itself); the rotated query and key and
+  the values, ``S*(q + 2*kv)*c``; the softmax numerator (float32) and probabilities,
+  ``H*S*S*(4 + c)`` (``jax.nn.dot_product_attention``'s XLA implementation materialises the full
+  score matrix, on CPU and GPU alike); ``attn_context``, ``S*q*c``; six ``(S, f)`` tensors in
+  ``c`` for the MLP (gate/up outputs and the nonlinearity's intermediates, and ``mlp_hidden``;
+  GELU's tanh form keeps as many). Per layer, not per example: the compute-dtype copies of the
+  matmul weights when ``param_dtype != compute_dtype``. Once per batch: the causal mask and its
+  fill value, ``H*S*S*(1 + 4)``.
+- *Weights in host memory, no activation policy* (:func:`transforms.offload_params` makes the
+  stack save matmul outputs and named values, never a weight copy): ``block_input``, the three
+  projections, the float32 scores ``H*S*S*4``, ``attn_context``, ``attn_residual``, the gate/up
+  outputs and ``mlp_hidden``.
+- *An activation policy* (:func:`transforms.offload_activations`): exactly the named values it
+  saves (device) or offloads (host), with sizes ``block_input``, ``attn_out``, ``attn_residual``:
+  ``S*d*c``; ``q_proj``, ``attn_context``: ``S*q*c``; ``k_proj``, ``v_proj``: ``S*kv*c``;
+  ``mlp_hidden``: ``S*f*c``. ``block_input`` stays on the device even when not named, unless
+  offloaded: it is the input of the rematerialised layer.
+
+Outside the stack: the final norm ``S*d*(3*4 + c)``, the float32 log-softmax ``S*V*4``, and a
+``(V, d)`` compute-dtype copy of the output head when it is tied (a transpose), cast, or streamed.
+``tests/test_plan.py`` checks the per-layer sums of all three cases against the residuals JAX
+itself saves (``saved_residuals``), byte for byte, for both families in float32 and bfloat16.
+
+**Working buffers** (the transient part of each phase's peak):
+
+- *Layer backward*: what one layer recomputes, counting only what cannot be fused away (matmul
+  outputs, the softmax probabilities ``H*S*S*c``, and the values feeding matmuls: both norms'
+  outputs, q, k, v, ``attn_context``, ``attn_residual``, the MLP's pre-activations and
+  ``mlp_hidden``), minus what the policy keeps on the device (nothing without remat: it is all
+  saved); plus the cotangents of the MLP, ``(n_in + 1)*S*f*c + 2*S*d*4``, and of the attention,
+  ``H*S*S*(4 + c) + S*(2q + 2kv)*c + S*d*4``, both counted (XLA does not always free the MLP's
+  before the attention's appear); plus the two largest weight gradients of a layer (the rest are
+  written into the stacked gradient buffer as produced). With weights in host memory add the
+  streamed layer weights (two layers in flight).
+- *Loss*: the float32 log-softmax cotangent and logits cotangent (plus its compute-dtype cast),
+  and the head's weight gradient.
+- *Update*: gradients are on the device (the train step moves them there before any optimizer
+  math), so are all parameters when they live in host memory (moved in for the update, written
+  back after): model-sized transients. The update itself runs leaf by leaf (two largest-leaf
+  buffers); offloaded optimizer state is streamed leaf by leaf (the moments of the largest leaf,
+  in and out).
+
+**Heap packing.** XLA places all of a program's temporaries in one heap, packed by best fit over
+their live ranges; buffers of different sizes and lifetimes leave holes, so the heap is larger
+than the live peak. That is not derivable from shapes, so it is a separate, visible component,
+``heap_overhead`` (default 0.15) times each phase's temporaries (everything but parameters,
+optimizer state and the batch). How the default was chosen, on XLA:CPU (a GPU may differ): over
+36 compiled train steps (Llama and GPT-2, widths 256-512, 2-4 layers, batch 2-8, sequence
+128-512, with and without remat) the heap exceeded the live peak of the temporaries (from XLA's
+buffer-assignment dumps) by -1% to +60%, median 36%. The layer working set above is itself an
+upper bound (an ideal schedule would not keep both halves' cotangents), so less than the median
+is added. Over 48 such configurations, without the allowance the estimate is within -26%..+4% of
+``memory_analysis`` (median -3%); with 0.15, within -18%..+13% (median +4% to +7%), 45 of 48
+within 15%; the outliers are attention-dominated shapes (width 256, sequence 512). Only float32
+compute can be checked on CPU: XLA:CPU computes 16-bit types in float32 and keeps float32 copies
+of 16-bit buffers, which a GPU does not.
+
+The device peak is the largest of the three phases (backward through the layers, loss, update).
+
+**Bytes moved per step** (what the train step's program places in ``pinned_host`` and back):
+offloaded weights cross host -> device twice for the stack (forward and recomputation) and once
+for the rest, gradients cross device -> host once, then the update moves all gradients and
+parameters in and the parameters back out; offloaded activations cross once each way; offloaded
+optimizer state crosses once each way.
+
+**Step time.** Matmul FLOPs over the device's peak dense rate (``compute_efficiency`` scales it):
+per layer and token ``2*(d*q + 2*d*kv + q*d + n_mlp*d*f) + 4*S*q`` forward (scores and context
+over the full ``S x S`` matrix), backward twice that, plus the matmuls a policy recomputes (the
+scores always, the projections unless saved, the MLP's input matmuls always). Copies overlap
+compute only as far as each layer's compute hides them: per layer and pass the exposed time is
+``max(0, copy_time - compute_time)`` with the two directions of the link running concurrently;
+copies outside the layer loop (head and embedding weights, the update's transfers) are exposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
+
+#: Sizes of the named activations, as multiples of (S * width * compute itemsize).
+NAMED_WIDTH = {
+    "block_input": "d",
+    "q_proj": "q",
+    "k_proj": "kv",
+    "v_proj": "kv",
+    "attn_context": "q",
+    "attn_out": "d",
+    "attn_residual": "d",
+    "mlp_hidden": "f",
+}
+
+
+def _floating(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
+
+
+def _arraylike(x) -> bool:
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Shapes and sizes of a zoo model, read from its config and its (abstract) parameter tree."""
+
+    family: str
+    n_layers: int
+    d: int
+    f: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    compute_dtype: str
+    param_dtype: str
+    n_mlp_in: int  # input matmuls of the MLP: 2 (SwiGLU gate, up) or 1 (GELU up)
+    tied_head: bool
+    param_bytes: int  # floating parameter bytes (= gradient bytes)
+    stack_param_bytes: int
+    layer_matmul_elems: int  # weight elements of one layer's matmuls
+    two_largest_layer_weights: int  # bytes (param dtype) of a layer's two largest weights
+    largest_leaf_bytes: int
+    head_elems: int  # V * d
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def c(self) -> int:
+        return np.dtype(self.compute_dtype).itemsize
+
+    @property
+    def p(self) -> int:
+        return np.dtype(self.param_dtype).itemsize
+
+    @property
+    def layer_param_bytes(self) -> int:
+        return self.stack_param_bytes // self.n_layers
+
+    @property
+    def outside_param_bytes(self) -> int:
+        return self.param_bytes - self.stack_param_bytes
+
+    def width(self, key: str) -> int:
+        return {"d": self.d, "q": self.q, "kv": self.kv, "f": self.f}[key]
+
+    # FLOPs per token, forward pass.
+    def layer_flops(self, seq: int) -> dict[str, float]:
+        """Forward matmul FLOPs per token of one layer, per matmul."""
+        d, q, kv, f = self.d, self.q, self.kv, self.f
+        out = {"q": 2.0 * d * q, "k": 2.0 * d * kv, "v": 2.0 * d * kv, "scores": 2.0 * seq * q}
+        out.update({"context": 2.0 * seq * q, "o": 2.0 * q * d})
+        if self.n_mlp_in == 2:
+            out.update({"gate": 2.0 * d * f, "up": 2.0 * d * f})
+        else:
+            out["up"] = 2.0 * d * f
+        out["down"] = 2.0 * f * d
+        return out
+
+    @property
+    def head_flops(self) -> float:
+        return 2.0 * self.d * self.vocab
+
+
+def geometry(config, model) -> Geometry:
+    """Build a :class:`Geometry` from a zoo config and the matching (abstract) model."""
+    import equinox as eqx
+
+    family = config.family
+    if family not in ("llama", "gpt2"):
+        raise TypeError(f"the planner knows the zoo families llama and gpt2, got family {family!r}")
+    params = [x for x in jax.tree.leaves(eqx.filter(model, _arraylike)) if _floating(x)]
+    stack = [x for x in jax.tree.leaves(eqx.filter(model.stack, _arraylike)) if _floating(x)]
+    matrices = [x for x in stack if len(x.shape) == 3]
+    per_layer_matrix_bytes = sorted((_nbytes(x) // x.shape[0] for x in matrices), reverse=True)
+    kv_heads = getattr(config, "n_kv_heads", config.n_heads)
+    return Geometry(
+        family=family,
+        n_layers=config.n_layers,
+        d=config.d_model,
+        f=config.d_ff,
+        heads=config.n_heads,
+        kv_heads=kv_heads,
+        head_dim=config.head_size,
+        vocab=config.vocab_size,
+        compute_dtype=config.compute_dtype,
+        param_dtype=config.param_dtype,
+        n_mlp_in=2 if family == "llama" else 1,
+        tied_head=bool(getattr(config, "tie_embeddings", True)),
+        param_bytes=sum(_nbytes(x) for x in params),
+        stack_param_bytes=sum(_nbytes(x) for x in stack),
+        layer_matmul_elems=sum(math.prod(x.shape[1:]) for x in matrices),
+        two_largest_layer_weights=sum(per_layer_matrix_bytes[:2]),
+        largest_leaf_bytes=max(_nbytes(x) for x in params),
+        head_elems=config.vocab_size * config.d_model,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerInfo:
+    """Optimizer-state sizes from ``optax``'s ``init`` under `jax.eval_shape`."""
+
+    name: str
+    state_bytes: int
+    offloadable_bytes: int  # floating leaves with >= 1 dimension (what offload_opt_state moves)
+    moments_per_param: float  # offloadable state bytes per parameter byte
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.state_bytes - self.offloadable_bytes
+
+
+def optimizer_info(optimizer, params, name: str) -> OptimizerInfo:
+    state = jax.eval_shape(optimizer.init, params)
+    leaves = [x for x in jax.tree.leaves(state) if _arraylike(x)]
+    total = sum(_nbytes(x) for x in leaves)
+    movable = sum(_nbytes(x) for x in leaves if _floating(x) and len(x.shape) > 0)
+    pbytes = sum(_nbytes(x) for x in jax.tree.leaves(params) if _arraylike(x) and _floating(x))
+    return OptimizerInfo(name, total, movable, movable / pbytes if pbytes else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One set of transforms: offload parameters, offload optimizer state, an activation policy."""
+
+    params: bool = False
+    opt_state: bool = False
+    activations: str | None = None  # a key of ACTIVATION_OPTIONS, "custom", or None = no transform
+    custom: tuple[tuple[str, str], ...] | None = None  # the policy when activations == "custom"
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.params:
+            parts.append("offload_params")
+        if self.opt_state:
+            parts.append("offload_opt_state")
+        if self.activations is not None:
+            parts.append(f"activations:{self.activations}")
+        return " + ".join(parts) or "no offload"
+
+    @property
+    def n_transforms(self) -> int:
+        return int(self.params) + int(self.opt_state) + int(self.activations is not None)
+
+    @property
+    def policy(self) -> dict[str, str] | None:
+        if self.activations is None:
+            return None
+        if self.custom is not None:
+            return dict(self.custom)
+        return dict(ACTIVATION_OPTIONS[self.activations])
+
+    @property
+    def uses_host(self) -> bool:
+        policy = self.policy or {}
+        return self.params or self.opt_state or any(v == "offload" for v in policy.values())
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "attn_out")
+
+#: The activation policies the planner tries (name -> the ``policy`` mapping for
+#: :func:`transforms.offload_activations`). The ``offload:`` ones are the transform's presets.
+ACTIVATION_OPTIONS: dict[str, dict[str, str]] = {
+    "recompute_all": {},
+    "save_projections": {"block_input": "save", **{n: "save" for n in _PROJECTIONS}},
+    "offload:block_input": {"block_input": "offload"},
+    "offload:block_input_and_projections": {"block_input": "offload", **{n: "offload" for n in _PROJECTIONS}},
+}
+
+
+@dataclasses.dataclass
+class Estimate:
+    """The model's numbers for one candidate (bytes per device)."""
+
+    candidate: Candidate
+    phases: dict[str, dict[str, int]]  # phase -> component -> device bytes
+    host: dict[str, int]  # component -> host bytes
+    activations: dict[str, dict]  # name -> {"per_layer": bytes, "where": "device" | "host"}
+    host_to_device: int
+    device_to_host: int
+    compute_s: float  # without recomputation
+    recompute_s: float
+    exposed_transfer_s: float
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.phases[self.peak_phase].values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.recompute_s + self.exposed_transfer_s
+
+
+def _sd(S: int, width: int, itemsize: int) -> int:
+    return S * width * itemsize
+
+
+def full_layer_items(g: Geometry, S: int) -> dict[str, int]:
+    """Per-example bytes of one layer's residuals with no transform (see the module docstring)."""
+    c = g.c
+    norm = _sd(S, g.d, 3 * NORM_ITEMSIZE + c) + 2 * S * NORM_ITEMSIZE
+    return {
+        "attn_norm (input, statistics, output)": norm,
+        "q_proj": _sd(S, g.q, c),
+        "k_proj": _sd(S, g.kv, c),
+        "v_proj": _sd(S, g.kv, c),
+        "attention probabilities": g.heads * S * S * (4 + c) + 2 * g.heads * S * 4,
+        "attn_context": _sd(S, g.q, c),
+        "mlp_norm (input, statistics, output)": norm,
+        "mlp pre-activations and nonlinearity": 5 * _sd(S, g.f, c),
+        "mlp_hidden": _sd(S, g.f, c),
+    }
+
+
+def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
+    """Per-example bytes saved per layer when weights live in host memory and no policy is set."""
+    c = g.c
+    return {
+        "block_input": _sd(S, g.d, c),
+        "q_proj": _sd(S, g.q, c),
+        "k_proj": _sd(S, g.kv, c),
+        "v_proj": _sd(S, g.kv, c),
+        "attention scores (float32)": g.heads * S * S * 4,
+        "attn_context": _sd(S, g.q, c),
+        "attn_residual": _sd(S, g.d, c),
+        "mlp pre-activations": g.n_mlp_in * _sd(S, g.f, c),
+        "mlp_hidden": _sd(S, g.f, c),
+    }
+
+
+def recompute_items(g: Geometry, S: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Per-example bytes one layer materialises when recomputed: (attention half, MLP half).
+
+    Only what cannot be fused away: matmul outputs, the softmax probabilities (a reduction) and
+    the values that feed matmuls. The norms' and nonlinearities' elementwise intermediates, which
+    the no-transform case must keep (they cross the layer loop), fuse into their consumers here.
+    """
+    c = g.c
+    attn = {
+        "attn_norm output": _sd(S, g.d, c),
+        "q_proj": _sd(S, g.q, c),
+        "k_proj": _sd(S, g.kv, c),
+        "v_proj": _sd(S, g.kv, c),
+        "attention probabilities": g.heads * S * S * c,
+        "attn_context": _sd(S, g.q, c),
+    }
+    mlp = {
+        "attn_residual": _sd(S, g.d, c),
+        "mlp_norm output": _sd(S, g.d, c),
+        "mlp pre-activations": g.n_mlp_in * _sd(S, g.f, c),
+        "mlp_hidden": _sd(S, g.f, c),
+    }
+    return attn, mlp
+
+
+def cotangent_bytes(g: Geometry, S: int) -> tuple[int, int]:
+    """Per-example bytes of one layer's live cotangents: (attention backward, MLP backward).
+
+    Attention: the probabilities' and scores' cotangents (the softmax backward runs in float32)
+    and those of q, k, v and the context, plus the residual stream's. MLP: those of the hidden
+    and pre-activation tensors, plus the residual stream and the norm's float32 cotangent.
+    """
+    attn = g.heads * S * S * (4 + g.c) + _sd(S, 2 * g.q + 2 * g.kv, g.c) + _sd(S, g.d, 4)
+    mlp = (g.n_mlp_in + 1) * _sd(S, g.f, g.c) + 2 * _sd(S, g.d, 4)
+    return attn, mlp
+
+
+def named_bytes(g: Geometry, S: int, name: str) -> int:
+    return _sd(S, g.width(NAMED_WIDTH[name]), g.c)
+
+
+def recomputed_matmuls(g: Geometry, policy: Mapping[str, str]) -> list[str]:
+    """The forward matmuls a remat policy repeats in the backward pass (see the module docstring)."""
+    kept = {n for n, choice in policy.items() if choice in ("save", "offload")}
+    out = [m for m, name in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")) if name not in kept]
+    out.append("scores")  # the probabilities are never named: always recomputed
+    if "attn_context" not in kept:
+        out.append("context")
+    if not {"attn_out", "attn_residual"} & kept:
+        out.append("o")
+    out += ["gate", "up"] if g.n_mlp_in == 2 else ["up"]
+    return out
+
+
+def evaluate(
+    g: Geometry,
+    opt: OptimizerInfo,
+    cand: Candidate,
+    *,
+    batch: int,
+    seq: int,
+    fsdp: int,
+    accum_steps: int,
+    link_bytes_per_s: float,
+    flops_per_s: float,
+    heap_overhead: float = 0.15,
+) -> Estimate:
+    """Bytes, transfers and time of one training step for ``cand`` (per device)."""
+    B = batch // fsdp  # examples per device per step
+    mb = B // accum_steps  # examples per device per micro-batch
+    S, L, c, p = seq, g.n_layers, g.c, g.p
+    P = g.param_bytes // fsdp
+    P_stack = g.stack_param_bytes // fsdp
+    P_layer = P_stack // L
+    P_out = P - P_stack
+    G = P
+    O_all = opt.state_bytes // fsdp
+    O_move = opt.offloadable_bytes // fsdp
+    tokens_bytes = B * (S + 1) * 4
+
+    # --- what each layer saves ------------------------------------------------------------
+    policy = cand.policy
+    per_layer_const_dev = 0
+    if policy is None and not cand.params:
+        mode = "all"
+        items = {k: (v, "device") for k, v in full_layer_items(g, S).items()}
+        if p != c:
+            per_layer_const_dev += g.layer_matmul_elems * c
+        per_layer_const_dev += 2 * g.d * NORM_ITEMSIZE  # norm scales, broadcast in float32
+    elif policy is None:
+        mode = "dots"
+        items = {k: (v, "device") for k, v in dots_layer_items(g, S).items()}
+    else:
+        mode = "names"
+        items = {n: (named_bytes(g, S, n), "host" if ch == "offload" else "device") for n, ch in policy.items()}
+        if "block_input" not in items:  # the remat input is kept on the device
+            items = {"block_input": (named_bytes(g, S, "block_input"), "device"), **items}
+    saved_dev_ex = sum(v for v, w in items.values() if w == "device")
+    saved_host_ex = sum(v for v, w in items.values() if w == "host")
+    activations = {name: {"per_layer": mb * v, "where": w} for name, (v, w) in items.items()}
+    if per_layer_const_dev:
+        activations["weight casts and norm scales"] = {"per_layer": per_layer_const_dev, "where": "device"}
+    saved_dev = L * (mb * saved_dev_ex + per_layer_const_dev)
+    saved_host = L * B * saved_host_ex  # every micro-batch's offloaded activations cross the link
+
+    # --- outside the stack ------------------------------------------------------------------
+    norm = _sd(S, g.d, 3 * NORM_ITEMSIZE + c)
+    head_copy = g.head_elems * c // fsdp if (g.tied_head or p != c or cand.params) else 0
+    mask = g.heads * S * S * 5 if mode == "all" else 0
+    logsoftmax = mb * S * g.vocab * 4
+    other = mb * (norm + mask) + head_copy  # until the loss gradient
+    other_bwd = mb * mask  # through the layers' backward pass (the mask is loop-invariant)
+
+    # --- working sets -------------------------------------------------------------------------
+    # One layer's backward. An ideal schedule would free the MLP half before the attention's
+    # cotangents appear; XLA does not always manage that (seen at long sequences), so the whole
+    # layer's recomputed values and both halves' cotangents are taken to coexist.
+    attn_cot, mlp_cot = cotangent_bytes(g, S)
+    if mode == "all":
+        rec_attn = rec_mlp = 0
+    else:
+        attn_rec, mlp_rec = recompute_items(g, S)
+        kept = {n for n, (_, w) in items.items() if w == "device"}
+        if mode == "dots":  # matmul outputs are saved: only norm outputs and probabilities come back
+            kept |= set(attn_rec) | set(mlp_rec)
+            kept -= {"attn_norm output", "mlp_norm output", "attention probabilities"}
+        rec_attn = sum(v for n, v in attn_rec.items() if n not in kept)
+        rec_mlp = sum(v for n, v in mlp_rec.items() if n not in kept)
+    layer_grads = g.two_largest_layer_weights // fsdp * (1 + (c / p if c != p else 0))
+    layer_work = mb * (rec_attn + rec_mlp + mlp_cot + attn_cot) + int(layer_grads)
+    streamed = 2 * P_layer * (1 + (c / p if c != p else 0)) if cand.params else 0
+    gather = 2 * g.layer_param_bytes if fsdp > 1 else 0  # one layer all-gathered, and the next
+    accum_buf = G if accum_steps > 1 else 0  # the running sum of micro-batch gradients
+
+    P_dev = 0 if cand.params else P
+    O_dev = (O_all - O_move) if cand.opt_state else O_all
+    state = {"parameters": P_dev, "optimizer state": O_dev, "batch": tokens_bytes}
+
+    backward = dict(state)
+    backward["gradients"] = (G if not cand.params else 0) + accum_buf
+    backward["saved activations"] = saved_dev
+    backward["other residuals"] = other_bwd
+    backward["working buffers"] = int(layer_work + streamed + gather)
+
+    loss = dict(state)
+    loss["gradients"] = accum_buf + g.head_elems * p // fsdp
+    loss["saved activations"] = saved_dev
+    loss["other residuals"] = other
+    loss["logits"] = logsoftmax + mb * S * g.vocab * (4 + (c if c != 4 else 0))
+    # With weights in host memory the head's weight is fetched again for its gradient.
+    loss["working buffers"] = int(gather + (g.head_elems * p // fsdp if cand.params else 0))
+
+    update = dict(state)
+    update["gradients"] = G + accum_buf
+    largest = g.largest_leaf_bytes // fsdp
+    opt_stream = int(2 * opt.moments_per_param * largest) if cand.opt_state else 0
+    update["working buffers"] = (P if cand.params else 0) + 2 * largest + opt_stream
+
+    phases = {"backward": backward, "loss": loss, "update": update}
+    for ph in phases.values():
+        transient = sum(v for n, v in ph.items() if n not in state)
+        ph["heap packing"] = heap_overhead * transient
+    phases = {k: {n: int(b) for n, b in v.items()} for k, v in phases.items()}
+
+    host = {
+        "parameters": P if cand.params else 0,
+        "gradients": G if cand.params else 0,
+        "optimizer state": O_move if cand.opt_state else 0,
+        "saved activations": L * mb * saved_host_ex,
+    }
+
+    # --- bytes moved per step -------------------------------------------------------------
+    h2d = d2h = 0
+    if cand.params:
+        h2d += accum_steps * (2 * P_stack + P_out + G) + P
+        d2h += accum_steps * G + P
+    h2d += saved_host
+    d2h += saved_host
+    if cand.opt_state:
+        h2d += O_move
+        d2h += O_move
+
+    # --- time ---------------------------------------------------------------------------------
+    flops = g.layer_flops(S)
+    layer_fwd = sum(flops.values())
+    tokens = B * S
+    t_layer_fwd = tokens * layer_fwd / flops_per_s
+    recompute = 0.0
+    if mode == "names":
+        recompute = sum(flops[m] for m in recomputed_matmuls(g, policy))
+    t_layer_bwd = tokens * (2 * layer_fwd + recompute) / flops_per_s
+    compute = L * 3 * t_layer_fwd + tokens * 3 * g.head_flops / flops_per_s
+    recompute_s = L * tokens * recompute / flops_per_s
+
+    bw = link_bytes_per_s
+    w_layer = accum_steps * P_layer if cand.params else 0
+    act_layer = B * saved_host_ex
+    fwd_copy = max(w_layer, act_layer) / bw
+    bwd_copy = max(w_layer + act_layer, w_layer if cand.params else 0) / bw
+    exposed = L * (max(0.0, fwd_copy - t_layer_fwd) + max(0.0, bwd_copy - t_layer_bwd))
+    outside_h2d = (accum_steps * P_out + accum_steps * G + P if cand.params else 0) + (O_move if cand.opt_state else 0)
+    outside_d2h = (P + accum_steps * (G - P_stack) if cand.params else 0) + (O_move if cand.opt_state else 0)
+    exposed += max(outside_h2d, outside_d2h) / bw
+
+    return Estimate(
+        candidate=cand,
+        phases=phases,
+        host=host,
+        activations=activations,
+        host_to_device=int(h2d),
+        device_to_host=int(d2h),
+        compute_s=compute,
+        recompute_s=recompute_s,
+        exposed_transfer_s=exposed,
+    )
