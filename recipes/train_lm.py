@@ -136,7 +136,15 @@ def main(argv=None):
         help=f"with --offload activations: a preset ({', '.join(transforms.ACTIVATION_PRESETS)}) "
         "or comma-separated activation names to offload",
     )
+    p.add_argument(
+        "--plan",
+        metavar="DEVICE",
+        default=None,
+        help=f"apply the memory planner's choice for this device ({', '.join(transforms.DEVICE_PROFILES)})",
+    )
     args = p.parse_args(argv)
+    if args.plan and args.offload:
+        raise SystemExit("--plan chooses the offload transforms itself; give either --plan or --offload")
     offload = {x for x in args.offload.split(",") if x}
     unknown = offload - {"params", "opt_state", "activations"}
     if unknown:
@@ -148,7 +156,10 @@ def main(argv=None):
     model = zoo.build_model(cfg, key=jax.random.key(args.seed))
     print(f"{args.model}: {cfg.n_params():,} params | train {len(train):,} B, val {len(val):,} B | {jax.devices()[0]}")
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps, args.lr / 10)
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    warmup = min(args.warmup, args.steps - 1)  # a short run warms up for less than its length
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
     if "params" in offload:
         model = transforms.offload_params(model)
@@ -159,9 +170,13 @@ def main(argv=None):
             model = transforms.offload_activations(model, names=tuple(args.activations.split(",")))
     if "opt_state" in offload:
         optimizer = transforms.offload_opt_state(optimizer)
+    if args.plan:
+        plan = transforms.plan(cfg, batch=args.batch, seq=args.seq, device=args.plan)
+        print(plan)
+        model, optimizer = plan.apply(model, optimizer)
     train_step = transforms.train_step(zoo.lm_loss, optimizer)
     opt_state = train_step.init(model)
-    if offload:
+    if offload or args.plan:
         print(transforms.memory_report(params=model, opt_state=opt_state))
 
     eval_loss = eqx.filter_jit(zoo.lm_loss)

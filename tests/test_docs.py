@@ -48,6 +48,11 @@ PUBLIC = [
     transforms.TrainStep,
     transforms.memory_report,
     transforms.transfer_report,
+    transforms.plan,
+    transforms.Plan.apply,
+    transforms.Plan.predict,
+    transforms.custom_device,
+    transforms.compiled_memory,
 ]
 
 

@@ -34,15 +34,21 @@ def test_loss_falls_over_50_adamw_steps_on_a_fixed_batch(cfg):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("offload", ["", "params,opt_state,activations"], ids=["plain", "offload-all"])
-def test_train_recipe_runs_and_beats_the_unigram_baseline(capsys, offload):
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--offload", "params,opt_state,activations"], ["--plan", "h100"]],
+    ids=["plain", "offload-all", "plan"],
+)
+def test_train_recipe_runs_and_beats_the_unigram_baseline(capsys, flags):
     recipe = pathlib.Path(__file__).parents[1] / "recipes" / "train_lm.py"
     module = runpy.run_path(str(recipe))
     args = ["--steps", "60", "--eval-every", "60", "--data-bytes", "300000", "--batch", "8", "--seq", "64"]
-    module["main"]([*args, "--offload", offload])
+    module["main"]([*args, *flags])
     out = capsys.readouterr().out
-    if offload:
+    if "--offload" in flags:
         assert "pinned_host" in out  # the memory report
+    if "--plan" in flags:
+        assert "Plan: no offload" in out  # a tiny model fits an H100 as it is
     val_line = [line for line in out.splitlines() if " val " in line][-1]
     val_bits = float(val_line.split(" val ")[1].split()[0])
     baseline = float(out.split("unigram baseline: ")[1].split()[0])
