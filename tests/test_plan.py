@@ -287,7 +287,8 @@ def test_a_case_that_fits_gets_no_offload():
 
 
 def test_chosen_plan_is_the_fastest_that_fits_with_fewer_transforms_on_ties():
-    p = transforms.plan(zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16"), batch=1, seq=4096, device="h200")
+    cfg = zoo.LlamaConfig.preset("8b", param_dtype="bfloat16", compute_dtype="bfloat16")
+    p = transforms.plan(cfg, batch=1, seq=4096, device="h200")
     assert p.fits
     fitting = [r for r in p.rows if r.fits]
     assert p.step_time_s == min(r.estimate.step_s for r in fitting)
@@ -295,7 +296,7 @@ def test_chosen_plan_is_the_fastest_that_fits_with_fewer_transforms_on_ties():
     assert p.candidate.n_transforms == min(r.estimate.candidate.n_transforms for r in ties)
     assert p.device_bytes <= p.device_budget
     assert not row(p).fits  # the 8B model does not fit without help
-    assert p.device_budget == int(141 * 2**30 * 0.9 * 0.9)
+    assert p.device_budget == int(141 * 2**30 * 0.75 * 0.9)  # JAX's default 75% preallocation, 10% margin
 
 
 def test_more_memory_means_fewer_transforms_and_a_faster_link_less_overhead():
@@ -517,7 +518,9 @@ def test_predict_gives_any_transform_set():
 
 
 def test_to_dict_is_json():
-    p = transforms.plan("llama-8b", batch=1, seq=8192, device="h200")
+    cfg = zoo.LlamaConfig.preset("8b", param_dtype="bfloat16", compute_dtype="bfloat16")
+    p = transforms.plan(cfg, batch=1, seq=8192, device="h200")
+    assert p.fits
     data = json.loads(json.dumps(p.to_dict(), default=str))
     assert data["chosen"]["transforms"] == p.label
     assert len(data["candidates"]) == len(p.rows)

@@ -594,7 +594,7 @@ def plan(
     notes = list(notes)
     notes.append(
         f"device budget: {format_bytes(profile.memory_bytes)} x {fraction:.2f} "
-        f"({'XLA_PYTHON_CLIENT_MEM_FRACTION' if fraction_set else 'JAX preallocates 90% by default'}) "
+        f"({'XLA_PYTHON_CLIENT_MEM_FRACTION' if fraction_set else 'JAX preallocates 75% by default'}) "
         f"x (1 - {margin:.2f} margin) = {format_bytes(device_budget)} per device"
     )
     if profile.unified:

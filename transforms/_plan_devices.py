@@ -48,8 +48,9 @@ Assumptions, stated rather than hidden:
 Host limits also include XLA's pinned-host allocator: the XLA GPU client reserves pinned host memory
 through a pool capped by the environment variable ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (default 64
 GiB, per GPU), which must be raised before JAX starts when a plan keeps more than that in
-``pinned_host``. Device memory available to XLA is ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.90)
-of the device's memory when JAX preallocates.
+``pinned_host``. Device memory available to XLA is ``XLA_CLIENT_MEM_FRACTION`` (or the older
+``XLA_PYTHON_CLIENT_MEM_FRACTION``) of the device's memory, default 0.75: JAX preallocates 75% of
+GPU memory (newer releases may grow the pool beyond it; the planner does not count on that).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ PINNED_HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 PINNED_HOST_LIMIT_DEFAULT_GIB = 64
 #: JAX's device-memory preallocation fraction variables (the newer name wins, as in jaxlib).
 MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
-MEM_FRACTION_DEFAULT = 0.90
+MEM_FRACTION_DEFAULT = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
