@@ -98,8 +98,10 @@ import math
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from ._memory import is_arraylike, is_floating
+from ._report import nbytes
 
 NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
 
@@ -114,18 +116,6 @@ NAMED_WIDTH = {
     "attn_residual": "d",
     "mlp_hidden": "f",
 }
-
-
-def _floating(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _nbytes(x) -> int:
-    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
-
-
-def _arraylike(x) -> bool:
-    return isinstance(x, jax.Array | jax.ShapeDtypeStruct)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,10 +193,10 @@ def geometry(config, model) -> Geometry:
     family = config.family
     if family not in ("llama", "gpt2"):
         raise TypeError(f"the planner knows the zoo families llama and gpt2, got family {family!r}")
-    params = [x for x in jax.tree.leaves(eqx.filter(model, _arraylike)) if _floating(x)]
-    stack = [x for x in jax.tree.leaves(eqx.filter(model.stack, _arraylike)) if _floating(x)]
+    params = [x for x in jax.tree.leaves(eqx.filter(model, is_arraylike)) if is_floating(x)]
+    stack = [x for x in jax.tree.leaves(eqx.filter(model.stack, is_arraylike)) if is_floating(x)]
     matrices = [x for x in stack if len(x.shape) == 3]
-    per_layer_matrix_bytes = sorted((_nbytes(x) // x.shape[0] for x in matrices), reverse=True)
+    per_layer_matrix_bytes = sorted((nbytes(x) // x.shape[0] for x in matrices), reverse=True)
     kv_heads = getattr(config, "n_kv_heads", config.n_heads)
     return Geometry(
         family=family,
@@ -221,11 +211,11 @@ def geometry(config, model) -> Geometry:
         param_dtype=config.param_dtype,
         n_mlp_in=2 if family == "llama" else 1,
         tied_head=bool(getattr(config, "tie_embeddings", True)),
-        param_bytes=sum(_nbytes(x) for x in params),
-        stack_param_bytes=sum(_nbytes(x) for x in stack),
+        param_bytes=sum(nbytes(x) for x in params),
+        stack_param_bytes=sum(nbytes(x) for x in stack),
         layer_matmul_elems=sum(math.prod(x.shape[1:]) for x in matrices),
         two_largest_layer_weights=sum(per_layer_matrix_bytes[:2]),
-        largest_leaf_bytes=max(_nbytes(x) for x in params),
+        largest_leaf_bytes=max(nbytes(x) for x in params),
         head_elems=config.vocab_size * config.d_model,
     )
 
@@ -246,10 +236,10 @@ class OptimizerInfo:
 
 def optimizer_info(optimizer, params, name: str) -> OptimizerInfo:
     state = jax.eval_shape(optimizer.init, params)
-    leaves = [x for x in jax.tree.leaves(state) if _arraylike(x)]
-    total = sum(_nbytes(x) for x in leaves)
-    movable = sum(_nbytes(x) for x in leaves if _floating(x) and len(x.shape) > 0)
-    pbytes = sum(_nbytes(x) for x in jax.tree.leaves(params) if _arraylike(x) and _floating(x))
+    leaves = [x for x in jax.tree.leaves(state) if is_arraylike(x)]
+    total = sum(nbytes(x) for x in leaves)
+    movable = sum(nbytes(x) for x in leaves if is_floating(x) and len(x.shape) > 0)
+    pbytes = sum(nbytes(x) for x in jax.tree.leaves(params) if is_arraylike(x) and is_floating(x))
     return OptimizerInfo(name, total, movable, movable / pbytes if pbytes else 0.0)
 
 

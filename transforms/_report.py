@@ -26,14 +26,15 @@ def format_bytes(n: float | int) -> str:
     raise AssertionError  # pragma: no cover
 
 
-def _nbytes(x) -> int:
+def nbytes(x) -> int:
+    """Logical size of an array or `jax.ShapeDtypeStruct` in bytes."""
     return math.prod(x.shape) * np.dtype(x.dtype).itemsize
 
 
 def _per_device_bytes(x) -> dict:
     sharding = getattr(x, "sharding", None)
     if sharding is None:
-        return {None: _nbytes(x)}
+        return {None: nbytes(x)}
     shard = sharding.shard_shape(x.shape)
     size = math.prod(shard) * np.dtype(x.dtype).itemsize
     return {d: size for d in sharding.device_set}
@@ -126,7 +127,7 @@ def memory_report(tree=None, /, **components) -> MemoryReport:
             if not is_arraylike(leaf):
                 continue
             kind = _kind(leaf)
-            row[kind] = row.get(kind, 0) + _nbytes(leaf)
+            row[kind] = row.get(kind, 0) + nbytes(leaf)
             for device, size in _per_device_bytes(leaf).items():
                 devices.setdefault(kind, {})
                 devices[kind][device] = devices[kind].get(device, 0) + size
