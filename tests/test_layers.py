@@ -252,27 +252,11 @@ def test_sliding_window_attention_matches_banded_mask(window, n_kv_heads):
     x = _normal(4, (SEQ, D_MODEL))
     positions = jnp.arange(SEQ, dtype=jnp.int32)
     out = attn(x, positions=positions)
-    ref = _ref_attention(
-        attn,
-        x,
-        np.arange(SEQ),
-        n_heads=N_HEADS,
-        n_kv_heads=n_kv_heads,
-        head_dim=HEAD_DIM,
-        inv_freq=_ref_inv_freq(HEAD_DIM, 100.0),
-        window=window,
-    )
+    common = dict(n_heads=N_HEADS, n_kv_heads=n_kv_heads, head_dim=HEAD_DIM, inv_freq=_ref_inv_freq(HEAD_DIM, 100.0))
+    ref = _ref_attention(attn, x, np.arange(SEQ), window=window, **common)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
     if window < SEQ:  # the window really restricts: differs from full causal attention
-        full = _ref_attention(
-            attn,
-            x,
-            np.arange(SEQ),
-            n_heads=N_HEADS,
-            n_kv_heads=n_kv_heads,
-            head_dim=HEAD_DIM,
-            inv_freq=_ref_inv_freq(HEAD_DIM, 100.0),
-        )
+        full = _ref_attention(attn, x, np.arange(SEQ), **common)
         assert np.abs(full[window:] - np.asarray(out)[window:]).max() > 1e-3
 
 
