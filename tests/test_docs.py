@@ -43,6 +43,7 @@ PUBLIC = [
     zoo.sharding,
     transforms,
     transforms.offload_params,
+    transforms.Checkpointer,
     transforms.offload_activations,
     transforms.offload_opt_state,
     transforms.TrainStep,

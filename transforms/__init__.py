@@ -17,6 +17,8 @@ print(transforms.memory_report(params=model, opt_state=state))
 
 from ._activations import PRESETS as ACTIVATION_PRESETS
 from ._activations import offload_activations as offload_activations
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from ._memory import host_and_device_share_memory as host_and_device_share_memory
 from ._opt_state import offload_opt_state as offload_opt_state
 from ._params import offload_params as offload_params

@@ -1,0 +1,500 @@
+"""transforms.Checkpointer: round trips, placements, pruning, interrupted saves, corruption, errors."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from _models import build
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import transforms
+import zoo
+from transforms import _checkpoint
+from zoo import sharding
+
+HOST, DEVICE = "pinned_host", "device"
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def model():
+    return build(zoo.LlamaConfig.preset("tiny"))
+
+
+def randomized(tree, seed):
+    """``tree`` with every array leaf replaced by random values of its shape and dtype, in its
+    placement (the values are drawn with NumPy: independent of the code under test)."""
+    rng = np.random.default_rng(seed)
+
+    def one(x):
+        if not eqx.is_array(x):
+            return x
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            value = rng.standard_normal(x.shape).astype(x.dtype)
+        else:
+            value = rng.integers(0, 1000, x.shape).astype(x.dtype)
+        return jax.device_put(value, x.sharding) if isinstance(x, jax.Array) else value
+
+    return jax.tree.map(one, tree)
+
+
+def arrays(tree):
+    return [x for x in jax.tree.leaves(tree) if eqx.is_array(x)]
+
+
+def assert_bit_equal(got, want):
+    got, want = arrays(got), arrays(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.tobytes() == w.tobytes()
+
+
+def abstract(tree, shardings=None):
+    """ShapeDtypeStructs of the array leaves of ``tree`` (with their own or the given shardings)."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: x.sharding if eqx.is_array(x) else None, tree)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if eqx.is_array(x) else x,
+        tree,
+        shardings,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def adam_state(params, offload=False):
+    opt = optax.adamw(1e-3)
+    return (transforms.offload_opt_state(opt) if offload else opt).init(params)
+
+
+def small(step):
+    """A small state whose values depend on the step it is saved at (random: not compressible)."""
+    w = np.random.default_rng(step).standard_normal((64, 64), dtype=np.float32)
+    return {"w": jnp.asarray(w), "b": {"c": jnp.arange(5) + step}}
+
+
+def largest_file(step_dir):
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def truncate(step_dir):
+    f = largest_file(step_dir)
+    os.truncate(f, f.stat().st_size // 2)
+
+
+def delete(step_dir):
+    largest_file(step_dir).unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips and placements
+
+
+def test_round_trip_of_model_adam_state_key_and_metadata_is_bit_exact(tmp_path):
+    live = model()
+    params = eqx.filter(live, eqx.is_array)
+    state = {
+        "model": randomized(live, 1),
+        "opt": randomized(adam_state(params), 2),
+        "key": jax.random.split(jax.random.key(7), 3),
+        "rows": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "lr": 0.5,
+    }
+    meta = {"config": {"preset": "tiny", "d_model": 64}, "tokens_seen": 12800, "names": ["a", "b"], "loss": 2.5}
+    with transforms.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(7, state, metadata=meta)
+        ckpt.wait()
+        assert ckpt.steps() == [7] and ckpt.latest_step() == 7
+    like = dict(state, model=randomized(live, 3), opt=randomized(state["opt"], 4), rows=np.zeros((2, 3), np.int64))
+    like.update(key=jax.random.split(jax.random.key(0), 3), lr=0.25)
+
+    with transforms.Checkpointer(tmp_path) as ckpt:  # a new process, say
+        assert ckpt.metadata() == meta
+        step, restored, got_meta = ckpt.restore(like)
+    assert step == 7 and got_meta == meta
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    assert_bit_equal(restored["model"], state["model"])
+    assert_bit_equal(restored["opt"], state["opt"])
+    assert restored["key"].dtype == state["key"].dtype
+    np.testing.assert_array_equal(jax.random.key_data(restored["key"]), jax.random.key_data(state["key"]))
+    assert isinstance(restored["rows"], np.ndarray)
+    np.testing.assert_array_equal(restored["rows"], state["rows"])
+    assert restored["lr"] == 0.25  # not an array: not saved, taken from `like`
+
+
+def test_offloaded_leaves_come_back_in_host_memory_and_can_move_elsewhere(tmp_path):
+    live = transforms.offload_params(randomized(model(), 1))
+    opt_state = randomized(adam_state(eqx.filter(live, eqx.is_array), offload=True), 2)
+    state = (live, opt_state)
+    # Independent expectation: floating weights and Adam moments on host, the step counter on device.
+    floating = [jnp.issubdtype(x.dtype, jnp.floating) for x in arrays(live)]
+    moments = [HOST if f and x.ndim else DEVICE for f, x in zip(floating, arrays(live), strict=True)]
+    want = [HOST if f else DEVICE for f in floating] + [DEVICE] + moments + moments
+    assert [x.sharding.memory_kind for x in arrays(state)] == want
+
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(3, state)
+        _, restored, _ = ckpt.restore(abstract(state))
+        assert [x.sharding.memory_kind for x in arrays(restored)] == want
+        assert [x.sharding for x in arrays(restored)] == [x.sharding for x in arrays(state)]
+        assert_bit_equal(restored, state)
+
+        # The same checkpoint into an all-device placement (a run that no longer offloads).
+        on_device = jax.tree.map(lambda x: x.sharding.with_memory_kind(DEVICE) if eqx.is_array(x) else None, state)
+        _, restored, _ = ckpt.restore(abstract(state, on_device))
+        assert {x.sharding.memory_kind for x in arrays(restored)} == {DEVICE}
+        assert_bit_equal(restored, state)
+
+
+def test_on_a_mesh_leaves_get_the_live_shardings_or_new_ones(tmp_path, monkeypatch):
+    # Fingerprint every leaf under `jit` on the global array (the path large leaves take).
+    monkeypatch.setattr(_checkpoint, "_HOST_FINGERPRINT_BYTES", -1)
+    mesh = sharding.make_mesh(data=2, fsdp=4)
+    live = transforms.offload_params(sharding.shard(randomized(model(), 1), mesh))
+    opt_state = randomized(adam_state(eqx.filter(live, eqx.is_array), offload=True), 2)
+    state = (live, opt_state)
+    w = live.stack.layers.mlp.up.weight
+    assert w.sharding == NamedSharding(mesh, P(None, "fsdp", None), memory_kind=HOST)
+
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(5, state)
+        _, restored, _ = ckpt.restore(abstract(state))
+        assert [x.sharding for x in arrays(restored)] == [x.sharding for x in arrays(state)]
+        assert restored[0].stack.layers.mlp.up.weight.sharding == w.sharding
+        assert_bit_equal(restored, state)
+
+        # Another mesh and layout: the model on device over 8-way fsdp, the optimizer state
+        # replicated in host memory. (Verified by the NumPy fingerprints of the small leaves this
+        # time, against those computed under `jit` at save time.)
+        monkeypatch.setattr(_checkpoint, "_HOST_FINGERPRINT_BYTES", 1 << 22)
+        other = sharding.make_mesh(fsdp=8)
+        target = (
+            sharding.shardings(eqx.filter(live, eqx.is_array), other, memory_kind=DEVICE),
+            jax.tree.map(lambda x: NamedSharding(other, P(), memory_kind=HOST), opt_state),
+        )
+        _, restored, _ = ckpt.restore(abstract(state, target))
+        got, want = arrays(restored), jax.tree.leaves(target)
+        assert [x.sharding for x in got] == want
+        up = restored[0].stack.layers.mlp.up.weight
+        assert up.sharding == NamedSharding(other, P(None, "fsdp", None), memory_kind=DEVICE)
+        assert up.addressable_shards[0].data.shape == (up.shape[0], up.shape[1] // 8, up.shape[2])
+        assert_bit_equal(restored, state)
+
+
+def test_async_save_copies_the_arrays_before_returning(tmp_path):
+    state = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32))}
+    state["h"] = jax.device_put(state["w"] * 2, state["w"].sharding.with_memory_kind(HOST))
+    expected = {k: np.asarray(v).copy() for k, v in state.items()}
+    like = abstract(state)
+    with transforms.Checkpointer(tmp_path, async_save=True) as ckpt:
+        ckpt.save(1, state)
+        for x in state.values():  # as a donating train step would
+            x.delete()
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+        step, restored, _ = ckpt.restore(like)
+    assert step == 1
+    for k, v in expected.items():
+        np.testing.assert_array_equal(np.asarray(restored[k]), v)
+    assert restored["h"].sharding.memory_kind == HOST
+
+
+def test_keep_prunes_the_oldest_checkpoints(tmp_path):
+    with transforms.Checkpointer(tmp_path, keep=2, async_save=False) as ckpt:
+        for step in (10, 20, 30, 40):
+            ckpt.save(step, small(step))
+            assert ckpt.steps() == [10, 20, 30, 40][max(0, step // 10 - 2) : step // 10]
+        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["30", "40"]
+        step, state, _ = ckpt.restore(small(0))
+    assert step == 40
+    assert_bit_equal(state, small(40))
+
+    with transforms.Checkpointer(tmp_path / "async", keep=2, async_save=True) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, small(step))
+        ckpt.wait()
+        assert ckpt.steps() == [2, 3]
+        step, state, _ = ckpt.restore(small(0), step=2)
+    assert step == 2
+    assert_bit_equal(state, small(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# interrupted saves
+
+
+@pytest.mark.parametrize("suffix", [".orbax-checkpoint-tmp", ".orbax-checkpoint-tmp-1723456789123"])
+def test_an_unfinished_save_directory_is_ignored(tmp_path, suffix):
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, small(1))
+        ckpt.save(2, small(2))
+    # What a save killed before its final rename leaves: the step's files under a temporary name.
+    shutil.copytree(tmp_path / "2", tmp_path / f"3{suffix}")
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        shutil.copytree(tmp_path / "2", tmp_path / f"4{suffix}")  # also one appearing later
+        assert ckpt.steps() == [1, 2] and ckpt.latest_step() == 2
+        step, state, _ = ckpt.restore(small(0))
+        assert step == 2
+        assert_bit_equal(state, small(2))
+        ckpt.save(3, small(3))  # the leftover does not block a new save of that step
+        assert ckpt.restore(small(0))[0] == 3
+
+
+CHILD = """
+import os, signal, sys
+import jax.numpy as jnp, numpy as np
+import transforms
+ckpt = transforms.Checkpointer(sys.argv[1], async_save=True)
+ckpt.save(1, {"w": jnp.full((1024, 1024), 1.0)})
+ckpt.wait()
+ckpt.save(2, {"w": jnp.asarray(np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32))})
+print(" ".join(sorted(os.listdir(sys.argv[1]))), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # while step 2 is being written
+"""
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    listing = child.stdout.split()  # e.g. ["1", "2.orbax-checkpoint-tmp"]: step 2 unfinished
+    assert "1" in listing and "2" not in listing, listing
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        assert ckpt.steps() == [1]
+        like = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+        step, state, _ = ckpt.restore(like)
+        assert step == 1
+        np.testing.assert_array_equal(state["w"], np.ones((1024, 1024), np.float32))
+        ckpt.save(2, {"w": jnp.zeros((1024, 1024))})
+        assert ckpt.steps() == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# corruption
+
+
+def _replace_arrays_with_other_valid_ones(step_dir):
+    # Every file is valid; only the values are not the ones saved at this step.
+    other = step_dir.parent / "1"
+    shutil.rmtree(step_dir / "state")
+    shutil.copytree(other / "state", step_dir / "state")
+
+
+# Orbax's reads of a damaged file fail in several coroutines at once; those it does not await are
+# reported by Python as "exception ignored", which pytest would turn into an error here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", [truncate, delete, _replace_arrays_with_other_valid_ones], ids=lambda f: f.__name__)
+def test_a_corrupted_latest_checkpoint_warns_and_falls_back(tmp_path, damage):
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, small(1))
+        ckpt.save(2, small(2))
+    damage(tmp_path / "2")
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        assert ckpt.steps() == [1, 2]  # complete, but not intact
+        with pytest.warns(UserWarning, match="corrupted") as record:
+            step, state, _ = ckpt.restore(small(0))
+        assert step == 1
+        assert_bit_equal(state, small(1))
+        message = str(record[0].message)
+        assert str(tmp_path / "2") in message and "falling back" in message
+        if damage is _replace_arrays_with_other_valid_ones:  # read fine: only the fingerprints tell
+            assert "differ from those saved" in message and "['w']" in message
+        # A run resumed from step 1 reaches step 2 again: the corrupted checkpoint is replaced.
+        ckpt.save(2, small(22))
+        assert ckpt.steps() == [1, 2]
+        step, state, _ = ckpt.restore(small(0))
+    assert step == 2
+    assert_bit_equal(state, small(22))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_no_intact_checkpoint_is_an_error_listing_each_problem(tmp_path):
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, small(1))
+        ckpt.save(2, small(2))
+    truncate(tmp_path / "1")
+    (tmp_path / "2" / "meta" / "metadata").write_text("{not json")
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        with pytest.warns(UserWarning, match="falling back"), pytest.raises(transforms.CorruptCheckpointError) as e:
+            ckpt.restore(small(0))
+        text = str(e.value)
+        assert str(tmp_path / "1") in text and str(tmp_path / "2") in text
+        assert "metadata cannot be read" in text and "reading its arrays failed" in text
+        with pytest.raises(transforms.CorruptCheckpointError, match="metadata cannot be read"):
+            ckpt.restore(small(0), step=2)  # an explicit step does not fall back
+
+
+def test_metadata_is_read_without_the_arrays(tmp_path):
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(4, small(4), metadata={"preset": "tiny", "seen": [1, 2]})
+        ckpt.save(8, small(8), metadata={"preset": "small", "seen": [3]})
+    for step in (4, 8):
+        shutil.rmtree(tmp_path / str(step) / "state")
+    with transforms.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.metadata() == {"preset": "small", "seen": [3]}
+        assert ckpt.metadata(step=4) == {"preset": "tiny", "seen": [1, 2]}
+        assert ckpt.metadata(step=4) == json.loads((tmp_path / "4" / "meta" / "metadata").read_text())["metadata"]
+
+
+# ---------------------------------------------------------------------------------------------
+# fingerprints
+
+
+def test_fingerprints_agree_across_implementations_and_see_every_change():
+    rng = np.random.default_rng(0)
+    values = [
+        rng.standard_normal((5, 7)).astype(np.float32),
+        rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16),
+        rng.standard_normal(6).astype(ml_dtypes.float8_e4m3fn),
+        rng.integers(-100, 100, 9).astype(np.int8),
+        rng.integers(0, 5, (4, 4)).astype(np.int32),
+        np.array([True, False, True]),
+        (rng.standard_normal((2, 3)) + 1j).astype(np.complex64),
+        np.float32(3.0),
+    ]
+    for value in values:
+        want = _checkpoint._fingerprint_np(value)
+        assert np.asarray(_checkpoint._fingerprint(jnp.asarray(value))).tolist() == want, value.dtype
+    # Sharded and host-resident: computed on the global array, the same numbers.
+    mesh = sharding.make_mesh(data=2, fsdp=4)
+    value = rng.standard_normal((8, 12)).astype(np.float32)
+    for spec in (P("data", "fsdp"), P(None, "fsdp")):
+        for kind in (DEVICE, HOST):
+            x = jax.device_put(value, NamedSharding(mesh, spec, memory_kind=kind))
+            assert np.asarray(_checkpoint._fingerprint(x)).tolist() == _checkpoint._fingerprint_np(value)
+
+    base = _checkpoint._fingerprint_np(value)
+    flipped = value.copy()
+    flipped.view(np.uint32)[3, 4] ^= 1  # one bit
+    zeroed = value.copy()
+    zeroed[2:4] = 0  # a missing chunk read as zeros
+    swapped = value.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # right values, wrong places
+    for changed in (flipped, zeroed, swapped, value.reshape(12, 8)[:8, :]):
+        assert _checkpoint._fingerprint_np(changed) != base
+
+
+def test_restore_reads_host_leaves_one_at_a_time_where_orbax_cannot_read_into_host(tmp_path, monkeypatch):
+    state = {
+        "host": [jax.device_put(small(i)["w"], small(i)["w"].sharding.with_memory_kind(HOST)) for i in range(3)],
+        "dev": jnp.arange(4),
+    }
+    read = _checkpoint.Checkpointer._read_some
+    calls = []
+
+    def old_orbax(self, step, specs, indices):
+        targets = [specs[i][0] for i in indices]
+        if any(isinstance(t, jax.ShapeDtypeStruct) and t.sharding.memory_kind == HOST for t in targets):
+            raise ValueError("Memory kind mismatch with xla::PjRtBuffers")
+        calls.append(list(indices))
+        return read(self, step, specs, indices)
+
+    monkeypatch.setattr(_checkpoint.Checkpointer, "_read_some", old_orbax)
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state)
+        _, restored, _ = ckpt.restore(abstract(state))
+    assert [x.sharding.memory_kind for x in arrays(restored)] == [DEVICE, HOST, HOST, HOST]
+    assert_bit_equal(restored, state)
+    assert calls == [[0], [1], [2], [3]]  # the device leaf, then each host leaf alone
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def test_a_like_that_does_not_match_names_the_first_differing_leaf(tmp_path):
+    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, small(1))
+        w, c = jnp.zeros((64, 64)), jnp.arange(5)
+        cases = {
+            "shape": ({"w": w[:, :32], "b": {"c": c}}, r"\['w'\] is float32\[64, 32\] in `like` but float32\[64, 64\]"),
+            "dtype": ({"w": w, "b": {"c": c * 1.0}}, r"\['b'\]\['c'\] is float32\[5\] in `like` but int32\[5\]"),
+            "missing": ({"b": {"c": jnp.arange(5)}}, r"checkpoint has an array leaf \['w'\] that `like` does not"),
+            "extra": ({**small(0), "z": jnp.zeros(2)}, r"\['z'\]"),
+        }
+        for name, (like, pattern) in cases.items():
+            with pytest.raises(ValueError, match=pattern):
+                ckpt.restore(like)
+            assert ckpt._damaged == {}, name  # a caller's error, not a corrupted checkpoint
+        with pytest.raises(ValueError, match=r"\['w'\]\.\w+.* in `like` but \['w'\] in the checkpoint"):
+            ckpt.restore({"w": model(), "b": {"c": jnp.arange(5)}})
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="keep"):
+        transforms.Checkpointer(tmp_path, keep=0)
+    with pytest.raises(TypeError, match="keep"):
+        transforms.Checkpointer(tmp_path, keep=1.5)
+    with pytest.raises(TypeError, match="directory"):
+        transforms.Checkpointer(None)
+    empty = tmp_path / "empty"
+    with transforms.Checkpointer(empty, async_save=False) as ckpt:
+        assert ckpt.steps() == [] and ckpt.latest_step() is None
+        with pytest.raises(FileNotFoundError, match=str(empty)):
+            ckpt.restore(small(0))
+        with pytest.raises(FileNotFoundError, match=str(empty)):
+            ckpt.metadata()
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            ckpt.save(-1, small(0))
+        for step in (1.0, True, "3"):  # (under pytest, jaxtyping's checker may answer first)
+            with pytest.raises(TypeError, match="step"):
+                ckpt.save(step, small(0))
+        with pytest.raises(TypeError, match=r"JSON-serialisable.*object"):
+            ckpt.save(1, small(0), metadata={"run": object()})
+        with pytest.raises(TypeError, match="metadata"):
+            ckpt.save(1, small(0), metadata=[1, 2])
+        with pytest.raises(ValueError, match="no array leaves"):
+            ckpt.save(1, {"lr": 0.1})
+        assert ckpt.steps() == []  # nothing was written by the failed calls
+        ckpt.save(5, small(5))
+        for step in (5, 3):
+            with pytest.raises(ValueError, match=r"already holds checkpoint\(s\) at step \[5\]"):
+                ckpt.save(step, small(step))
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint for step 4"):
+            ckpt.restore(small(0), step=4)
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            ckpt.restore(small(0), step=-2)
+    with pytest.raises(RuntimeError, match="closed"):
+        ckpt.save(6, small(6))
+    ckpt.close()  # closing twice is fine
+
+
+def test_save_and_restore_print_nothing(tmp_path, capfd):
+    with transforms.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, small(1), metadata={"a": 1})
+        ckpt.wait()
+        ckpt.restore(small(0))
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def test_docstring_example_runs(capsys):
+    (block,) = re.findall(r"```python\n(.*?)```", transforms.Checkpointer.__doc__, flags=re.S)
+    exec(compile(textwrap.dedent(block), "Checkpointer docstring", "exec"), {})
+    assert capsys.readouterr().out.split() == ["100", "12800", HOST]
