@@ -1,206 +1,391 @@
-"""Train a small byte-level language model on the Python standard library's own source.
+"""Train a language model on local text, with checkpoints, resume, progress and plots.
 
-The data ships with every Python installation (found through `sysconfig`), so this runs on a
-fresh machine with no download:
+By default a tiny byte-level Llama learns the Python standard library's own source (found
+through `sysconfig`: no download), in about two minutes on 2 CPU cores:
 
-    python recipes/train_lm.py                       # tiny Llama, ~1-2 minutes on 2 CPU cores
-    python recipes/train_lm.py --model gpt2:tiny --steps 500
-    python recipes/train_lm.py --data path/to/text_or_dir
-    python recipes/train_lm.py --offload params,opt_state,activations   # state in host memory
+    python recipes/train_lm.py
+    python recipes/train_lm.py --model gpt2:tiny --steps 500 --data path/to/text_or_dir
+    python recipes/train_lm.py --offload params,opt_state,activations     # state in host memory
+    python recipes/train_lm.py --plan h100                                # the planner chooses
+    python recipes/train_lm.py --mesh data=2,fsdp=4                       # 8 devices
+    python recipes/train_lm.py --resume runs/llama-tiny-20261202-120000   # continue a run
+    python recipes/train_lm.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
 
-It prints the training loss as it falls, the validation loss in bits per byte next to the
-unigram baseline (what a model that ignores context would score), and a sampled continuation.
+Each run writes to ``--out`` (default ``runs/<model>-<time>``): ``checkpoints/`` (orbax; the
+last ``--keep``; model, optimizer state, step, RNG, data position and every flag, so
+``--resume DIR`` needs nothing else), ``metrics.jsonl``, ``loss.png`` (training and validation
+loss in bits per byte, with the unigram baseline) and ``placement.png`` (device vs host bytes of
+params, gradients, optimizer state, activations).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import pathlib
-import sysconfig
+import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the recipes' shared modules
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from lm_data import ByteTokenizer, Corpus, HFTokenizer, batch_at
+from lm_logging import MetricsLog, Progress, peak_flops, placement, plot_losses, plot_placement
+from lm_setup import (
+    apply_offload,
+    build_model,
+    init_distributed,
+    is_hf_dir,
+    make_config,
+    make_optimizer,
+    parse_mesh,
+    parse_offload,
+    process_rows,
+    put_batch,
+    sample,
+)
 
 import transforms
 import zoo
 
-FAMILIES = {"llama": zoo.LlamaConfig, "gpt2": zoo.GPT2Config}
+#: Flags that control one invocation, not the run: a resumed run takes them from the command line.
+RUN_CONTROL = ("resume", "stop_after", "coordinator", "num_processes", "process_id", "quiet_samples")
+VAL_SEED = 12345
 
 
-def corpus_files(source: str | None) -> list[pathlib.Path]:
-    """Text files to train on: the given file or directory, or the standard library's ``.py`` files."""
-    root = pathlib.Path(source) if source else pathlib.Path(sysconfig.get_paths()["stdlib"])
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise SystemExit(f"--data {source!r} is neither a file nor a directory")
-    pattern = "*.py" if source is None else "*"
-    files = sorted(p for p in root.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
-    if not files:
-        raise SystemExit(f"no files found under {root}")
-    return files
-
-
-def load_bytes(files: list[pathlib.Path], limit: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffle files deterministically, read up to ``limit`` bytes, split 95/5 by file.
-
-    Returns two uint8 arrays (train, validation): one flat buffer each, never Python objects
-    per token.
-    """
-    order = np.random.default_rng(seed).permutation(len(files))
-    train, val, total = [], [], 0
-    for rank, idx in enumerate(order):
-        data = files[idx].read_bytes()
-        (val if rank % 20 == 0 else train).append(np.frombuffer(data, np.uint8))
-        total += len(data)
-        if total >= limit:
-            break
-    if not val:
-        val.append(train[-1][-len(train[-1]) // 10 :])
-    return np.concatenate(train), np.concatenate(val)
-
-
-def batches(data: np.ndarray, batch: int, seq: int, seed: int):
-    """Endless random windows of ``seq + 1`` bytes."""
-    rng = np.random.default_rng(seed)
-    while True:
-        starts = rng.integers(0, len(data) - seq - 1, size=batch)
-        yield np.stack([data[s : s + seq + 1] for s in starts]).astype(np.int32)
-
-
-def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray) -> float:
-    counts = np.bincount(train, minlength=256).astype(np.float64) + 1.0
-    logp = np.log2(counts / counts.sum())
-    return float(-logp[val].mean())
-
-
-def make_config(spec: str, args) -> zoo.DecoderConfig:
-    family, _, preset = spec.partition(":")
-    if family not in FAMILIES:
-        raise SystemExit(f"--model must look like FAMILY:PRESET with FAMILY in {sorted(FAMILIES)}, got {spec!r}")
-    cls = FAMILIES[family]
-    return cls.preset(
-        preset or "tiny",
-        vocab_size=256,
-        max_seq_len=max(args.seq, 128),
-        param_dtype=args.param_dtype,
-        compute_dtype=args.compute_dtype,
-    )
-
-
-def sample(model, prompt: bytes, n: int, key, temperature: float = 0.8) -> bytes:
-    """Sample ``n`` bytes after ``prompt`` (recomputes the whole window each step: simple, not fast)."""
-    seq = model.config.max_seq_len
-    tokens = list(prompt)
-
-    @eqx.filter_jit
-    def next_logits(m, window, length):
-        return jnp.take(m(window), length - 1, axis=0)  # length is traced: one compile
-
-    for _ in range(n):
-        window = tokens[-seq:]
-        padded = jnp.asarray(window + [0] * (seq - len(window)), jnp.int32)
-        logits = next_logits(model, padded, jnp.int32(len(window))).astype(jnp.float32)
-        key, sub = jax.random.split(key)
-        tokens.append(int(jax.random.categorical(sub, logits / temperature)))
-    return bytes(tokens[len(prompt) :])
-
-
-def main(argv=None):
+def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama:tiny", help="FAMILY:PRESET, e.g. llama:tiny, gpt2:tiny")
-    p.add_argument("--data", default=None, help="text file or directory (default: Python stdlib sources)")
-    p.add_argument("--data-bytes", type=int, default=2_000_000, help="read at most this many bytes")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=40)
-    p.add_argument("--param-dtype", default="float32")
-    p.add_argument("--compute-dtype", default="float32")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--offload",
-        default="",
-        help="comma-separated subset of params,opt_state,activations to keep in host memory (pinned_host)",
+    a = p.add_argument
+    a(
+        "--model",
+        default="llama:tiny",
+        help="FAMILY:PRESET (llama:tiny, gpt2:124m, ...) or a Hugging Face checkpoint dir",
     )
-    p.add_argument(
+    a("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
+    a("--data-bytes", type=int, default=2_000_000, help="read at most this many bytes of text")
+    a("--steps", type=int, default=300, help="total optimizer steps (the learning-rate schedule's length)")
+    a("--batch", type=int, default=16, help="global batch (sequences per step)")
+    a("--seq", type=int, default=128, help="tokens per sequence")
+    a("--accum", type=int, default=1, help="gradient accumulation: micro-batches per step")
+    a("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, then cosine decay to lr/10)")
+    a("--warmup", type=int, default=40)
+    a("--weight-decay", type=float, default=0.1)
+    a("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    a("--param-dtype", default="float32")
+    a("--compute-dtype", default="float32", help="e.g. bfloat16 on a GPU")
+    a("--seed", type=int, default=0)
+    a("--mesh", default=None, help="device mesh sizes, e.g. data=2,fsdp=4,tensor=1 (default: no mesh)")
+    a("--offload", default="", help="comma-separated subset of params,opt_state,activations for pinned_host")
+    a(
         "--activations",
         default="block_input",
         help=f"with --offload activations: a preset ({', '.join(transforms.ACTIVATION_PRESETS)}) "
-        "or comma-separated activation names to offload",
+        "or comma-separated activation names",
     )
-    p.add_argument(
+    a(
         "--plan",
         metavar="DEVICE",
         default=None,
-        help=f"apply the memory planner's choice for this device ({', '.join(transforms.DEVICE_PROFILES)})",
+        help=f"apply the planner's choice ({', '.join(transforms.DEVICE_PROFILES)})",
     )
-    args = p.parse_args(argv)
+    a("--eval-every", type=int, default=50)
+    a("--eval-batches", type=int, default=8)
+    a("--log-every", type=int, default=20)
+    a("--save-every", type=int, default=100, help="checkpoint every N steps (and at the end); 0: only at the end")
+    a("--keep", type=int, default=3, help="checkpoints to keep")
+    a("--out", default=None, help="run directory (default runs/<model>-<time>)")
+    a("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last intact checkpoint")
+    a("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this many steps in this invocation")
+    a("--prompt", default="def main(", help="prompt for the samples printed at the end")
+    a("--quiet-samples", action="store_true", help="skip sampling at the end")
+    a("--coordinator", default=None, help="HOST:PORT of process 0, for a multi-process run")
+    a("--num-processes", type=int, default=None)
+    a("--process-id", type=int, default=None)
+    if defaults:
+        p.set_defaults(**defaults)
+    return p
+
+
+def parse(argv, defaults=None) -> argparse.Namespace:
+    parser = build_parser(defaults)
+    args = parser.parse_args(argv)
+    if args.resume:
+        meta_args = resume_args(args.resume)
+        given = vars(args)
+        args = argparse.Namespace(**{**meta_args, **{k: given[k] for k in RUN_CONTROL}})
+        args.out = args.resume
+    for name in ("steps", "batch", "seq", "accum", "eval_every", "eval_batches", "log_every", "keep"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.save_every < 0:
+        parser.error(f"--save-every must be >= 0, got {args.save_every}")
+    if args.batch % args.accum:
+        parser.error(f"--batch {args.batch} must be a multiple of --accum {args.accum}")
     if args.plan and args.offload:
-        raise SystemExit("--plan chooses the offload transforms itself; give either --plan or --offload")
-    offload = {x for x in args.offload.split(",") if x}
-    unknown = offload - {"params", "opt_state", "activations"}
-    if unknown:
-        raise SystemExit(f"--offload: unknown {sorted(unknown)}; choose from params, opt_state, activations")
+        parser.error("--plan chooses the offload transforms itself: give either --plan or --offload")
+    parse_offload(args.offload)
+    return args
 
-    cfg = make_config(args.model, args)
-    train, val = load_bytes(corpus_files(args.data), args.data_bytes, args.seed)
-    baseline = unigram_bits_per_byte(train, val)
-    model = zoo.build_model(cfg, key=jax.random.key(args.seed))
-    print(f"{args.model}: {cfg.n_params():,} params | train {len(train):,} B, val {len(val):,} B | {jax.devices()[0]}")
 
-    if args.steps < 1:
-        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
-    warmup = min(args.warmup, args.steps - 1)  # a short run warms up for less than its length
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    if "params" in offload:
-        model = transforms.offload_params(model)
-    if "activations" in offload:
-        if args.activations in transforms.ACTIVATION_PRESETS:
-            model = transforms.offload_activations(model, policy=args.activations)
+def resume_args(run_dir: str) -> dict:
+    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        raise SystemExit(f"--resume {run_dir}: no checkpoints directory at {ckpt_dir}")
+    with transforms.Checkpointer(ckpt_dir) as ckpt:
+        try:
+            return ckpt.metadata()["args"]
+        except FileNotFoundError as err:
+            raise SystemExit(f"--resume {run_dir}: {err}") from None
+
+
+def default_out(model: str) -> str:
+    name = pathlib.Path(model).name if is_hf_dir(model) else model.replace(":", "-")
+    return str(pathlib.Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+class Run:
+    """Everything a run needs, built from its flags (also used by the evaluation recipe)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        hf = is_hf_dir(args.model)
+        if hf and (pathlib.Path(args.model) / "tokenizer.json").is_file():
+            self.tokenizer = HFTokenizer(args.model)
         else:
-            model = transforms.offload_activations(model, names=tuple(args.activations.split(",")))
-    if "opt_state" in offload:
-        optimizer = transforms.offload_opt_state(optimizer)
-    if args.plan:
-        plan = transforms.plan(cfg, batch=args.batch, seq=args.seq, device=args.plan)
-        print(plan)
-        model, optimizer = plan.apply(model, optimizer)
-    train_step = transforms.train_step(zoo.lm_loss, optimizer)
-    opt_state = train_step.init(model)
-    if offload or args.plan:
-        print(transforms.memory_report(params=model, opt_state=opt_state))
+            self.tokenizer = ByteTokenizer()
+        self.corpus = Corpus(args.data, self.tokenizer, limit=args.data_bytes, seed=args.seed)
+        self.corpus.check(args.seq)
+        self.mesh = parse_mesh(args.mesh)
+        if hf:
+            self.model = build_model(args.model, None, self.mesh, seed=args.seed, compute_dtype=args.compute_dtype)
+            self.config = self.model.config
+        else:
+            self.config = make_config(
+                args.model,
+                vocab_size=self.tokenizer.vocab_size,
+                seq=args.seq,
+                param_dtype=args.param_dtype,
+                compute_dtype=args.compute_dtype,
+            )
+            self.model = build_model(args.model, self.config, self.mesh, seed=args.seed)
+        if self.config.vocab_size < self.tokenizer.vocab_size:
+            raise SystemExit(
+                f"{args.model} has {self.config.vocab_size} tokens, the tokenizer {self.tokenizer.vocab_size}"
+            )
+        optimizer = make_optimizer(
+            lr=args.lr, warmup=args.warmup, steps=args.steps, weight_decay=args.weight_decay, clip=args.clip
+        )
+        self.plan = None
+        if args.plan:
+            self.plan = transforms.plan(self.config, batch=args.batch, seq=args.seq, device=args.plan)
+            self.model, optimizer = self.plan.apply(self.model, optimizer)
+        else:
+            self.model, optimizer = apply_offload(self.model, optimizer, parse_offload(args.offload), args.activations)
+        self.step_fn = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=args.accum)
+        self.opt_state = self.step_fn.init(self.model)
+        #: the sampling key's data (kept in the checkpoint's metadata)
+        self.rng = [int(x) for x in np.asarray(jax.random.key_data(jax.random.key(args.seed + 1)))]
+        self.rows = process_rows(args.batch)
+        self.eval_loss = eqx.filter_jit(zoo.lm_loss)
 
-    eval_loss = eqx.filter_jit(zoo.lm_loss)
+    def state(self) -> dict:
+        return {"model": self.model, "opt_state": self.opt_state}
 
-    def val_bits_per_byte(model, n_batches=8):
-        it = batches(val, args.batch, args.seq, seed=12345)
-        losses = [float(eval_loss(model, jnp.asarray(next(it)))) for _ in range(n_batches)]
-        return float(np.mean(losses)) / math.log(2)
+    def set_state(self, state: dict, metadata: dict) -> None:
+        self.model, self.opt_state = state["model"], state["opt_state"]
+        self.rng = metadata["rng"]
 
-    print(f"unigram baseline: {baseline:.3f} bits/byte")
-    data = batches(train, args.batch, args.seq, args.seed)
-    start = time.perf_counter()
-    for i in range(1, args.steps + 1):
-        model, opt_state, metrics = train_step(model, opt_state, jnp.asarray(next(data)))
-        loss = metrics["loss"]
-        if i % 20 == 0 or i == 1:
-            rate = i * args.batch * args.seq / (time.perf_counter() - start)
-            print(f"step {i:5d}  loss {float(loss):.3f}  {rate:,.0f} tok/s", flush=True)
-        if i % args.eval_every == 0 or i == args.steps:
-            print(f"step {i:5d}  val {val_bits_per_byte(model):.3f} bits/byte (unigram {baseline:.3f})", flush=True)
-    if not np.isfinite(float(loss)):
-        raise SystemExit("training diverged: non-finite loss")
-    prompt = b"def main("
-    print("sample:", repr((prompt + sample(model, prompt, 120, jax.random.key(1))).decode("utf-8", "replace")))
+    def batch(self, tokens: np.ndarray, step: int, seed: int):
+        a = self.args
+        local = batch_at(tokens, step, batch=a.batch, seq=a.seq, seed=seed, rows=self.rows)
+        return put_batch(local, self.mesh, (a.batch, a.seq + 1))
+
+    def bits_per_byte(self, nats_per_token: float) -> float:
+        return nats_per_token / math.log(2) / self.corpus.val_bytes_per_token
+
+    def val_bits_per_byte(self) -> float:
+        losses = [
+            float(self.eval_loss(self.model, self.batch(self.corpus.val, k, VAL_SEED)))
+            for k in range(self.args.eval_batches)
+        ]
+        return self.bits_per_byte(float(np.mean(losses)))
+
+    def metadata(self, step: int) -> dict:
+        return {
+            "args": vars(self.args),
+            "step": step,
+            "rng": self.rng,
+            "config": self.config.to_dict(),
+            "tokenizer": self.tokenizer.name,
+            "data_position": {"seed": self.args.seed, "next_step": step + 1},
+            "tokens_seen": step * self.args.batch * self.args.seq,
+        }
+
+    def prediction(self) -> dict:
+        """The planner's bytes for the transforms this run uses (gradients and activations)."""
+        a = self.args
+        plan = self.plan or transforms.plan(self.config, batch=a.batch, seq=a.seq, device=a.plan or "h100")
+        if self.plan is not None:
+            c = self.plan.candidate
+            return plan.predict(params=c.params, opt_state=c.opt_state, activations=c.policy) if c else {}
+        chosen = parse_offload(a.offload)
+        acts = None
+        if "activations" in chosen:
+            if a.activations in transforms.ACTIVATION_PRESETS:
+                acts = a.activations
+            else:
+                acts = {n: "offload" for n in a.activations.split(",")}
+        return plan.predict(params="params" in chosen, opt_state="opt_state" in chosen, activations=acts)
+
+
+@eqx.filter_jit
+def all_finite(model) -> jax.Array:
+    """Whether every floating-point parameter is finite (each is read onto the device in turn)."""
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+    checks = [jnp.isfinite(jax.device_put(x, jax.memory.Space.Device)).all() for x in leaves]
+    return jnp.stack(checks).all()
+
+
+def params_digest(model) -> str:
+    """SHA-256 of every parameter, gathered from all processes."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    arrays = multihost_utils.process_allgather(eqx.filter(model, eqx.is_array), tiled=True)
+    digest = hashlib.sha256()
+    for x in jax.tree.leaves(arrays):
+        digest.update(np.ascontiguousarray(x).tobytes())
+    return digest.hexdigest()
+
+
+def main(argv=None, *, defaults: dict | None = None) -> dict:
+    """Run the recipe; returns a summary (final step, losses, paths)."""
+    args = parse(argv, defaults)
+    init_distributed(args.coordinator, args.num_processes, args.process_id)
+    lead = jax.process_index() == 0
+    out = pathlib.Path(args.out or default_out(args.model))
+    if args.out is None and jax.process_count() > 1:
+        raise SystemExit("a multi-process run needs --out (a directory all processes share)")
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+    run = Run(args)
+    args.out = str(out)
+    ckpt = transforms.Checkpointer(out / "checkpoints", keep=args.keep)
+    if args.resume:
+        start, state, meta = ckpt.restore(run.state())
+        run.set_state(state, meta)
+        resumed = f"resumed at step {start} from {out}"
+    else:
+        if ckpt.latest_step() is not None:
+            raise SystemExit(f"{out} already holds checkpoints: continue it with --resume {out}, or choose a new --out")
+        start, resumed = 0, None
+
+    say = print if lead else (lambda *a, **k: None)
+    cfg = run.config
+    say(
+        f"{args.model}: {cfg.n_params():,} params | train {len(run.corpus.train):,} tokens, "
+        f"val {len(run.corpus.val):,} | {jax.device_count()} x {jax.devices()[0].device_kind} | "
+        f"{jax.process_count()} process(es) | run dir {out}"
+    )
+    if resumed:
+        say(resumed)
+    if run.plan is not None:
+        say(run.plan)
+    if args.offload or args.plan:
+        say(transforms.memory_report(params=run.model, opt_state=run.opt_state))
+    baseline = run.corpus.unigram_bits_per_byte()
+    say(f"unigram baseline: {baseline:.3f} bits/byte")
+    if lead:
+        (out / "args.json").write_text(json.dumps(vars(args), indent=2))
+    log = MetricsLog(out / "metrics.jsonl", truncate_after=start) if lead else None
+    progress = Progress(
+        total=args.steps,
+        initial=start,
+        tokens_per_step=args.batch * args.seq,
+        flops_per_token=cfg.flops_per_token(args.seq),
+        peak=peak_flops(args.compute_dtype),
+        log_every=args.log_every,
+    )
+    if not lead:
+        progress.bar.disable = True
+        progress.write = lambda line: None
+
+    last = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
+    loss = float("nan")
+    summary = {"out": str(out), "start_step": start, "losses": {}, "val": {}}
+    try:
+        for step in range(start + 1, last + 1):
+            model, opt_state, metrics = run.step_fn(
+                run.model, run.opt_state, run.batch(run.corpus.train, step, args.seed)
+            )
+            loss = float(metrics["loss"])
+            saving = (args.save_every and step % args.save_every == 0) or step == last
+            if not math.isfinite(loss) or (saving and not bool(all_finite(model))):
+                ckpt.wait()
+                good = ckpt.latest_step()
+                where = f"the last good checkpoint is step {good} in {out}" if good else "no checkpoint was saved"
+                what = f"the training loss is {loss}" if not math.isfinite(loss) else "the parameters are not finite"
+                raise SystemExit(
+                    f"step {step}: {what}; stopping without saving. {where}. "
+                    "Lower --lr or raise --warmup, then --resume from it."
+                )
+            run.model, run.opt_state = model, opt_state
+            summary["losses"][step] = loss
+            rates = progress.update(step, loss)
+            if log:
+                log.log(
+                    kind="train",
+                    step=step,
+                    loss=loss,
+                    train_bits_per_byte=run.bits_per_byte(loss),
+                    grad_norm=float(metrics["grad_norm"]),
+                    time=time.time(),
+                    **rates,
+                )
+            if step % args.eval_every == 0 or step == args.steps:
+                val = run.val_bits_per_byte()
+                summary["val"][step] = val
+                progress.write(f"step {step:5d}  val {val:.3f} bits/byte (unigram {baseline:.3f})")
+                if log:
+                    log.log(kind="val", step=step, val_bits_per_byte=val, time=time.time())
+            if saving:
+                ckpt.save(step, run.state(), metadata=run.metadata(step))
+    finally:
+        progress.close()
+        ckpt.close()  # waits for the background write of the last checkpoint
+        if log:
+            log.close()
+    summary["final_step"] = last
+    summary["model"] = run.model
+    if last < args.steps:
+        say(f"stopped after step {last} of {args.steps}; continue with: --resume {out}")
+        return summary
+
+    if jax.process_count() > 1:  # every process shows what it ends with: they must agree
+        print(f"process {jax.process_index()}: params sha256 {params_digest(run.model)}")
+    if lead:
+        from lm_logging import read_jsonl
+
+        records = read_jsonl(out / "metrics.jsonl")
+        plot_losses(
+            records, out / "loss.png", baseline=baseline, title=f"{args.model} on {args.data or 'Python stdlib'}"
+        )
+        plot_placement(
+            placement(eqx.filter(run.model, eqx.is_array), run.opt_state, run.prediction()),
+            out / "placement.png",
+            title=f"where the training state lives ({args.offload or args.plan or 'no offload'})",
+        )
+        say(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'}, {out / 'placement.png'}")
+    if not args.quiet_samples and jax.process_count() == 1:
+        prompt = run.tokenizer.encode(args.prompt.encode())
+        for row in sample(run.model, prompt, 100, jax.random.wrap_key_data(jnp.asarray(run.rng, jnp.uint32))):
+            say("sample:", repr(args.prompt + run.tokenizer.decode(row)))
+    return summary
 
 
 if __name__ == "__main__":

@@ -39,11 +39,11 @@ def test_loss_falls_over_50_adamw_steps_on_a_fixed_batch(cfg):
     [[], ["--offload", "params,opt_state,activations"], ["--plan", "h100"]],
     ids=["plain", "offload-all", "plan"],
 )
-def test_train_recipe_runs_and_beats_the_unigram_baseline(capsys, flags):
+def test_train_recipe_runs_and_beats_the_unigram_baseline(capsys, tmp_path, flags):
     recipe = pathlib.Path(__file__).parents[1] / "recipes" / "train_lm.py"
     module = runpy.run_path(str(recipe))
     args = ["--steps", "60", "--eval-every", "60", "--data-bytes", "300000", "--batch", "8", "--seq", "64"]
-    module["main"]([*args, *flags])
+    module["main"]([*args, *flags, "--out", str(tmp_path / "run")])
     out = capsys.readouterr().out
     if "--offload" in flags:
         assert "pinned_host" in out  # the memory report

@@ -1,0 +1,197 @@
+"""Progress bar, JSONL metrics log and PNG plots for the language-model recipes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import resource
+import sys
+import time
+
+import jax
+
+import transforms
+
+
+def peak_flops(compute_dtype: str) -> float | None:
+    """Dense peak FLOP/s of one local device if it matches a planner profile (``None`` on CPU)."""
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        return None
+    kind = device.device_kind.lower().replace(" ", "")
+    for name, profile in transforms.DEVICE_PROFILES.items():
+        if name.replace("-", "") in kind or kind in profile.description.lower().replace(" ", ""):
+            return float(profile.flops(compute_dtype))
+    return None
+
+
+def memory_in_use() -> tuple[str, int]:
+    """(label, bytes): device memory in use where the backend reports it, else the process's peak RSS."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_in_use" in stats:
+        return "dev", int(stats["bytes_in_use"])
+    return "rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class Progress:
+    """A tqdm bar (on a terminal) plus a plain line every ``log_every`` steps (always)."""
+
+    def __init__(self, *, total: int, initial: int, tokens_per_step: int, flops_per_token: float, peak, log_every):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True, disable=None)
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.log_every = log_every
+        self.start_step = initial
+        self.last = time.perf_counter()
+        self.tok_s = None
+
+    def rates(self, step: int) -> dict:
+        now = time.perf_counter()
+        current = self.tokens_per_step / max(now - self.last, 1e-9)
+        self.last = now
+        # Smoothed over recent steps; the first (compiling) step does not count.
+        if step > self.start_step + 1:
+            self.tok_s = current if self.tok_s is None else 0.9 * self.tok_s + 0.1 * current
+        tok_s = self.tok_s if self.tok_s is not None else current
+        out = {"tokens_per_s": tok_s}
+        if self.peak:
+            out["mfu"] = tok_s * self.flops_per_token / (self.peak * jax.device_count())
+        label, used = memory_in_use()
+        out[f"{label}_mem_bytes"] = used
+        return out
+
+    def update(self, step: int, loss: float) -> dict:
+        rates = self.rates(step)
+        post = {"loss": f"{loss:.3f}", "tok/s": f"{rates['tokens_per_s']:,.0f}"}
+        if "mfu" in rates:
+            post["mfu"] = f"{100 * rates['mfu']:.1f}%"
+        for key, value in rates.items():
+            if key.endswith("_mem_bytes"):
+                post[key.split("_")[0]] = human_bytes(value)
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+        if step % self.log_every == 0 or step == self.start_step + 1:
+            self.write(
+                f"step {step:5d}  loss {loss:.3f}  " + "  ".join(f"{k} {v}" for k, v in post.items() if k != "loss")
+            )
+        return rates
+
+    def write(self, line: str) -> None:
+        self.bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class MetricsLog:
+    """Append-only JSONL: one object per line, flushed, so a killed run keeps what it logged."""
+
+    def __init__(self, path: pathlib.Path, *, truncate_after: int | None = None):
+        self.path = path
+        if truncate_after is not None and path.exists():
+            # A resumed run rewinds to its checkpoint: drop records from the lost steps.
+            keep = [r for r in read_jsonl(path) if r.get("step", 0) <= truncate_after]
+            path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        self.fh = path.open("a")
+
+    def log(self, **record) -> None:
+        self.fh.write(json.dumps(record) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def read_jsonl(path) -> list[dict]:
+    records = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+    return records
+
+
+def plot_losses(records: list[dict], path: pathlib.Path, *, baseline: float, title: str) -> None:
+    """Training loss and validation loss (bits per byte) against step, with the unigram baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["train_bits_per_byte"]) for r in records if r.get("kind") == "train"]
+    val = [(r["step"], r["val_bits_per_byte"]) for r in records if r.get("kind") == "val"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train, strict=True), lw=1, alpha=0.8, label="train")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", lw=2, label="validation")
+    ax.axhline(baseline, color="gray", ls="--", lw=1, label=f"unigram baseline ({baseline:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def placement(params, opt_state, prediction: dict) -> dict[str, dict[str, int]]:
+    """Bytes per component on device and in host memory.
+
+    Parameters and optimizer state are measured on the live arrays; gradients and saved
+    activations exist only inside the step, so they come from the planner's prediction for the
+    same transforms (at its device-memory peak).
+    """
+    report = transforms.memory_report(params=params, opt_state=opt_state)
+    out = {}
+    for name in ("params", "opt_state"):
+        host = report.bytes("pinned_host", name) if "pinned_host" in report.kinds else 0
+        out[name] = {"device": report.bytes("device", name) if "device" in report.kinds else 0, "host": host}
+    peak = prediction["phases"][prediction["peak_phase"]]
+    backward = prediction["phases"].get("backward", peak)
+    out["gradients"] = {
+        "device": max(p.get("gradients", 0) for p in prediction["phases"].values()),
+        "host": prediction["host"].get("gradients", 0),
+    }
+    out["activations"] = {
+        "device": backward.get("saved activations", 0) + backward.get("other residuals", 0),
+        "host": prediction["host"].get("saved activations", 0),
+    }
+    return out
+
+
+def plot_placement(where: dict[str, dict[str, int]], path: pathlib.Path, *, title: str) -> None:
+    """Stacked bars: device vs host bytes for params, gradients, optimizer state, activations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(where)
+    device = [where[n]["device"] / 2**20 for n in names]
+    host = [where[n]["host"] / 2**20 for n in names]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.bar(names, device, label="device", color="#4c72b0")
+    ax.bar(names, host, bottom=device, label="host (pinned_host)", color="#dd8452")
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.text(0.01, 0.01, "params, optimizer state: measured; gradients, activations: planner estimate", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

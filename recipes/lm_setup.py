@@ -1,0 +1,151 @@
+"""Model, mesh, processes, optimizer and offload choices for the language-model recipes."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import transforms
+import zoo
+from zoo import sharding
+
+FAMILIES = {"llama": zoo.LlamaConfig, "gpt2": zoo.GPT2Config}
+OFFLOADABLE = ("params", "opt_state", "activations")
+
+
+def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Start JAX's multi-process runtime when asked (flags, or the variables JAX reads itself)."""
+    if coordinator is None and "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        if num_processes not in (None, 1) or process_id not in (None, 0):
+            raise SystemExit("--num-processes/--process-id need --coordinator HOST:PORT")
+        return
+    if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def parse_mesh(spec: str | None):
+    """``"data=2,fsdp=4,tensor=1"`` -> a mesh over all devices of all processes (``None``: no mesh)."""
+    if not spec:
+        if jax.process_count() > 1:
+            return sharding.make_mesh(fsdp=jax.device_count())
+        return None
+    sizes = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name not in sharding.MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--mesh: bad entry {part!r}; use e.g. data=2,fsdp=4,tensor=1 (axes {sharding.MESH_AXES})")
+        sizes[name] = int(value)
+    if math.prod(sizes.values()) != jax.device_count():
+        raise SystemExit(f"--mesh {spec} has {math.prod(sizes.values())} devices but there are {jax.device_count()}")
+    return sharding.make_mesh(**sizes)
+
+
+def is_hf_dir(spec: str) -> bool:
+    return pathlib.Path(spec).is_dir() and (pathlib.Path(spec) / "config.json").is_file()
+
+
+def make_config(spec: str, *, vocab_size: int, seq: int, param_dtype: str, compute_dtype: str):
+    family, _, preset = spec.partition(":")
+    if family not in FAMILIES:
+        raise SystemExit(
+            f"--model must be FAMILY:PRESET with FAMILY in {sorted(FAMILIES)}, or a Hugging Face checkpoint "
+            f"directory, got {spec!r}"
+        )
+    cls = FAMILIES[family]
+    try:
+        return cls.preset(
+            preset or "tiny",
+            vocab_size=vocab_size,
+            max_seq_len=max(seq, 128),
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+        )
+    except (KeyError, ValueError) as err:
+        raise SystemExit(f"--model {spec!r}: {err}") from None
+
+
+def build_model(spec: str, cfg, mesh, *, seed: int, compute_dtype: str | None = None):
+    """A fresh model (preset), or the weights of a Hugging Face directory; sharded over ``mesh``."""
+    if is_hf_dir(spec):
+        return zoo.load_hf(spec, mesh=mesh, compute_dtype=compute_dtype)
+    key = jax.random.key(seed)
+    if mesh is None:
+        return zoo.build_model(cfg, key=key)
+    return sharding.init_sharded(lambda k: zoo.build_model(cfg, key=k), mesh, key=key)
+
+
+def make_optimizer(*, lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
+    warmup = min(warmup, steps - 1)  # a short run warms up for less than its length
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+
+
+def parse_offload(spec: str) -> set[str]:
+    chosen = {x for x in spec.split(",") if x}
+    unknown = chosen - set(OFFLOADABLE)
+    if unknown:
+        raise SystemExit(f"--offload: unknown {sorted(unknown)}; choose from {', '.join(OFFLOADABLE)}")
+    return chosen
+
+
+def apply_offload(model, optimizer, offload: set[str], activations: str):
+    if "params" in offload:
+        model = transforms.offload_params(model)
+    if "activations" in offload:
+        if activations in transforms.ACTIVATION_PRESETS:
+            model = transforms.offload_activations(model, policy=activations)
+        else:
+            model = transforms.offload_activations(model, names=tuple(activations.split(",")))
+    if "opt_state" in offload:
+        optimizer = transforms.offload_opt_state(optimizer)
+    return model, optimizer
+
+
+def put_batch(tokens: np.ndarray, mesh, global_shape):
+    """A process's rows of the global batch as one global array (sharded over the mesh's batch axes)."""
+    if mesh is None:
+        return jnp.asarray(tokens)
+    return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), tokens, global_shape)
+
+
+def process_rows(batch: int) -> slice:
+    """The rows of a global batch this process supplies."""
+    n, i = jax.process_count(), jax.process_index()
+    if batch % n:
+        raise SystemExit(f"--batch {batch} must divide evenly over {n} processes")
+    per = batch // n
+    return slice(i * per, (i + 1) * per)
+
+
+def sample(model, prompt_ids, n_new: int, key, *, n_samples: int = 3, temperature: float = 0.8):
+    """``n_samples`` continuations of ``prompt_ids`` (each step reruns the window: simple, not fast)."""
+    seq = model.config.max_seq_len
+    prompt = [int(t) for t in prompt_ids][-(seq - 1) :]
+    tokens = np.zeros((n_samples, seq), np.int32)
+    tokens[:, : len(prompt)] = prompt
+
+    @eqx.filter_jit
+    def next_tokens(m, window, length, key):
+        logits = jax.vmap(lambda w: jnp.take(m(w), length - 1, axis=0))(window).astype(jnp.float32)
+        return jax.random.categorical(key, logits / temperature, axis=-1)
+
+    out = []
+    length = len(prompt)
+    for _ in range(n_new):
+        key, sub = jax.random.split(key)
+        new = np.asarray(next_tokens(model, jnp.asarray(tokens), jnp.int32(length), sub))
+        out.append(new)
+        if length < seq:
+            tokens[:, length] = new
+            length += 1
+        else:  # slide the window
+            tokens = np.concatenate([tokens[:, 1:], new[:, None]], axis=1)
+    return np.stack(out, axis=1)
