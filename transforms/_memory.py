@@ -7,6 +7,7 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 
 from zoo.nn._placement import on_host
 
@@ -115,3 +116,48 @@ def replicate_strays(tree, mesh):
         return x
 
     return jax.tree.map(one, tree)
+
+
+def is_empty(x) -> bool:
+    """An empty subtree of an optimizer state (``None`` or optax's ``MaskedNode``)."""
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def state_shardings(abstract, chosen, params, mesh):
+    """Shardings on ``mesh`` for an optimizer state (``abstract``, from `jax.eval_shape`): the
+    leaves of subtrees that mirror ``params`` (moments and the like, masked ones included) take
+    their parameter's sharding when the shapes agree, every other leaf is replicated; leaves
+    where ``chosen`` is true go to host memory.
+
+    Left to XLA, state created with ``zeros_like`` (a constant) comes out replicated, a whole
+    copy of every moment on each device of an fsdp mesh, and constants such as a step counter
+    land on one device, which another process cannot address.
+    """
+    param_def = jax.tree.structure(params, is_leaf=lambda x: x is None)
+    param_leaves = jax.tree.leaves(params, is_leaf=lambda x: x is None)
+
+    def kind(c: bool) -> str:
+        return HOST if c else DEVICE
+
+    def replicated(c: bool):
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=kind(c))
+
+    def mirrors(node) -> bool:
+        return param_def.num_leaves > 1 and jax.tree.structure(node, is_leaf=is_empty) == param_def
+
+    def one(node, c):
+        if not mirrors(node):
+            return replicated(c) if is_arraylike(node) else node
+        leaves, treedef = jax.tree.flatten(node, is_leaf=is_empty)
+        flags = jax.tree.leaves(c, is_leaf=is_empty)
+        out = []
+        for x, flag, p in zip(leaves, flags, param_leaves, strict=True):
+            if not is_arraylike(x):
+                out.append(x)
+            elif p is not None and tuple(p.shape) == tuple(x.shape):
+                out.append(p.sharding.with_memory_kind(kind(flag)))
+            else:
+                out.append(replicated(flag))
+        return jax.tree.unflatten(treedef, out)
+
+    return jax.tree.map(one, abstract, chosen, is_leaf=lambda n: is_empty(n) or mirrors(n))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -15,10 +16,12 @@ from ._memory import (
     replicate_strays,
     require_host_memory,
     restore_kinds,
+    state_shardings,
     to_host,
     traced_kind,
     tree_to_device,
 )
+from ._opt_stream import StreamedOptimizer
 
 
 def _default_where(x) -> bool:
@@ -27,7 +30,13 @@ def _default_where(x) -> bool:
     return is_floating(x) and x.ndim > 0
 
 
-def offload_opt_state(optimizer: optax.GradientTransformation, *, where: Callable | None = None):
+def offload_opt_state(
+    optimizer: optax.GradientTransformation,
+    *,
+    where: Callable | None = None,
+    stream: bool = False,
+    clip_norm: int | float | None = None,
+):
     """Wrap an optax optimizer so its state lives in host memory (``pinned_host``).
 
     ``init`` creates the state and moves the selected leaves (by default every floating-point
@@ -37,10 +46,41 @@ def offload_opt_state(optimizer: optax.GradientTransformation, *, where: Callabl
     XLA can overlap the copies with the update math. Any `GradientTransformation` works: chains,
     `clip_by_global_norm`, `inject_hyperparams`, `multi_transform`, schedules.
 
+    With ``stream=True`` the update of every :class:`zoo.nn.Stack` in the parameters runs as a
+    `lax.scan` over its layers: each iteration brings one layer's optimizer state (and that
+    layer's weights and gradients, where they live in host memory) to the device, updates it,
+    applies the update and sends the new state and weights back to host, fetching the next layer
+    while the current one is updated; the device holds about two layers of them at a time, never
+    the whole ``updates`` tree. Leaves outside the stacks (embeddings, head, final norm) are
+    updated once, leaf by leaf. :class:`transforms.TrainStep` runs this path through the wrapper's
+    ``apply(grads, state, params) -> (params, state, grad_norm)``; ``update`` stays a valid optax
+    update (it returns the whole ``updates`` tree). The state is a
+    :class:`~transforms._opt_stream.StreamedState`: the wrapped optimizer's state per stack, built
+    layer by layer, so each of its leaves (step counters and injected hyperparameters included)
+    has the stack's leading layer axis, and its state for the other leaves. This is exact for
+    optimizers that update each layer on its own (Adam, SGD, Lion, schedules,
+    `inject_hyperparams`, chains and `multi_transform` of those); masks and labels computed from
+    shapes see one layer's shapes. ``init`` checks this on a small random copy of the parameter
+    tree and raises `ValueError` naming the transformation otherwise (`optax.clip_by_global_norm`:
+    pass ``clip_norm`` instead). A model without any stack is updated leaf by leaf, as without
+    ``stream``. With gradient accumulation (``accum_steps > 1``) the summed gradients are still
+    held on the device.
+
     **Arguments:**
 
     - `optimizer`: an `optax.GradientTransformation`.
-    - `where`: optional filter ``state_leaf -> bool`` choosing which state leaves live on host.
+    - `where`: optional filter ``state_leaf -> bool`` choosing which state leaves live on host
+      (with ``stream=True`` it sees the stacked leaves, layer axis included).
+    - `stream`: update the stacked layers one at a time (see above).
+    - `clip_norm`: clip the gradients to this global norm before the update, as
+      ``optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)`` does. With ``stream=True`` the
+      norm is computed first, in its own pass over the layers.
+
+    **Raises:** `TypeError` for an optimizer that is not an optax one, a `where` that is not
+    callable, a `stream` that is not a bool or a `clip_norm` that is not a number; `ValueError`
+    for a `clip_norm` that is not positive and finite, an optimizer wrapped twice, and at
+    ``init`` for a `where` that selects nothing or (``stream=True``) an optimizer whose update of
+    one layer depends on other layers; `RuntimeError` on a backend without host memory.
 
     **Example:**
 
@@ -49,6 +89,14 @@ def offload_opt_state(optimizer: optax.GradientTransformation, *, where: Callabl
     model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
     opt = transforms.offload_opt_state(optax.adamw(1e-3))
     state = opt.init(eqx.filter(model, eqx.is_array))   # Adam moments in pinned_host
+
+    # Streamed: weights, gradients and Adam state move to the device one layer at a time.
+    model = transforms.offload_params(model)
+    opt = transforms.offload_opt_state(optax.adamw(1e-3), stream=True, clip_norm=1.0)
+    step = transforms.train_step(zoo.lm_loss, opt)
+    state = step.init(model)
+    model, state, metrics = step(model, state, jax.numpy.zeros((2, 9), jax.numpy.int32))
+    state.stacked[0][0].mu.stack.layers.mlp.up.weight.sharding.memory_kind   # 'pinned_host'
     ```
     """
     if not isinstance(optimizer, optax.GradientTransformation):
@@ -58,20 +106,35 @@ def offload_opt_state(optimizer: optax.GradientTransformation, *, where: Callabl
     select = _default_where if where is None else where
     if not callable(select):
         raise TypeError(f"where must be a callable filter or None, got {type(where).__name__}")
+    if not isinstance(stream, bool):
+        raise TypeError(f"offload_opt_state: stream must be True or False, got {stream!r}")
+    if clip_norm is not None:
+        if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
+            raise TypeError(f"offload_opt_state: clip_norm must be a positive number or None, got {clip_norm!r}")
+        if not math.isfinite(clip_norm) or clip_norm <= 0:
+            raise ValueError(f"offload_opt_state: clip_norm must be a positive finite number, got {clip_norm!r}")
+        clip_norm = float(clip_norm)
     require_host_memory()
+    if stream:
+        return StreamedOptimizer(optimizer, select, clip_norm, where is not None)
+    if clip_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
 
     def init(params):
         def build(p):
             return optimizer.init(tree_to_device(p))
 
-        # Shardings XLA chooses for the state (sharded params give sharded moments), then the
-        # same with the selected leaves in host memory: the state is written there directly.
-        out_shardings = jax.jit(build).lower(params).compile().output_shardings
+        # The state's shardings, with the selected leaves in host memory: it is written there directly.
         abstract = jax.eval_shape(build, params)
         chosen = jax.tree.map(lambda a: bool(is_arraylike(a) and select(a)), abstract)
         if where is not None and not any(jax.tree.leaves(chosen)):
             raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
-        target = jax.tree.map(lambda s, c: s.with_memory_kind(HOST) if c else s, out_shardings, chosen)
+        mesh = mesh_of(params)
+        if mesh is not None:  # moments sharded like their parameters, the rest replicated
+            target = state_shardings(abstract, chosen, params, mesh)
+        else:
+            out_shardings = jax.jit(build).lower(params).compile().output_shardings
+            target = jax.tree.map(lambda s, c: s.with_memory_kind(HOST) if c else s, out_shardings, chosen)
 
         def build_on_host(p):
             # Move inside the program as well: arrays that only get a pinned_host out_sharding keep

@@ -1,0 +1,474 @@
+"""Streamed optimizer update: one layer of optimizer state (and weights, gradients) on the device at a time.
+
+The update of every :class:`zoo.nn.Stack` runs as a `lax.scan` over its layer axis. Each iteration
+fetches one layer's optimizer state, and its weights and gradients where they live in host memory,
+runs the wrapped optax update on that slice, applies it, and writes the new state and weights back
+to host as scan outputs. The next layer's host slices are fetched one iteration ahead (a double
+buffer carried by the scan), so the device holds about two layers of them at a time. Leaves outside
+the stacks (embeddings, head, final norm) are updated once, leaf by leaf.
+
+The optimizer state has its own layout, :class:`StreamedState`: the wrapped optimizer's state for
+each stack, built per layer, so every leaf of it (step counters included) carries the stack's
+leading layer axis, and the wrapped optimizer's state for the leaves outside the stacks. The scan
+body calls the wrapped optimizer's unmodified ``update`` on one layer's slice; this is exact for any
+optimizer whose update of one layer depends only on that layer (Adam, SGD, Lion, schedules,
+`inject_hyperparams`, chains and `multi_transform` of those). Transformations that look at all
+layers at once (`optax.clip_by_global_norm`) are detected at ``init`` and refused; global-norm
+clipping is available as a first streamed pass instead (``clip_norm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zoo.nn import Stack
+from zoo.nn._placement import on_host
+
+from ._memory import (
+    DEVICE,
+    HOST,
+    is_arraylike,
+    mesh_of,
+    replicate_strays,
+    restore_kinds,
+    state_shardings,
+    to_device,
+    to_host,
+    traced_kind,
+    tree_to_device,
+)
+
+
+class StreamedState(NamedTuple):
+    """Optimizer state of a streamed optimizer (see :func:`transforms.offload_opt_state`).
+
+    - ``stacked``: one state of the wrapped optimizer per :class:`zoo.nn.Stack` of the parameters
+      (in tree order), built layer by layer: every leaf has the stack's leading layer axis.
+    - ``rest``: the wrapped optimizer's state for the leaves outside the stacks.
+
+    Both are states of the wrapped optimizer for a copy of the parameter tree in which the leaves
+    they do not cover are ``None``, so path-based masks and labels see the real paths.
+    """
+
+    stacked: tuple
+    rest: Any
+
+
+# ---- which leaves belong to which stack ---------------------------------------------------
+
+
+def _is_stack(node) -> bool:
+    return isinstance(node, Stack)
+
+
+def _units(tree) -> tuple[Any, int]:
+    """``tree``'s structure with each array leaf replaced by its unit: ``k`` for a leaf of the
+    ``k``-th outermost :class:`Stack` that has array leaves, ``-1`` for a leaf outside the stacks."""
+    counter = itertools.count()
+
+    def one(node):
+        if _is_stack(node) and jax.tree.leaves(node):
+            k = next(counter)
+            return jax.tree.map(lambda _: k, node)
+        return jax.tree.map(lambda _: -1, node)
+
+    units = jax.tree.map(one, tree, is_leaf=_is_stack)
+    return units, next(counter)
+
+
+def _view(tree, units, k: int):
+    """``tree`` with every leaf outside unit ``k`` replaced by ``None``."""
+    if tree is None:
+        return None
+    return jax.tree.map(lambda u, x: x if u == k else None, units, tree)
+
+
+def _merge(units, parts: list):
+    """Inverse of :func:`_view`: ``parts[k + 1]`` holds unit ``k`` (``parts[0]`` the rest)."""
+    return jax.tree.map(lambda u, *xs: xs[u + 1], units, *parts)
+
+
+def _layer_count(units, params, k: int) -> int:
+    leaves = jax.tree.leaves(_view(params, units, k))
+    counts = {x.shape[0] for x in leaves}
+    if len(counts) != 1:  # pragma: no cover - a Stack's leaves share their leading axis by construction
+        raise ValueError(f"offload_opt_state: stack {k} has leaves with different layer counts {sorted(counts)}")
+    return counts.pop()
+
+
+# ---- the layer scan -----------------------------------------------------------------------
+
+
+def _layer_scan(body: Callable, carry, xs, length: int, place_out: Callable):
+    """``lax.scan(body, carry, xs)`` with device values in the body, whatever the inputs' memory.
+
+    ``body(carry, x) -> (carry, y)`` sees one layer of every leaf of ``xs`` in device memory.
+    Host-resident leaves are fetched one layer ahead: the copy of layer ``i + 1`` is issued at
+    the start of iteration ``i`` and carried to the next, independent of iteration ``i``'s
+    math, so it can overlap with it (the last iteration fetches its own layer again, as
+    `lax.scan` has no shorter body for it). Device-resident leaves are ordinary scan inputs.
+    ``place_out(y)`` puts each output where it belongs (host outputs become host scan outputs).
+    """
+    leaves, treedef = jax.tree.flatten(xs)
+    host = [on_host(x) for x in leaves]
+    if length == 1:
+        # No loop of trip count one: host offload inside one fails to compile on some backends
+        # (maxtext#4995). The whole leaf is one layer, so it moves as it is.
+        x0 = [to_device(x)[0] for x in leaves]
+        carry, y = body(carry, jax.tree.unflatten(treedef, x0))
+        return carry, place_out(jax.tree.map(lambda a: a[None], y))
+
+    host_leaves = [x for x, h in zip(leaves, host, strict=True) if h]
+    device_leaves = [x for x, h in zip(leaves, host, strict=True) if not h]
+
+    def fetch(i):
+        return [to_device(jax.lax.dynamic_index_in_dim(x, i, keepdims=False)) for x in host_leaves]
+
+    def step(state, scanned):
+        inner, current = state
+        i, device_slices = scanned
+        prefetched = fetch(jnp.minimum(i + 1, length - 1))
+        from_host, from_device = iter(current), iter(device_slices)
+        x = jax.tree.unflatten(treedef, [next(from_host) if h else next(from_device) for h in host])
+        inner, y = body(inner, x)
+        return (inner, prefetched), place_out(y)
+
+    (carry, _), ys = jax.lax.scan(step, (carry, fetch(0)), (jnp.arange(length), device_leaves))
+    return carry, ys
+
+
+def _sum_squares(tree) -> jax.Array:
+    total = jnp.zeros((), jnp.float32)
+    for x in jax.tree.leaves(tree):
+        total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
+    return total
+
+
+def _clip(tree, g_norm, max_norm: float):
+    # The formula of `optax.clip_by_global_norm`, so that both give the same numbers.
+    trigger = g_norm < max_norm
+    return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), tree)
+
+
+def _stacked_sum_squares(grads, length: int) -> jax.Array:
+    """Sum of squares of one stack's gradients; host-resident ones are fetched layer by layer."""
+    on_device = [g for g in jax.tree.leaves(grads) if not on_host(g)]
+    off_device = [g for g in jax.tree.leaves(grads) if on_host(g)]
+    total = _sum_squares(on_device)
+    if off_device:
+        total, _ = _layer_scan(lambda acc, g: (acc + _sum_squares(g), None), total, off_device, length, lambda y: y)
+    return total
+
+
+# ---- is the optimizer separable over layers? ------------------------------------------------
+
+
+def _name(tx) -> str:
+    qualname = getattr(tx.update, "__qualname__", None) or type(tx).__name__
+    return qualname.split(".<locals>")[0]
+
+
+def _closure_values(fn, seen: set) -> list:
+    """Values reachable from ``fn``'s closure (through nested functions and containers)."""
+    out: list = []
+
+    def visit(value, depth: int):
+        if depth > 6 or id(value) in seen:
+            return
+        seen.add(id(value))
+        out.append(value)
+        if isinstance(value, optax.GradientTransformation):
+            return
+        if isinstance(value, tuple | list):
+            for item in value:
+                visit(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth + 1)
+        elif callable(value):
+            for cell in getattr(value, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    visit(cell.cell_contents, depth + 1)
+
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):
+            visit(cell.cell_contents, 0)
+    return out
+
+
+def _parts(tx) -> list:
+    """The transformations ``tx`` is made of, as far as its closures show them: transformations
+    held directly (`multi_transform`, wrappers) and (init, update) function tuples of equal length
+    (`optax.chain` keeps its parts' functions in two such tuples)."""
+    found = [v for v in _closure_values(tx.update, set()) if isinstance(v, optax.GradientTransformation)]
+
+    def fn_tuples(fn):
+        return [
+            v
+            for v in _closure_values(fn, set())
+            if isinstance(v, tuple)
+            and v
+            and all(callable(f) for f in v)
+            and not isinstance(v, optax.GradientTransformation)
+        ]
+
+    for inits in fn_tuples(tx.init):
+        for updates in fn_tuples(tx.update):
+            if len(inits) == len(updates):
+                found.extend(optax.GradientTransformation(i, u) for i, u in zip(inits, updates, strict=True))
+    return [p for p in found if p is not tx]
+
+
+def _probe_tree(params, units, rng: np.random.Generator, layer_scale: tuple[float, float], rest_scale: float):
+    """A tiny float32 stand-in for ``params``: every array is (2, 2, ...) with its own rank; layer 0
+    and layer 1 of the stacks are scaled by ``layer_scale``, the other leaves by ``rest_scale``."""
+
+    def one(u, x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.zeros((2,) * x.ndim, x.dtype)
+        values = rng.standard_normal((2,) * x.ndim)
+        if u >= 0 and x.ndim:
+            values = values * np.asarray(layer_scale).reshape((2,) + (1,) * (x.ndim - 1))
+        else:
+            values = values * rest_scale
+        return jnp.asarray(values, jnp.float32)
+
+    return jax.tree.map(one, units, params)
+
+
+def _plain_updates(tx, params, grads):
+    return tx.update(grads, tx.init(params), params)[0]
+
+
+def _per_layer_updates(tx, params, grads, units, n: int):
+    parts = [_plain_updates(tx, _view(params, units, -1), _view(grads, units, -1))]
+    for k in range(n):
+        parts.append(jax.vmap(functools.partial(_plain_updates, tx))(_view(params, units, k), _view(grads, units, k)))
+    return _merge(units, parts)
+
+
+#: Transformations that look at every leaf at once, refused by name (a numeric check on a small copy
+#: could miss them: a sign-based update hides a clip on its first steps).
+GLOBAL_TRANSFORMS = frozenset({"clip_by_global_norm", "normalize_by_update_norm", "apply_if_finite"})
+
+
+def _all_parts(tx, seen: set | None = None) -> list:
+    seen = set() if seen is None else seen
+    out = []
+    for part in _parts(tx):
+        if id(part.update) in seen:
+            continue
+        seen.add(id(part.update))
+        out.append(part)
+        out.extend(_all_parts(part, seen))
+    return out
+
+
+def _separable(tx, params, units, n: int) -> bool:
+    """Whether ``tx`` updates each layer of each stack (and the rest) on its own: one step on a tiny
+    random copy of the parameter tree, with gradients of very different sizes in layer 0, layer 1
+    and the leaves outside the stacks, gives the same updates layer by layer as on the whole tree
+    (a global norm, a per-leaf norm over the layer axis or a mask computed from the stacked shape
+    all show up as a difference)."""
+    rng = np.random.default_rng(0)
+    # Large weights, so that a weight decay masked differently shows against Adam's unit steps.
+    tiny = _probe_tree(params, units, rng, (1e2, 1e2), 1e2)
+    grads = _probe_tree(params, units, rng, (1e-4, 1e2), 1e-4)  # a global norm far above any usual clip
+
+    def both(p, g):
+        return _plain_updates(tx, p, g), _per_layer_updates(tx, p, g, units, n)
+
+    try:
+        # One small program: run op by op, each operation would be compiled on its own.
+        plain, per_layer = jax.jit(both)(tiny, grads)
+    except Exception as error:
+        error.add_note(
+            "(raised while offload_opt_state(stream=True) checked, on a small copy of the parameter tree, "
+            "that the optimizer updates each layer on its own)"
+        )
+        raise
+    for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(per_layer), strict=True):
+        if not np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=0, equal_nan=True):
+            return False
+    return True
+
+
+def _culprit(tx, params, units, n: int) -> str | None:
+    """The name of the innermost part of ``tx`` that is not separable over layers (the first found)."""
+    for part in _parts(tx):
+        try:
+            ok = _separable(part, params, units, n)
+        except Exception:  # a part may not run on its own (it needs extra arguments, ...)
+            continue
+        if not ok:
+            return _culprit(part, params, units, n) or _name(part)
+    return None
+
+
+def check_streamable(optimizer: optax.GradientTransformation, params, units, n: int) -> None:
+    """Raise `ValueError` if ``optimizer``'s update of one layer depends on other layers."""
+    names = [_name(p) for p in [optimizer, *_all_parts(optimizer)] if _name(p) in GLOBAL_TRANSFORMS]
+    if not names:
+        if _separable(optimizer, params, units, n):
+            return
+        names = [_culprit(optimizer, params, units, n) or _name(optimizer)]
+    names = list(dict.fromkeys(names))
+    listed = ", ".join(f"optax.{name}" if hasattr(optax, name) else name for name in names)
+    if any(name == "clip_by_global_norm" for name in names):
+        advice = (
+            "remove it from the chain and pass clip_norm=<max_norm> to offload_opt_state instead (the global "
+            "norm is then computed first, in its own pass over the layers), or use stream=False"
+        )
+    else:
+        advice = (
+            "use stream=False for it, or, for a mask or label computed from a leaf's shape, compute it from "
+            "the leaf's path instead (the streamed update sees one layer's shapes)"
+        )
+    raise ValueError(
+        f"offload_opt_state(stream=True): {listed} is not elementwise over the layers: its update of one "
+        f"layer depends on other layers or other leaves (a global norm or check, a per-leaf norm over the "
+        f"layer axis, a mask or label computed from the stacked shape), so a layer-by-layer update would "
+        f"differ from the plain one; {advice}"
+    )
+
+
+# ---- the wrapper --------------------------------------------------------------------------
+
+
+def _init(inner, select: Callable, where_given: bool, params):
+    units, n = _units(params)
+    if n:
+        check_streamable(inner, params, units, n)
+    lengths = [_layer_count(units, params, k) for k in range(n)]
+
+    def abstract_state(p):
+        p = tree_to_device(p)
+        stacked = tuple(jax.vmap(inner.init)(_view(p, units, k)) for k in range(n))
+        return StreamedState(stacked, inner.init(_view(p, units, -1)))
+
+    # Leaves to keep in host memory, chosen on the stacked shapes (the layer axis included).
+    abstract = jax.eval_shape(abstract_state, params)
+    chosen = jax.tree.map(lambda a: bool(is_arraylike(a) and select(a)), abstract)
+    if where_given and not any(jax.tree.leaves(chosen)):
+        raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
+
+    def build(p):
+        stacked = []
+        for k in range(n):
+            kinds = jax.tree.map(lambda c: HOST if c else DEVICE, chosen.stacked[k])
+            # Built layer by layer as well: the whole stacked state never sits on the device.
+            _, state = _layer_scan(
+                lambda carry, layer: (carry, inner.init(layer)),
+                None,
+                _view(p, units, k),
+                lengths[k],
+                lambda y, kinds=kinds: restore_kinds(y, kinds),
+            )
+            stacked.append(state)
+        rest = inner.init(tree_to_device(_view(p, units, -1)))
+        rest = jax.tree.map(lambda x, c: to_host(x) if c else x, rest, chosen.rest)
+        return StreamedState(tuple(stacked), rest)
+
+    mesh = mesh_of(params)
+    if mesh is None:
+        return jax.jit(build)(params)
+    targets = StreamedState(
+        tuple(state_shardings(abstract.stacked[k], chosen.stacked[k], _view(params, units, k), mesh) for k in range(n)),
+        state_shardings(abstract.rest, chosen.rest, _view(params, units, -1), mesh),
+    )
+    return replicate_strays(jax.jit(build, out_shardings=targets)(params), mesh)
+
+
+def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
+    units, n = _units(grads if params is None else params)
+    if not isinstance(state, StreamedState) or len(state.stacked) != n:
+        raise ValueError(
+            "offload_opt_state(stream=True): the optimizer state does not match the parameters "
+            f"({n} stacks); create it with this optimizer's init on the same parameter tree"
+        )
+    grads_rest = tree_to_device(_view(grads, units, -1))
+    lengths = [_layer_count(units, grads, k) for k in range(n)]
+
+    g_norm, scale = None, None
+    if clip_norm is not None:  # first pass: the global norm over every layer
+        total = _sum_squares(grads_rest)
+        for k in range(n):
+            total = total + _stacked_sum_squares(_view(grads, units, k), lengths[k])
+        g_norm = jnp.sqrt(total)
+        scale = lambda tree: _clip(tree, g_norm, clip_norm)
+
+    def update(g, s, p):
+        if scale is not None:
+            g = scale(g)
+        u, s = inner.update(g, s, p)
+        return (optax.apply_updates(p, u) if apply else u), s
+
+    def body(acc, x):
+        g, s, p = x
+        if scale is None:  # the norm for the metrics, in the same pass
+            acc = acc + _sum_squares(g)
+        return acc, update(g, s, p)
+
+    new_stacked, outs, squares = [], [], jnp.zeros((), jnp.float32)
+    for k in range(n):
+        g_k, p_k, s_k = _view(grads, units, k), _view(params, units, k), state.stacked[k]
+        out_kinds = jax.tree.map(traced_kind, p_k) if apply else None
+        state_kinds = jax.tree.map(traced_kind, s_k)
+
+        def place(y, out_kinds=out_kinds, state_kinds=state_kinds):
+            out, s = y
+            return (out if out_kinds is None else restore_kinds(out, out_kinds)), restore_kinds(s, state_kinds)
+
+        squares, (out, s) = _layer_scan(body, squares, (g_k, s_k, p_k), lengths[k], place)
+        new_stacked.append(s)
+        outs.append(out)
+
+    # Leaves outside the stacks: once, leaf by leaf, as the plain offloaded update does.
+    p_rest = _view(params, units, -1)
+    out_rest, s_rest = update(grads_rest, tree_to_device(state.rest), tree_to_device(p_rest))
+    if apply:
+        out_rest = restore_kinds(out_rest, jax.tree.map(traced_kind, p_rest))
+    new_state = StreamedState(tuple(new_stacked), restore_kinds(s_rest, jax.tree.map(traced_kind, state.rest)))
+    if g_norm is None:
+        g_norm = jnp.sqrt(squares + _sum_squares(grads_rest))
+    return _merge(units, [out_rest, *outs]), new_state, g_norm
+
+
+class StreamedOptimizer(optax.GradientTransformation):
+    """An optax transformation whose update is streamed over the layers of each :class:`zoo.nn.Stack`.
+
+    Made by :func:`transforms.offload_opt_state` with ``stream=True``. Besides optax's ``init`` and
+    ``update`` (which returns the whole ``updates`` tree on the device) it has :meth:`apply`, which
+    :class:`transforms.TrainStep` calls so that no whole-tree update is ever materialised.
+    """
+
+    def __new__(cls, inner: optax.GradientTransformation, select: Callable, clip_norm: float | None, where_given: bool):
+        def init(params):
+            return _init(inner, select, where_given, params)
+
+        def update(updates, state, params=None):
+            new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
+            return new_updates, new_state
+
+        self = super().__new__(cls, init, update)
+        self._offload_inner = inner
+        self.clip_norm = clip_norm
+        return self
+
+    def apply(self, grads, state, params):
+        """Inside `jit`: ``(new_params, new_state, grad_norm)``, layer by layer.
+
+        ``grads`` and ``params`` share the tree structure given to ``init``; each leaf may live in
+        device or host memory and comes back where it was. ``grad_norm`` is the global norm of
+        ``grads`` before clipping.
+        """
+        return _run(self._offload_inner, self.clip_norm, grads, state, params, apply=True)
