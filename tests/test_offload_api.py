@@ -105,16 +105,19 @@ def test_train_step_accumulation_equals_one_big_batch():
     assert m4.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
 
 
-def test_train_step_traces_once_and_rejects_bad_accumulation():
-    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+def test_train_step_traces_once_and_rejects_bad_accumulation(caplog):
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))  # eager: uncommitted arrays
     step = transforms.train_step(zoo.lm_loss, optax.adam(1e-3), accum_steps=3)
     state = step.init(model)
     with pytest.raises(ValueError, match="accum_steps=3"):
         step(model, state, jnp.zeros((4, 9), jnp.int32))
     step = transforms.train_step(zoo.lm_loss, optax.adam(1e-3))
-    for _ in range(3):
-        model, state, _ = step(model, state, jnp.zeros((4, 9), jnp.int32))
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for _ in range(3):
+            model, state, _ = step(model, state, jnp.zeros((4, 9), jnp.int32))
     assert step.trace_count == 1
+    compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(step)")]
+    assert len(compiles) == 1, [r.getMessage() for r in compiles]  # not again once inputs are committed
     with pytest.raises(ValueError, match="accum_steps"):
         transforms.train_step(zoo.lm_loss, optax.adam(1e-3), accum_steps=0)
     with pytest.raises(TypeError, match="GradientTransformation"):
@@ -212,3 +215,30 @@ def test_backend_without_pinned_host_is_a_clear_error(monkeypatch):
         transforms.offload_activations(tiny(), names=("block_input",))
     # Recompute-only policies need no host memory.
     transforms.offload_activations(tiny(), policy="recompute_all")
+
+
+@pytest.mark.parametrize("wrap", ["plain", "offload", "stream"])
+def test_optimizer_state_on_a_mesh_is_sharded_like_the_parameters(wrap):
+    # XLA replicates state made with zeros_like; a replicated moment is a full copy per device.
+    from zoo import sharding
+
+    mesh = sharding.make_mesh(data=2, fsdp=4)
+    cfg = zoo.LlamaConfig.preset("tiny")
+    model = sharding.init_sharded(lambda k: zoo.Llama(cfg, key=k), mesh, key=jax.random.key(0))
+    opt = optax.adamw(1e-3)
+    if wrap != "plain":
+        opt = transforms.offload_opt_state(opt, stream=wrap == "stream")
+    state = transforms.train_step(zoo.lm_loss, opt).init(model)
+    specs = {}  # shape -> the specs of the parameters with that shape
+    for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
+        specs.setdefault(tuple(x.shape), set()).add(x.sharding.spec)
+    moments = [x for x in jax.tree.leaves(state) if x.ndim > 0 and jnp.issubdtype(x.dtype, jnp.floating)]
+    assert moments
+    for x in moments:
+        assert x.sharding.mesh == mesh
+        assert x.sharding.spec in specs[tuple(x.shape)], (x.shape, x.sharding.spec)
+        if any(a is not None for a in x.sharding.spec):
+            assert max(s.data.nbytes for s in x.addressable_shards) < x.nbytes  # not a whole copy per device
+    assert sum(any(a is not None for a in x.sharding.spec) for x in moments) >= len(moments) // 2
+    scalars = [x for x in jax.tree.leaves(state) if x.ndim == 0]
+    assert all(x.sharding.mesh == mesh for x in scalars)  # no single-device stragglers

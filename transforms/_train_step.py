@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._memory import mesh_of, replicate_strays, restore_kinds, traced_kind, tree_to_device
+from ._memory import mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
+from ._opt_stream import StreamedOptimizer
 
 
 def _global_norm(tree) -> jax.Array:
@@ -29,6 +30,15 @@ def _split_microbatches(batch, accum_steps: int):
     return jax.tree.map(one, batch)
 
 
+def _commit(tree):
+    def one(x):
+        if isinstance(x, jax.Array) and not x.committed:
+            return jax.device_put(x, x.sharding)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
 class TrainStep:
     """``step(model, opt_state, batch) -> (model, opt_state, metrics)``, jitted, placement-preserving.
 
@@ -36,7 +46,9 @@ class TrainStep:
       came in with (`out_shardings` equal the input shardings), so offloaded state stays on host
       over a run; the inputs are donated.
     - Gradients (which come back in host memory for host-resident weights) are moved to the
-      device before any optimizer math.
+      device before any optimizer math. With a streamed optimizer
+      (``transforms.offload_opt_state(..., stream=True)``) they are left where they are and the
+      optimizer moves them one layer at a time, with the weights and its state.
     - With ``accum_steps > 1`` the batch's leading dimension is split into that many
       micro-batches whose gradients are averaged (a `lax.scan`, one compiled body).
     - ``metrics`` holds ``loss`` (mean over micro-batches) and ``grad_norm``.
@@ -85,11 +97,11 @@ class TrainStep:
         self.trace_count = 0
         self._compiled: dict[Any, Callable] = {}
 
-    def _grads(self, model, batch):
+    def _grads(self, model, batch, *, keep_placement: bool = False):
         value_and_grad = eqx.filter_value_and_grad(self.loss_fn)
         if self.accum_steps == 1:
             loss, grads = value_and_grad(model, batch)
-            return loss, tree_to_device(grads)
+            return loss, grads if keep_placement else tree_to_device(grads)
 
         micro = _split_microbatches(batch, self.accum_steps)
 
@@ -105,12 +117,17 @@ class TrainStep:
         return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
 
     def _build(self, static):
+        streamed = isinstance(self.optimizer, StreamedOptimizer)
+
         def step(params, opt_state, batch):
             self.trace_count += 1
             model = eqx.combine(params, static)
-            loss, grads = self._grads(model, batch)
+            loss, grads = self._grads(model, batch, keep_placement=streamed)
             # The optimizer sees the floating-point leaves, as `eqx.filter_value_and_grad` does.
             trainable, frozen = eqx.partition(params, eqx.is_inexact_array)
+            if streamed:  # layer by layer; every leaf comes back where it was
+                trainable, opt_state, grad_norm = self.optimizer.apply(grads, opt_state, trainable)
+                return eqx.combine(trainable, frozen), opt_state, {"loss": loss, "grad_norm": grad_norm}
             kinds = jax.tree.map(traced_kind, trainable)
             trainable = tree_to_device(trainable)
             updates, opt_state = self.optimizer.update(grads, opt_state, trainable)
@@ -129,10 +146,22 @@ class TrainStep:
         params = eqx.filter(model, eqx.is_inexact_array)
         if isinstance(getattr(self.optimizer, "_offload_inner", None), optax.GradientTransformation):
             return self.optimizer.init(params)
-        state = jax.jit(lambda p: self.optimizer.init(tree_to_device(p)))(params)
-        return replicate_strays(state, mesh_of(params))
+
+        def build(p):
+            return self.optimizer.init(tree_to_device(p))
+
+        mesh = mesh_of(params)
+        if mesh is None:
+            return jax.jit(build)(params)
+        abstract = jax.eval_shape(build, params)
+        chosen = jax.tree.map(lambda _: False, abstract)
+        # Moments sharded like their parameters (XLA would replicate them), the rest replicated.
+        return jax.jit(build, out_shardings=state_shardings(abstract, chosen, params, mesh))(params)
 
     def __call__(self, model, opt_state, batch):
+        # Arrays built eagerly are uncommitted; the step's outputs are committed, and jit compiles
+        # again when that changes. Committing them first keeps it to one compile.
+        model, opt_state = _commit(model), _commit(opt_state)
         params, static = eqx.partition(model, eqx.is_array)
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
         state_shardings = jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else None, opt_state)
