@@ -110,9 +110,14 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv, defaults=None) -> argparse.Namespace:
+def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespace:
+    """The run's flags; with ``--resume``, those saved in its checkpoint (plus this invocation's
+    control flags). ``distributed``: start the multi-process runtime first (it must precede any
+    other JAX call, reading a checkpoint included)."""
     parser = build_parser(defaults)
     args = parser.parse_args(argv)
+    if distributed:
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
     if args.resume:
         meta_args = resume_args(args.resume)
         given = vars(args)
@@ -265,8 +270,7 @@ def params_digest(model) -> str:
 
 def main(argv=None, *, defaults: dict | None = None) -> dict:
     """Run the recipe; returns a summary (final step, losses, paths)."""
-    args = parse(argv, defaults)
-    init_distributed(args.coordinator, args.num_processes, args.process_id)
+    args = parse(argv, defaults, distributed=True)
     lead = jax.process_index() == 0
     out = pathlib.Path(args.out or default_out(args.model))
     if args.out is None and jax.process_count() > 1:
