@@ -1,0 +1,73 @@
+"""The machine and software of a run: GPU from nvidia-smi, package versions, relevant variables."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+
+
+def _nvidia_smi(fields: str) -> list[dict] | str:
+    """Rows of ``nvidia-smi --query-gpu=FIELDS`` as dicts, or the reason there are none."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"unavailable ({type(err).__name__}: {err})"
+    if out.returncode != 0:
+        return f"failed (rc {out.returncode}): {(out.stderr or out.stdout).strip()[:300]}"
+    names = fields.split(",")
+    return [dict(zip(names, (f.strip() for f in line.split(",")), strict=False)) for line in out.stdout.splitlines()]
+
+
+def gpu_info() -> dict:
+    """GPU name, driver and memory from nvidia-smi (without starting JAX in this process)."""
+    gpus = _nvidia_smi("name,driver_version,memory.total,pci.bus_id")
+    if isinstance(gpus, str):
+        return {"nvidia_smi": gpus}
+    extra = _nvidia_smi("compute_cap,power.limit,clocks.max.sm")  # fields older drivers may lack
+    for i, gpu in enumerate(gpus):
+        with contextlib.suppress(KeyError, ValueError):
+            gpu["memory_total_bytes"] = int(float(gpu.pop("memory.total")) * 2**20)
+        if isinstance(extra, list) and i < len(extra):
+            gpu.update(extra[i])
+    return {"nvidia_smi": "ok", "gpus": gpus}
+
+
+DISTRIBUTIONS = (
+    "jax",
+    "jaxlib",
+    "equinox",
+    "optax",
+    "numpy",
+    "jax-cuda12-plugin",
+    "jax-cuda12-pjrt",
+    "jax-cuda13-plugin",
+    "jax-cuda13-pjrt",
+)
+
+
+def environment() -> dict:
+    versions = {}
+    for dist in DISTRIBUTIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist] = importlib.metadata.version(dist)
+    env_vars = {
+        k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "TF_CPP", "CUDA_", "NCCL_", "PJRT_"))
+    }
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "versions": versions,
+        "environment_variables": env_vars,
+        "gpu": gpu_info(),
+    }

@@ -1,0 +1,202 @@
+"""The goals of the transforms on the GPU, each evaluated from the results with its measured value,
+ratio and PASS/FAIL (None: not measurable here)."""
+
+from __future__ import annotations
+
+import math
+
+from .configs import GiB
+
+# Goals of the transforms on this GPU.
+GOALS = {
+    "act_step_ratio": 1.10,  # activation offload: step time <= 1.10x no remat ...
+    "act_peak_saving": 0.40,  # ... with >= 40% lower peak, and faster than full recompute
+    "opt_freed_fraction": 0.90,  # optimizer-state offload frees >= 90% of the state's bytes ...
+    "opt_step_ratio": 1.15,  # ... at <= 1.15x step time
+    "params_layers_on_device": 2.25,  # streamed params: <= ~2 layers of weights fetched per iteration
+    "capacity_ratio": 2.0,  # trainable state >= 2x the capped device memory
+}
+
+
+def step_time(entry: dict | None) -> float | None:
+    """The median step time of a configuration, unless it failed (or never reached) the correctness check."""
+    if not entry or entry.get("status") not in ("ok", "unverified"):
+        return None
+    return (entry.get("worker", {}).get("timing") or {}).get("median_s")
+
+
+def peak_bytes(entry: dict | None) -> int | None:
+    """The peak device memory of a configuration's process (None where the backend has no memory_stats)."""
+    if not entry:
+        return None
+    return (entry.get("worker", {}).get("memory_stats") or {}).get("peak_bytes_in_use")
+
+
+def _goal(goal: str, config, measured, target: str, passed, ratio=None, note: str = "") -> dict:
+    return {
+        "goal": goal,
+        "config": config,
+        "measured": measured,
+        "target": target,
+        "ratio": ratio,
+        "pass": passed,
+        "note": note,
+    }
+
+
+def _why_not(entry: dict | None, none: dict | None) -> str:
+    """Why a goal comparing ``entry`` with ``none`` cannot be evaluated ('' if it can)."""
+    if not step_time(none):
+        return f"reference 'none' has no step time ({(none or {}).get('status', 'not run')})"
+    if not step_time(entry):
+        return f"no step time ({(entry or {}).get('status', 'not run')})"
+    return ""
+
+
+def activation_goals(configs: dict) -> list[dict]:
+    none, recompute = configs.get("none"), configs.get("act_recompute_all")
+    base_step, base_peak = step_time(none), peak_bytes(none)
+    goals = []
+    speed = f"activation offload: step time <= {GOALS['act_step_ratio']:.2f}x no remat"
+    memory = f"activation offload: peak >= {GOALS['act_peak_saving']:.0%} lower than no remat"
+    faster = "activation offload: faster than full recompute"
+    for name, entry in configs.items():
+        if not name.startswith("act_") or name == "act_recompute_all":
+            continue
+        why = _why_not(entry, none)
+        if why:
+            goals.append(_goal(speed, name, None, f"<= {GOALS['act_step_ratio']:.2f}x", None, note=why))
+            continue
+        step, peak = step_time(entry), peak_bytes(entry)
+        ratio = step / base_step
+        measured = f"{step:.4f} s vs {base_step:.4f} s"
+        target = f"<= {GOALS['act_step_ratio']:.2f}x"
+        goals.append(_goal(speed, name, measured, target, ratio <= GOALS["act_step_ratio"], ratio))
+        if peak and base_peak:
+            saving = 1 - peak / base_peak
+            measured = f"{peak / GiB:.2f} vs {base_peak / GiB:.2f} GiB ({saving:.1%} lower)"
+            target = f">= {GOALS['act_peak_saving']:.0%} lower"
+            goals.append(_goal(memory, name, measured, target, saving >= GOALS["act_peak_saving"], peak / base_peak))
+        else:
+            goals.append(_goal(memory, name, None, ">= 40% lower", None, note="no peak_bytes_in_use on this backend"))
+        rstep = step_time(recompute)
+        if rstep:
+            measured = f"{step:.4f} s vs {rstep:.4f} s"
+            goals.append(_goal(faster, name, measured, "< 1.00x act_recompute_all", step < rstep, step / rstep))
+        else:
+            status = (recompute or {}).get("status", "not run")
+            goals.append(_goal(faster, name, None, "< 1.00x", None, note=f"act_recompute_all: {status}"))
+    return goals
+
+
+def optimizer_goals(configs: dict) -> list[dict]:
+    none = configs.get("none")
+    base_step, base_peak = step_time(none), peak_bytes(none)
+    goals = []
+    freed_title = f"optimizer-state offload: frees >= {GOALS['opt_freed_fraction']:.0%} of its bytes (peak)"
+    speed = f"optimizer-state offload: step time <= {GOALS['opt_step_ratio']:.2f}x no offload"
+    for name in ("opt_state_stream", "opt_state"):
+        entry = configs.get(name)
+        if entry is None:
+            continue
+        why = _why_not(entry, none)
+        if why:
+            goals.append(_goal(freed_title, name, None, f">= {GOALS['opt_freed_fraction']:.0%}", None, note=why))
+            continue
+        step, peak = step_time(entry), peak_bytes(entry)
+        state = entry["worker"].get("state_bytes", {}).get("opt_state")
+        if peak and base_peak and state:
+            freed = (base_peak - peak) / state
+            measured = f"{(base_peak - peak) / GiB:.2f} of {state / GiB:.2f} GiB"
+            target = f">= {GOALS['opt_freed_fraction']:.0%}"
+            goals.append(_goal(freed_title, name, measured, target, freed >= GOALS["opt_freed_fraction"], freed))
+        else:
+            note = "no peak_bytes_in_use on this backend"
+            goals.append(_goal(freed_title, name, None, f">= {GOALS['opt_freed_fraction']:.0%}", None, note=note))
+        ratio = step / base_step
+        measured = f"{step:.4f} s vs {base_step:.4f} s"
+        target = f"<= {GOALS['opt_step_ratio']:.2f}x"
+        goals.append(_goal(speed, name, measured, target, ratio <= GOALS["opt_step_ratio"], ratio))
+    return goals
+
+
+def params_goal(configs: dict) -> dict:
+    """Streamed weights, from the compiled program's host transfers: one layer's weights (two with
+    prefetching) fetched per iteration of the layer loops, and no whole stack copied in before the
+    first loop. With ``params`` (optimizer on device) every loop counts; with ``all_three`` only the
+    first (forward) loop does, since a streamed optimizer update may loop over layers too."""
+    title = "streamed params: <= ~2 layers of weights fetched per layer-loop iteration, no whole stack up front"
+    limit = GOALS["params_layers_on_device"]
+    target = f"<= {limit:g} layers"
+    for name in ("params", "all_three"):
+        entry = configs.get(name)
+        if not entry or entry.get("run_status") != "measured":
+            continue
+        hlo = entry.get("hlo") or {}
+        model = entry["worker"].get("model", {})
+        layer = model.get("layer_bytes")
+        if not hlo or hlo.get("error") or not layer:
+            return _goal(title, name, None, target, None, note=f"no HLO analysis ({hlo.get('error', 'no dump')})")
+        loops = [lp for lp in hlo.get("while_loops", {}).values() if lp["h2d_bytes_per_iter"]]
+        up_front = [s for s in hlo.get("stacked_h2d_outside_loops", []) if s["position"] == "before_first_loop"]
+        later = [s for s in hlo.get("stacked_h2d_outside_loops", []) if s["position"] != "before_first_loop"]
+        if not loops:
+            if entry["worker"].get("device", {}).get("platform") == "cpu":
+                note = "XLA:CPU emits no host transfers: only a GPU run can check this"
+                return _goal(title, name, None, target, None, note=note)
+            return _goal(title, name, "no host-to-device transfer inside any loop", target, False)
+        counted = loops if name == "params" else loops[:1]
+        fetched = max(lp["h2d_bytes_per_iter"] for lp in counted)
+        layers = fetched / layer
+        notes = []
+        if up_front:
+            notes.append(f"{len(up_front)} whole stacked weights copied to the device before the first loop")
+        if later:
+            notes.append(f"{len(later)} whole stacked arrays copied in after/between the loops (the update)")
+        all_loops = ", ".join(f"{lp['h2d_bytes_per_iter'] / layer:.2f}" for lp in loops)
+        notes.append(f"layers fetched per iteration, every loop with host reads: {all_loops}")
+        measured = f"{fetched / 2**20:.1f} MiB per iteration = {layers:.2f} layers"
+        return _goal(title, name, measured, target, layers <= limit and not up_front, layers, "; ".join(notes))
+    return _goal(title, None, None, target, None, note="neither params nor all_three was measured")
+
+
+def capacity_goal(entry: dict | None) -> dict:
+    title = f"capacity: trainable state >= {GOALS['capacity_ratio']:g}x the capped device memory, and it trains"
+    target = f">= {GOALS['capacity_ratio']:g}x"
+    if not entry or "worker" not in entry:
+        return _goal(title, "capped", None, target, None, note=(entry or {}).get("status", "not run"))
+    worker = entry["worker"]
+    stats = worker.get("memory_stats") or worker.get("memory_stats_after_init") or worker.get("memory_stats_start")
+    stats = stats or {}
+    cap, peak = stats.get("bytes_limit"), (worker.get("memory_stats") or {}).get("peak_bytes_in_use")
+    state = (worker.get("state_bytes") or {}).get("trainable_state")
+    if state is None and worker.get("model"):
+        state = worker["model"]["n_params"] * 16  # not initialised: the fp32 AdamW estimate
+    losses = worker.get("losses") or []
+    trained = (
+        entry.get("status") in ("ok", "unverified")
+        and len(losses) >= 2
+        and all(math.isfinite(v) for v in losses)
+        and losses[-1] <= losses[0] + 0.1
+    )
+    note = f"status {entry.get('status')}; losses {[round(v, 3) for v in losses]}"
+    if not cap:
+        return _goal(title, "capped", None, target, None if trained else False, note=note + "; no bytes_limit here")
+    ratio = state / cap if state else None
+    within = peak is None or peak <= cap
+    if not within:
+        note += f"; peak {peak / GiB:.2f} GiB is above the cap"
+    measured = f"{(state or 0) / GiB:.1f} GiB of state / {cap / GiB:.1f} GiB cap"
+    if peak:
+        measured += f" (peak {peak / GiB:.1f} GiB)"
+    passed = bool(trained and ratio and ratio >= GOALS["capacity_ratio"] and within)
+    return _goal(title, "capped", measured, target, passed, ratio, note)
+
+
+def evaluate_goals(configs: dict) -> list[dict]:
+    return [
+        *activation_goals(configs),
+        *optimizer_goals(configs),
+        params_goal(configs),
+        capacity_goal(configs.get("capped")),
+    ]

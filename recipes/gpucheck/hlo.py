@@ -1,0 +1,339 @@
+"""Host transfers in an optimized HLO program: a parser of XLA's text dumps, the per-loop and
+per-step analysis of host <-> device copies, and the summary of a worker's dump directory."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+HOST_MEMORY_COLORS = {5}  # the XLA GPU host memory space, printed as S(5) in layouts
+
+
+DTYPE_BYTES = {
+    "pred": 1,
+    "s2": 0.25,
+    "u2": 0.25,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
+_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALL_RE = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_CALL_LIST_RE = re.compile(r"\b(branch_computations|calls)=\{([^}]*)\}")
+_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+TRANSFER_OPS = {
+    "copy-start",
+    "copy",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "dynamic-slice-start",
+    "dynamic-update-slice-start",
+}
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/", "", text)
+
+
+def _split_top(text: str) -> list[str]:
+    """Split at commas outside brackets of any kind."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _matching(text: str, start: int) -> int:
+    """Index of the bracket closing the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return len(text) - 1
+
+
+def parse_shape(text: str):
+    """An HLO shape: a tuple as a list of shapes, an array as ``(dtype, dims, memory_space)``."""
+    text = text.strip()
+    if text.startswith("("):
+        return [parse_shape(p) for p in _split_top(text[1 : _matching(text, 0)])]
+    m = _ARRAY_RE.match(text)
+    if not m:
+        return None
+    dims = tuple(int(d) for d in re.findall(r"\d+", m.group(2)))
+    space = re.search(r"S\((\d+)\)", m.group(3) or "")
+    return (m.group(1), dims, int(space.group(1)) if space else 0)
+
+
+def shape_bytes(shape) -> int:
+    if shape is None:
+        return 0
+    if isinstance(shape, list):
+        return sum(shape_bytes(s) for s in shape)
+    dtype, dims, _ = shape
+    return int(math.prod(dims) * DTYPE_BYTES.get(dtype, 4))
+
+
+def _on_host(shape) -> bool:
+    return isinstance(shape, tuple) and shape[2] in HOST_MEMORY_COLORS
+
+
+def _element(shape, index):
+    return shape[index] if isinstance(shape, list) and len(shape) > index else None
+
+
+def _parse_instruction(line: str) -> dict | None:
+    m = _INSTR_RE.match(line)
+    if not m:
+        return None
+    rest = m.group(3)
+    if rest.startswith("("):
+        end = _matching(rest, 0) + 1
+    else:
+        shape_m = _ARRAY_RE.match(rest)
+        end = shape_m.end() if shape_m else max(rest.find(" "), 0)
+    shape_text, after = rest[:end], rest[end:].strip()
+    op_m = re.match(r"([\w\-]+)\(", after)
+    if not op_m:
+        return None
+    open_at = op_m.end() - 1
+    close_at = _matching(after, open_at)
+    operands = []
+    for operand in _split_top(after[open_at + 1 : close_at]):
+        # "f32[2]{0:S(5)} %x" when operand shapes are printed, else "%x".
+        head, _, name = operand.rpartition(" ")
+        operands.append({"name": name.lstrip("%"), "shape": parse_shape(head) if head else None})
+    attrs = after[close_at + 1 :]
+    calls = list(_CALL_RE.findall(attrs))
+    for kind, names in _CALL_LIST_RE.findall(attrs):
+        calls += [(kind, n.strip().lstrip("%")) for n in names.split(",") if n.strip()]
+    trip = _TRIP_RE.search(attrs)
+    return {
+        "name": m.group(2),
+        "opcode": op_m.group(1),
+        "shape": parse_shape(shape_text),
+        "operands": operands,
+        "calls": calls,
+        "trip_count": int(trip.group(1)) if trip else None,
+        "text": line.strip().split(", metadata=")[0],
+    }
+
+
+def parse_hlo_module(text: str) -> dict:
+    """Computations of an HLO text dump: ``{name: {"entry", "instructions": [...]}}``; every
+    operand's shape is filled in from its definition when the dump does not print it."""
+    comps: dict[str, dict] = {}
+    current = None
+    for raw in text.splitlines():
+        line = _strip_comments(raw).rstrip()
+        if current is None:
+            m = _COMP_RE.match(line.strip())
+            if m and line and not line[0].isspace():
+                current = {"name": m.group(2), "entry": bool(m.group(1)), "instructions": []}
+                comps[current["name"]] = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        ins = _parse_instruction(line)
+        if ins is not None:
+            current["instructions"].append(ins)
+    for comp in comps.values():
+        shapes = {ins["name"]: ins["shape"] for ins in comp["instructions"]}
+        for ins in comp["instructions"]:
+            for operand in ins["operands"]:
+                if operand["shape"] is None:
+                    operand["shape"] = shapes.get(operand["name"])
+    return comps
+
+
+def _transfer(ins) -> tuple[str, int, tuple | None] | None:
+    """(direction, bytes, moved shape) if ``ins`` moves data between host and device memory."""
+    op, shape = ins["opcode"], ins["shape"]
+    operands = [o["shape"] for o in ins["operands"]]
+    first = operands[0] if operands else None
+    if op == "copy-start":
+        dest = _element(shape, 0)
+        src = first if isinstance(first, tuple) else _element(shape, 1)
+    elif op in ("copy", "dynamic-slice"):
+        dest, src = shape, first
+    elif op == "dynamic-slice-start":
+        dest, src = _element(shape, 1), first
+    elif op in ("dynamic-update-slice", "dynamic-update-slice-start"):
+        update = operands[1] if len(operands) > 1 else None
+        buffer = first if op.endswith("-start") else shape
+        if not isinstance(buffer, tuple) or not isinstance(update, tuple) or _on_host(buffer) == _on_host(update):
+            return None
+        return ("d2h" if _on_host(buffer) else "h2d"), shape_bytes(update), update
+    else:
+        return None
+    if not isinstance(dest, tuple) or not isinstance(src, tuple) or _on_host(dest) == _on_host(src):
+        return None
+    return ("h2d" if _on_host(src) else "d2h"), shape_bytes(dest), dest
+
+
+def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40) -> dict:
+    """Host transfers of an optimized HLO module: where they sit (while-loop bodies or not), how
+    many bytes they move per iteration and per step, and whole stacked weights copied in.
+
+    ``while_loops`` lists each loop body (entry-level loops first, in schedule order) with its
+    trip count and per-iteration transfers; ``stacked_h2d_outside_loops`` lists host-to-device
+    copies outside any loop of arrays whose leading dimension is ``n_layers`` (whole stacks), with
+    their position in the entry computation's schedule (``before_first_loop`` = at step start).
+    """
+    comps = parse_hlo_module(text)
+    entry = next((c for c in comps.values() if c["entry"]), None)
+    if entry is None:
+        return {"error": "no ENTRY computation found"}
+    # Call graph with loop multipliers. Computations wrapped by async transfer ops (*-start) are
+    # not counted again: the wrapper is.
+    edges: dict[str, list[tuple[str, int, str | None]]] = {}
+    wrapped: set[str] = set()
+    loops: list[tuple[str, int | None, str]] = []
+    for comp in comps.values():
+        for ins in comp["instructions"]:
+            for kind, callee in ins["calls"]:
+                if callee not in comps:
+                    continue
+                in_loop = ins["opcode"] == "while" and kind in ("body", "condition")
+                factor = (ins["trip_count"] or 1) if in_loop else 1
+                body = callee if ins["opcode"] == "while" and kind == "body" else None
+                edges.setdefault(comp["name"], []).append((callee, factor, body))
+                if ins["opcode"].endswith("-start") and ins["opcode"] in TRANSFER_OPS:
+                    wrapped.add(callee)
+            body = next((c for k, c in ins["calls"] if k == "body"), None)
+            if ins["opcode"] == "while" and body:
+                loops.append((body, ins["trip_count"], comp["name"]))
+    multiplier = {entry["name"]: 1}
+    enclosing: dict[str, str | None] = {entry["name"]: None}
+    order = [entry["name"]]
+    for name in order:  # breadth-first; a computation reached twice keeps its first path
+        for callee, factor, body in edges.get(name, []):
+            if callee not in multiplier:
+                multiplier[callee] = multiplier[name] * factor
+                enclosing[callee] = body or enclosing[name]
+                order.append(callee)
+    whiles = [i for i, ins in enumerate(entry["instructions"]) if ins["opcode"] == "while"]
+
+    def position(index: int) -> str:
+        if not whiles:
+            return "no_loops"
+        if index < whiles[0]:
+            return "before_first_loop"
+        return "after_last_loop" if index > whiles[-1] else "between_loops"
+
+    loops.sort(key=lambda lp: lp[2] != entry["name"])  # entry-level loops first (stable: schedule order)
+    per_loop = {
+        body: {
+            "trip_count": trip,
+            "parent": parent,
+            "h2d_ops": 0,
+            "h2d_bytes_per_iter": 0,
+            "d2h_ops": 0,
+            "d2h_bytes_per_iter": 0,
+            "copy_start": 0,
+            "copy_done": 0,
+        }
+        for body, trip, parent in loops
+    }
+    counts = {f"{op}_{where}": 0 for op in ("copy_start", "copy_done") for where in ("in_loops", "outside_loops")}
+    totals = {"h2d_bytes_per_step": 0, "d2h_bytes_per_step": 0, "h2d_ops": 0, "d2h_ops": 0}
+    outside: dict[str, dict[str, int]] = {}
+    stacked, samples = [], []
+    for name in order:
+        if name in wrapped:
+            continue
+        comp, loop = comps[name], enclosing.get(name)
+        for index, ins in enumerate(comp["instructions"]):
+            if ins["opcode"] in ("copy-start", "copy-done"):
+                key = ins["opcode"].replace("-", "_")
+                counts[f"{key}_{'in_loops' if loop else 'outside_loops'}"] += 1
+                if loop in per_loop:
+                    per_loop[loop][key] += 1
+            moved = _transfer(ins)
+            if moved is None:
+                continue
+            direction, nbytes, moved_shape = moved
+            totals[f"{direction}_ops"] += 1
+            totals[f"{direction}_bytes_per_step"] += nbytes * multiplier.get(name, 1)
+            if loop in per_loop:
+                per_loop[loop][f"{direction}_ops"] += 1
+                per_loop[loop][f"{direction}_bytes_per_iter"] += nbytes
+                where = f"loop {loop}"
+            else:
+                where = position(index) if comp["entry"] else "nested"
+                slot = outside.setdefault(f"{direction}_{where}", {"ops": 0, "bytes": 0})
+                slot["ops"] += 1
+                slot["bytes"] += nbytes
+                dims = moved_shape[1] if isinstance(moved_shape, tuple) else ()
+                if direction == "h2d" and n_layers and len(dims) >= 2 and dims[0] == n_layers:
+                    stacked.append({"dims": list(dims), "bytes": nbytes, "position": where, "op": ins["opcode"]})
+            if len(samples) < max_samples:
+                samples.append(f"[{direction} {nbytes} B, {where}] {ins['text'][:240]}")
+    return {
+        "computations": len(comps),
+        "while_loops": per_loop,
+        **counts,
+        **totals,
+        "outside_loops": outside,
+        "stacked_h2d_outside_loops": stacked,
+        "samples": samples,
+    }
+
+
+def parse_memory_usage_report(text: str) -> dict[str, int]:
+    """``{"memory space name (color=N)": total bytes}`` from XLA's memory-usage report."""
+    out = {}
+    for name, color, total in re.findall(r"Memory Space:\s*(\S+)\s*\(color=(\d+)\)\s*\n\s*Total bytes:\s*(\d+)", text):
+        out[f"{name} (color={color})"] = int(total)
+    return out
+
+
+def summarize_dump(dump_dir: Path, n_layers: int | None, names: list[str] | None = None) -> dict | None:
+    """Analysis of the train step's optimized module in an XLA dump directory: the largest of
+    ``names`` (the modules compiled during the first step), else the largest of all."""
+    if not dump_dir.is_dir():
+        return None
+    modules = [p for p in dump_dir.glob("*after_optimizations.txt") if p.is_file()]
+    chosen = [p for p in modules if names and p.name in names]
+    if not modules:
+        return {"error": f"no optimized HLO module in {dump_dir}"}
+    if names is not None and not chosen:
+        return {"error": "the first step compiled no module here (a compile-cache hit?)"}
+    module = max(chosen or modules, key=lambda p: p.stat().st_size)
+    try:
+        out = {"module": module.name, "bytes": module.stat().st_size, "from_first_step": bool(chosen)}
+        out.update(analyze_hlo(module.read_text(errors="replace"), n_layers=n_layers))
+        report = Path(str(module)[: -len(".txt")] + "-memory-usage-report.txt")
+        if report.is_file():
+            out["memory_usage_report"] = parse_memory_usage_report(report.read_text(errors="replace"))
+    except Exception as err:  # a parse failure must not lose the run
+        return {"module": module.name, "error": f"{type(err).__name__}: {err}"}
+    return out
