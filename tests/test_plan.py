@@ -147,7 +147,7 @@ CFG = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8)
 B, S = 2, 16
 
 
-def _step_inputs(cand, cfg=CFG):
+def _step_inputs(cand, cfg=CFG, clip_norm=None):
     model = zoo.Llama(cfg, key=jax.random.key(0))
     opt = optax.adamw(1e-3)
     if cand.params:
@@ -155,7 +155,7 @@ def _step_inputs(cand, cfg=CFG):
     if cand.activations is not None:
         model = transforms.offload_activations(model, policy=cand.policy)
     if cand.opt_state:
-        opt = transforms.offload_opt_state(opt)
+        opt = transforms.offload_opt_state(opt, stream=cand.stream, clip_norm=clip_norm)
     step = transforms.train_step(zoo.lm_loss, opt)
     state = step.init(model)
     params, static = eqx.partition(model, eqx.is_array)
@@ -273,6 +273,136 @@ def test_offloaded_optimizer_state_moves_once_each_way():
 
 
 # ----------------------------------------------------------------------------------------------
+# The streamed optimizer update (offload_opt_state(stream=True))
+# ----------------------------------------------------------------------------------------------
+
+STREAM_CASES = [
+    (Candidate(opt_state="stream"), None),
+    (Candidate(params=True, opt_state="stream"), None),
+    (Candidate(params=True, opt_state="stream", activations="offload:block_input"), 1.0),
+]
+
+
+@pytest.mark.parametrize(("cand", "clip"), STREAM_CASES, ids=lambda c: getattr(c, "label", f"clip={c}"))
+def test_streamed_update_bytes_moved_agree_with_the_train_steps_jaxpr(cand, clip):
+    """Every layer fetched once per pass plus one ahead; with host gradients and clipping, a second pass."""
+    fn, params, state, tokens = _step_inputs(cand, clip_norm=clip)
+    report = transforms.transfer_report(fn, params, state, tokens)
+    est = row(transforms.plan(CFG, batch=B, seq=S, device="h100", clip_norm=clip), **vars(cand)).estimate
+    assert (est.host_to_device, est.device_to_host) == (report.host_to_device, report.device_to_host)
+    plain = row(
+        transforms.plan(CFG, batch=B, seq=S, device="h100"),
+        params=cand.params,
+        opt_state=True,
+        activations=cand.activations,
+    )
+    assert est.host_to_device > plain.estimate.host_to_device  # the extra layer, the clip pass
+    assert est.device_to_host == plain.estimate.device_to_host
+    # No stacked (L, ...) float array crosses to the device as a whole: one layer at a time.
+    whole = [t for t in report.transfers if t[0] == "h2d" and t[2][:1] == (CFG.n_layers,) and "float" in t[1]]
+    assert whole == [], whole
+
+
+def test_streamed_update_holds_one_layer_per_iteration_on_the_device():
+    """The update alone, as the train step calls it (gradients of host weights left in host memory):
+    what each iteration brings in and sends out is the model's per-layer figure, and what moves to
+    the device at once (outside the layer loops) is one layer plus the leaves outside the stack,
+    whose gradients are the update phase's gradients."""
+    cand = Candidate(params=True, opt_state="stream")
+    _, params, state, _ = _step_inputs(cand)
+    trainable = eqx.filter(params, eqx.is_inexact_array)
+    grads = jax.tree.map(lambda x: x, trainable)  # same placements as the backward pass leaves them
+    opt = transforms.offload_opt_state(optax.adamw(1e-3), stream=True)
+    report = transforms.transfer_report(opt.apply, grads, state, trainable)
+    L = CFG.n_layers
+    per_iter = {
+        d: sum(math.prod(sh) * np.dtype(dt).itemsize for dd, dt, sh, _, n in report.transfers if dd == d and n == L)
+        for d in ("h2d", "d2h")
+    }
+    est = row(transforms.plan(CFG, batch=B, seq=S, device="h100"), **vars(cand)).estimate
+    assert est.stream_layer == {"to_device": per_iter["h2d"], "to_host": per_iter["d2h"]}
+    once = sum(math.prod(sh) * np.dtype(dt).itemsize for d, dt, sh, _, n in report.transfers if d == "h2d" and n == 1)
+    stack = eqx.filter(params.stack, eqx.is_inexact_array)
+    outside = sum(x.nbytes for x in jax.tree.leaves(trainable)) - sum(x.nbytes for x in jax.tree.leaves(stack))
+    assert est.phases["update"]["gradients"] == outside
+    state_rest = sum(x.nbytes for x in jax.tree.leaves(state.rest) if x.ndim > 0)
+    assert once == est.stream_layer["to_device"] + 2 * outside + state_rest  # first layer; rest grads, weights, state
+
+
+def test_streamed_update_lowered_for_cuda_moves_and_keeps_what_the_plan_says():
+    cand = Candidate(params=True, opt_state="stream")
+    text = _lowered_for_cuda(cand)
+    est = row(transforms.plan(CFG, batch=B, seq=S, device="h100"), **vars(cand)).estimate
+    assert cuda_placements(text) == {"pinned_host": est.device_to_host, "device": est.host_to_device}
+    main = text[text.index("func.func public @main(") :].split("{\n", 1)[0]
+    args = re.findall(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}", main)
+    on_host = sum(_tensor_bytes(t) for t, attrs in args if 'memory_kind = "pinned_host"' in attrs)
+    assert on_host == est.host["parameters"] + est.host["optimizer state"]
+
+
+def test_fp32_8b_fits_an_h200_only_with_the_streamed_update():
+    """Before the streamed update nothing fitted (the update held every gradient and weight on the
+    device); now full offload with the streamed update does, and its peak is no longer the update."""
+    p = transforms.plan("llama-8b", batch=1, seq=8192, device="h200")
+    assert p.fits and p.stream_update
+    assert p.transforms[:1] == ("offload_params",) and "offload_opt_state" in p.transforms
+    assert p.candidate.label.startswith("offload_params + offload_opt_state(stream)")
+    assert p.device_bytes <= p.device_budget and p.host_bytes <= p.host_budget
+    assert p.chosen.estimate.peak_phase != "update"
+    assert not any(r.fits for r in p.rows if not r.estimate.candidate.stream)  # nothing else fits
+    assert p.predict(params=True, opt_state="stream", activations=p.activation_policy)["fits"]
+    # Clipping adds a pass over the host gradients: more bytes in, a slower step, the same fit.
+    clipped = transforms.plan("llama-8b", batch=1, seq=8192, device="h200", clip_norm=1.0)
+    assert clipped.fits and clipped.host_to_device > p.host_to_device
+    assert clipped.predict(**_as_predict(p.candidate))["step_s"] > p.step_time_s
+    assert any("streamed update" in n for n in p.notes)
+    assert p.to_dict()["chosen"]["offload_opt_state"] == "stream"
+
+
+def _as_predict(cand):
+    return dict(params=cand.params, opt_state=cand.opt_state, activations=cand.activations)
+
+
+def test_apply_with_the_streamed_update_runs_and_clips():
+    cfg = CFG
+    p = transforms.plan(cfg, batch=4, seq=32, device="h100", clip_norm=0.5)
+    p.chosen = row(p, params=True, opt_state="stream")
+    assert p.stream_update and p.transforms == ("offload_params", "offload_opt_state")
+    with pytest.raises(ValueError, match=r"optax.clip_by_global_norm.*clip_norm="):
+        p.apply(zoo.Llama(cfg, key=jax.random.key(0)), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
+    model, opt = p.apply(zoo.Llama(cfg, key=jax.random.key(0)), optax.adamw(1e-3))
+    assert isinstance(opt, transforms._opt_stream.StreamedOptimizer) and opt.clip_norm == 0.5
+    step = transforms.train_step(zoo.lm_loss, opt)
+    state = step.init(model)
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
+    model, state, metrics = step(model, state, tokens)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+    assert model.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
+    assert state.stacked[0][0].mu.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
+    # Without offloaded state the same clip_norm becomes an optax clip in front of the optimizer.
+    p.chosen = row(p)
+    assert p.apply(model, optax.sgd(1e-3))[1] is not None
+
+
+def test_stream_candidates_and_their_names():
+    assert Candidate(opt_state="offload") == Candidate(opt_state=True)
+    assert Candidate(opt_state="stream").label == "offload_opt_state(stream)"
+    with pytest.raises(ValueError, match="opt_state must be"):
+        Candidate(opt_state="sometimes")
+    p = transforms.plan("llama-tiny", batch=2, seq=32, device="h100")
+    assert {r.estimate.candidate.opt_state for r in p.rows} == {False, True, "stream"}
+    spark = transforms.plan("llama-tiny", batch=2, seq=32, device="dgx-spark")
+    assert not any(r.estimate.candidate.stream for r in spark.rows)
+    with pytest.raises(ValueError, match="clip_norm must be"):
+        transforms.plan("llama-tiny", batch=2, seq=32, clip_norm=0)
+    chained = transforms.plan(
+        "llama-tiny", batch=2, seq=32, optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    )
+    assert any("optax.clip_by_global_norm" in n and "clip_norm" in n for n in chained.notes)
+    assert chained._context.clip
+
+
+# ----------------------------------------------------------------------------------------------
 # Choices
 # ----------------------------------------------------------------------------------------------
 
@@ -336,7 +466,7 @@ def test_dgx_spark_still_recomputes_when_that_fits():
 
 def test_when_nothing_fits_the_plan_says_what_is_missing_and_what_would_fit():
     cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16")
-    p = transforms.plan(cfg, batch=1, seq=8192, device="a100")
+    p = transforms.plan(cfg, batch=4, seq=8192, device="a100")
     assert not p.fits and p.label == "nothing fits" and p.transforms == ()
     text = "\n".join(p.suggestions)
     assert "missing:" in text and "of device memory" in text
@@ -347,7 +477,7 @@ def test_when_nothing_fits_the_plan_says_what_is_missing_and_what_would_fit():
     # Each suggestion is true: re-planning with it fits.
     fsdp = int(re.search(r"fsdp=(\d+)", text).group(1))
     per_device = re.search(r"global batch (\d+)", text)
-    batch = int(per_device.group(1)) if per_device else 1
+    batch = int(per_device.group(1)) if per_device else 4
     assert transforms.plan(cfg, batch=batch, seq=8192, device="a100", fsdp=fsdp).fits
 
 

@@ -23,6 +23,7 @@ from ._plan_devices import (
 from ._plan_model import (
     ACTIVATION_OPTIONS,
     NAMED_WIDTH,
+    OPT_STATE_OPTIONS,
     Candidate,
     Estimate,
     Geometry,
@@ -115,6 +116,23 @@ def _resolve_optimizer(optimizer):
     raise TypeError(f"optimizer must be a name {sorted(OPTIMIZERS)} or an optax.GradientTransformation")
 
 
+def _global_parts(optimizer) -> list[str]:
+    """Names of the parts of ``optimizer`` that look at all layers at once (``clip_by_global_norm``, ...),
+    which ``offload_opt_state(stream=True)`` refuses."""
+    from ._opt_stream import GLOBAL_TRANSFORMS, _all_parts, _name
+
+    names = [_name(p) for p in [optimizer, *_all_parts(optimizer)]]
+    return list(dict.fromkeys(n for n in names if n in GLOBAL_TRANSFORMS))
+
+
+def _clip_norm(value, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: clip_norm must be a positive finite number or None, got {value!r}")
+    return float(value)
+
+
 def _positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"plan: {name} must be a positive int, got {value!r}")
@@ -123,7 +141,7 @@ def _positive_int(name: str, value) -> int:
 
 def _all_candidates(unified: bool) -> list[Candidate]:
     out = []
-    for acts, params, opt in itertools.product([None, *ACTIVATION_OPTIONS], (False, True), (False, True)):
+    for acts, params, opt in itertools.product([None, *ACTIVATION_OPTIONS], (False, True), OPT_STATE_OPTIONS):
         cand = Candidate(params=params, opt_state=opt, activations=acts)
         if unified and cand.uses_host:
             continue
@@ -157,6 +175,7 @@ class _Context:
     device_budget: int
     host_budget: int | None
     candidates: list[Candidate]
+    clip: bool = False  # gradients clipped to a global norm (the streamed update's first pass)
 
     def with_config(self, config) -> _Context:
         """The same context for another config (e.g. other dtypes)."""
@@ -182,6 +201,7 @@ class _Context:
                 link_bytes_per_s=self.device.link_bytes_per_s,
                 flops_per_s=rate,
                 heap_overhead=self.heap_overhead,
+                clip=self.clip,
             )
             fits_host = self.host_budget is None or est.host_bytes <= self.host_budget
             out.append(Row(est, est.device_bytes <= self.device_budget, fits_host))
@@ -194,6 +214,7 @@ def _row_dict(r: Row) -> dict[str, Any]:
         "transforms": e.candidate.label,
         "offload_params": e.candidate.params,
         "offload_opt_state": e.candidate.opt_state,
+        "stream_update": e.candidate.stream,
         "activation_policy": e.candidate.policy,
         "device_bytes": e.device_bytes,
         "peak_phase": e.peak_phase,
@@ -207,6 +228,7 @@ def _row_dict(r: Row) -> dict[str, Any]:
         "recompute_s": e.recompute_s,
         "exposed_transfer_s": e.exposed_transfer_s,
         "step_s": e.step_s,
+        "stream_layer": e.stream_layer,
         "fits": r.fits,
         "fits_device": r.fits_device,
         "fits_host": r.fits_host,
@@ -245,7 +267,8 @@ class Plan:
     ``host_bytes`` (per device, at the peak), ``host_to_device`` / ``device_to_host`` (bytes per
     step), ``step_time_s`` and ``overhead`` (over the no-offload, no-recompute compute time),
     ``rows`` (every candidate), ``notes``, ``suggestions`` (when nothing fits), ``env`` (environment
-    variables the plan needs), and the inputs.
+    variables the plan needs), ``stream_update`` (the chosen optimizer-state offload streams the
+    update layer by layer), and the inputs (``clip_norm`` included).
     """
 
     model: str
@@ -266,6 +289,7 @@ class Plan:
     notes: list[str]
     suggestions: list[str]
     env: dict[str, str]
+    clip_norm: float | None = None
     _context: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # --- the answer ---------------------------------------------------------------------------
@@ -301,6 +325,12 @@ class Plan:
         if cand.opt_state:
             out.append("offload_opt_state")
         return tuple(out)
+
+    @property
+    def stream_update(self) -> bool:
+        """Whether the plan streams the optimizer update (``offload_opt_state(..., stream=True)``)."""
+        cand = self.candidate
+        return cand is not None and cand.stream
 
     @property
     def activation_policy(self) -> dict[str, str] | None:
@@ -345,8 +375,11 @@ class Plan:
         names = list(dict.fromkeys([*device, *est.host]))
         return {n: {"device": device.get(n, 0), "host": est.host.get(n, 0)} for n in names}
 
-    def predict(self, *, params: bool = False, opt_state: bool = False, activations=None) -> dict[str, Any]:
+    def predict(self, *, params: bool = False, opt_state: bool | str = False, activations=None) -> dict[str, Any]:
         """The prediction for a given set of transforms (for benchmarks that run a fixed set).
+
+        `opt_state` is ``False``, ``True`` (or ``"offload"``: :func:`transforms.offload_opt_state`)
+        or ``"stream"`` (``offload_opt_state(..., stream=True)``, the update streamed layer by layer).
 
         `activations` is ``None`` (no policy), a preset of :func:`transforms.offload_activations`
         (``"block_input"``, ``"block_input_and_projections"``, ``"recompute_all"``), one of the
@@ -360,6 +393,7 @@ class Plan:
         import transforms
         p = transforms.plan("llama-1b", batch=4, seq=2048, device="h100")
         p.predict(params=True, activations="block_input")["device_bytes"]
+        p.predict(params=True, opt_state="stream", activations="recompute_all")["step_s"]
         ```
         """
         from ._activations import PRESETS
@@ -389,13 +423,23 @@ class Plan:
         return _row_dict(rows[0])
 
     # --- apply ----------------------------------------------------------------------------------
-    def apply(self, model, optimizer):
+    def apply(self, model, optimizer, *, clip_norm: float | int | None = None):
         """Apply the chosen transforms: returns ``(model, optimizer)``.
 
         Uses :func:`transforms.offload_params`, :func:`transforms.offload_activations` (with
-        :attr:`activation_policy`) and :func:`transforms.offload_opt_state`, exactly as chosen;
-        "no offload" returns both unchanged. Raises `ValueError` if nothing fits or if the model's
-        config differs from the planned one.
+        :attr:`activation_policy`) and :func:`transforms.offload_opt_state` (with ``stream=True``
+        when :attr:`stream_update`), exactly as chosen; "no offload" returns both unchanged.
+
+        Global-norm clipping: a streamed update refuses `optax.clip_by_global_norm` inside the
+        optimizer (it needs every layer at once), so give the optimizer without it and ask for
+        ``clip_norm`` here or in :func:`plan`: the returned optimizer clips to that norm whatever
+        the plan (``offload_opt_state(..., clip_norm=...)`` when the state is offloaded, streamed
+        or not, otherwise ``optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)``).
+        `clip_norm` defaults to the plan's.
+
+        Raises `ValueError` if nothing fits, if the model's config differs from the planned one,
+        or if the plan streams the update and `optimizer` contains `optax.clip_by_global_norm`
+        (or another transformation over all layers).
 
         **Example:**
 
@@ -420,13 +464,26 @@ class Plan:
             )
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"plan.apply: optimizer must be an optax.GradientTransformation, got {type(optimizer)}")
+        clip_norm = self.clip_norm if clip_norm is None else _clip_norm(clip_norm, "plan.apply")
         cand = self.candidate
+        if cand.stream:
+            names = _global_parts(optimizer)
+            if names:
+                listed = ", ".join(f"optax.{n}" for n in names)
+                raise ValueError(
+                    f"plan.apply: the plan streams the optimizer update (offload_opt_state(stream=True)), which "
+                    f"cannot run {listed} inside the optimizer (it needs every layer at once); pass the optimizer "
+                    "without it and clip_norm=<max_norm> to plan.apply (or to transforms.plan): the streamed "
+                    "update computes the global norm in a first pass over the layers"
+                )
         if cand.params:
             model = offload_params(model)
         if cand.activations is not None:
             model = offload_activations(model, policy=cand.policy)
         if cand.opt_state:
-            optimizer = offload_opt_state(optimizer)
+            optimizer = offload_opt_state(optimizer, stream=cand.stream, clip_norm=clip_norm)
+        elif clip_norm is not None:
+            optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
         return model, optimizer
 
     # --- output ---------------------------------------------------------------------------------
@@ -441,6 +498,7 @@ class Plan:
             "fsdp": self.fsdp,
             "accum_steps": self.accum_steps,
             "optimizer": self.optimizer,
+            "clip_norm": self.clip_norm,
             "device": self.device.to_dict(),
             "margin": self.margin,
             "memory_fraction": self.memory_fraction,
@@ -486,6 +544,7 @@ def plan(
     host_memory_gb: float | int | None = None,
     compute_efficiency: float | int = 1.0,
     heap_overhead: float | int = 0.15,
+    clip_norm: float | int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Plan:
     """Plan the offload of one training step: what to move to host memory so it fits, and what it costs.
@@ -493,9 +552,10 @@ def plan(
     Estimates, per device, the bytes of every component of a :func:`transforms.train_step` on
     ``zoo.lm_loss`` (parameters, gradients, optimizer state, saved activations per residual name
     and layer, logits, working buffers) on the device and on the host, for every candidate set of
-    transforms (none; an activation policy; optimizer-state offload; parameter offload; their
-    combinations), then picks the fastest predicted step among those that fit the device's
-    memory with the margin (ties: fewer transforms). On a unified-memory device (DGX Spark) no
+    transforms (none; an activation policy; optimizer-state offload, with the whole update on the
+    device or streamed layer by layer; parameter offload; their combinations), then picks the
+    fastest predicted step among those that fit the device's memory with the margin (ties: fewer
+    transforms). On a unified-memory device (DGX Spark) no
     host offload is considered. The cost model is documented in ``transforms/_plan_model.py``.
 
     **Arguments:**
@@ -515,6 +575,11 @@ def plan(
     - `compute_efficiency`: fraction of the peak FLOP/s achieved (default 1.0: peak).
     - `heap_overhead`: allowance for XLA's heap packing, as a fraction of the temporaries
       (default 0.15; 0 gives the live peak alone). See ``transforms/_plan_model.py``.
+    - `clip_norm`: the gradients are clipped to this global norm (default ``None``: no clipping).
+      The streamed update then makes a first pass over the layers for the norm (host-resident
+      gradients cross the link once more), which the plan counts; :meth:`Plan.apply` adds the
+      clipping to the optimizer it returns. An optimizer given here that contains
+      `optax.clip_by_global_norm` is planned as clipping too.
     - `environ`: environment to read limits from (default `os.environ`).
 
     **Returns:** a :class:`Plan`; ``str(plan)`` prints the table, ``plan.apply(model, opt)``
@@ -555,7 +620,10 @@ def plan(
     if not isinstance(heap_overhead, int | float) or not 0 <= heap_overhead < 1:
         raise ValueError(f"plan: heap_overhead must be in [0, 1), got {heap_overhead!r}")
     profile = get_device(device)
+    clip_norm = _clip_norm(clip_norm, "plan")
     optimizer, opt_name, notes = _resolve_optimizer(optimizer)
+    global_parts = _global_parts(optimizer)
+    clip = clip_norm is not None or "clip_by_global_norm" in global_parts
 
     model = zoo.abstract_model(config)
     geom = geometry(config, model)
@@ -586,6 +654,7 @@ def plan(
         device_budget,
         host_budget,
         _all_candidates(profile.unified),
+        clip,
     )
     rows = ctx.rows(batch, seq)
     chosen = _best(rows)
@@ -626,10 +695,31 @@ def plan(
                 f"pinned host memory: {format_bytes(host_bytes)} per device, within {limit_text} "
                 "(the XLA GPU client's pinned-host pool)"
             )
-    if shown.estimate.peak_phase == "update" and shown.estimate.candidate.params:
+    shown_cand = shown.estimate.candidate
+    if shown.estimate.peak_phase == "update" and shown_cand.params and not shown_cand.stream:
         notes.append(
             "the peak is the optimizer update: train_step moves every gradient and every offloaded parameter "
-            "to the device for it (model-sized transients), so offloading parameters does not lower it"
+            "to the device for it (model-sized transients), so offloading parameters does not lower it; "
+            "the streamed update (offload_opt_state(stream=True)) moves one layer at a time"
+        )
+    clip_text = (
+        "with global-norm clipping: a first pass over the layers for the norm"
+        + (" (host-resident gradients cross the link once more)" if shown_cand.params else "")
+        if clip
+        else "without gradient clipping (plan(..., clip_norm=...) counts its pass)"
+    )
+    if shown_cand.stream:
+        notes.append(
+            "streamed update: weights, gradients and optimizer state of each layer move to the device one layer "
+            f"at a time (the next one fetched ahead), {clip_text}; its copies are exposed (the update's math is "
+            "too short to hide them). apply() uses offload_opt_state(stream=True, clip_norm=...): an optimizer "
+            "containing optax.clip_by_global_norm is refused, pass clip_norm instead"
+        )
+    if global_parts:
+        listed = ", ".join(f"optax.{n}" for n in global_parts)
+        notes.append(
+            f"the optimizer contains {listed}, which the streamed update refuses: to apply a streamed plan, "
+            "pass the optimizer without it and clip_norm=<max_norm> to plan.apply"
         )
     if fsdp > 1:
         notes.append(
@@ -656,6 +746,7 @@ def plan(
         notes=notes,
         suggestions=suggestions,
         env=env,
+        clip_norm=clip_norm,
         _context=ctx,
     )
 

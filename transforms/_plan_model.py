@@ -58,6 +58,19 @@ itself saves (``saved_residuals``), byte for byte, for both families in float32 
   back after): model-sized transients. The update itself runs leaf by leaf (two largest-leaf
   buffers); offloaded optimizer state is streamed leaf by leaf (the moments of the largest leaf,
   in and out).
+- *Streamed update* (``offload_opt_state(..., stream=True)``, candidate ``opt_state="stream"``):
+  the train step leaves the gradients where the backward pass put them (host memory for host
+  weights, unless micro-batches are accumulated on the device). Each stack is updated by a scan
+  over its layers: per iteration one layer of host gradients, host weights and optimizer state
+  comes in, with the next layer's already fetched (two layers in flight), and the layer's new
+  weights and state go out; plus the update's two largest layer weights. New weights kept on the
+  device are a new stacked scan output (a stack-sized transient: the old ones are read until the
+  last layer), so streaming without offloaded weights costs device memory. The leaves outside the
+  stacks (embeddings, head, final norm) are updated as in the plain update, leaf by leaf, with
+  their gradients and weights moved in. The working set is the larger of the two. On the host,
+  each stack's new state (and weights, if offloaded) is written as a new scan output while the
+  old is still read: the component ``update outputs``. The state's sizes come from ``optax``'s
+  ``init`` per layer (the layout the wrapper builds; step counters get the layer axis).
 
 **Heap packing.** XLA places all of a program's temporaries in one heap, packed by best fit over
 their live ranges; buffers of different sizes and lifetimes leave holes, so the heap is larger
@@ -80,7 +93,12 @@ The device peak is the largest of the three phases (backward through the layers,
 offloaded weights cross host -> device twice for the stack (forward and recomputation) and once
 for the rest, gradients cross device -> host once, then the update moves all gradients and
 parameters in and the parameters back out; offloaded activations cross once each way; offloaded
-optimizer state crosses once each way.
+optimizer state crosses once each way. The streamed update fetches each host-resident stacked
+leaf (gradients, weights, state) once per layer plus once more (the last iteration fetches its own
+layer again: ``(L + 1) / L`` of the stack) and writes the new weights and state back once; the
+stacked gradients are not moved in as a whole. With gradient clipping (``plan(clip_norm=...)``, or
+an optimizer containing ``optax.clip_by_global_norm``) a first pass computes the global norm,
+fetching the host gradients of the stacks once more (``(L + 1) / L`` of them).
 
 **Step time.** Matmul FLOPs over the device's peak dense rate (``compute_efficiency`` scales it):
 per layer and token ``2*(d*q + 2*d*kv + q*d + n_mlp*d*f) + 4*S*q`` forward (scores and context
@@ -89,6 +107,8 @@ scores always, the projections unless saved, the MLP's input matmuls always). Co
 compute only as far as each layer's compute hides them: per layer and pass the exposed time is
 ``max(0, copy_time - compute_time)`` with the two directions of the link running concurrently;
 copies outside the layer loop (head and embedding weights, the update's transfers) are exposed.
+The streamed update's copies are exposed too (both directions concurrently, the clip pass before
+them, host -> device only): its per-layer math is elementwise, with no matmul time to hide them.
 """
 
 from __future__ import annotations
@@ -139,6 +159,7 @@ class Geometry:
     layer_matmul_elems: int  # weight elements of one layer's matmuls
     two_largest_layer_weights: int  # bytes (param dtype) of a layer's two largest weights
     largest_leaf_bytes: int
+    outside_largest_leaf_bytes: int  # the largest leaf outside the stack (embedding or head)
     head_elems: int  # V * d
 
     @property
@@ -198,6 +219,11 @@ def geometry(config, model) -> Geometry:
     matrices = [x for x in stack if len(x.shape) == 3]
     per_layer_matrix_bytes = sorted((nbytes(x) // x.shape[0] for x in matrices), reverse=True)
     kv_heads = getattr(config, "n_kv_heads", config.n_heads)
+    from ._opt_stream import _units
+
+    tree = eqx.filter(model, is_arraylike)
+    units = jax.tree.leaves(_units(tree)[0])
+    outside = [x for u, x in zip(units, jax.tree.leaves(tree), strict=True) if u == -1 and is_floating(x)]
     return Geometry(
         family=family,
         n_layers=config.n_layers,
@@ -216,41 +242,94 @@ def geometry(config, model) -> Geometry:
         layer_matmul_elems=sum(math.prod(x.shape[1:]) for x in matrices),
         two_largest_layer_weights=sum(per_layer_matrix_bytes[:2]),
         largest_leaf_bytes=max(nbytes(x) for x in params),
+        outside_largest_leaf_bytes=max((nbytes(x) for x in outside), default=0),
         head_elems=config.vocab_size * config.d_model,
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerInfo:
-    """Optimizer-state sizes from ``optax``'s ``init`` under `jax.eval_shape`."""
+    """Optimizer-state sizes from ``optax``'s ``init`` under `jax.eval_shape`.
+
+    The ``stream_*`` fields size the state of ``offload_opt_state(optimizer, stream=True)``: the
+    wrapped optimizer's state built per layer for each :class:`zoo.nn.Stack` (every leaf, step
+    counters included, gets the stack's layer axis) plus its state for the other leaves.
+    """
 
     name: str
     state_bytes: int
     offloadable_bytes: int  # floating leaves with >= 1 dimension (what offload_opt_state moves)
     moments_per_param: float  # offloadable state bytes per parameter byte
+    stream_state_bytes: int = 0
+    stream_stack_bytes: int = 0  # offloadable bytes of the per-layer (stacked) state, all layers
+    stream_rest_bytes: int = 0  # offloadable bytes of the state of the leaves outside the stacks
 
     @property
     def resident_bytes(self) -> int:
         return self.state_bytes - self.offloadable_bytes
 
+    @property
+    def stream_resident_bytes(self) -> int:
+        return self.stream_state_bytes - self.stream_stack_bytes - self.stream_rest_bytes
+
+
+def _movable(tree) -> tuple[int, int]:
+    """(all bytes, bytes of the floating leaves with >= 1 dimension) of an abstract state."""
+    leaves = [x for x in jax.tree.leaves(tree) if is_arraylike(x)]
+    return sum(nbytes(x) for x in leaves), sum(nbytes(x) for x in leaves if is_floating(x) and len(x.shape) > 0)
+
 
 def optimizer_info(optimizer, params, name: str) -> OptimizerInfo:
+    from ._opt_stream import _units, _view
+
     state = jax.eval_shape(optimizer.init, params)
-    leaves = [x for x in jax.tree.leaves(state) if is_arraylike(x)]
-    total = sum(nbytes(x) for x in leaves)
-    movable = sum(nbytes(x) for x in leaves if is_floating(x) and len(x.shape) > 0)
+    total, movable = _movable(state)
     pbytes = sum(nbytes(x) for x in jax.tree.leaves(params) if is_arraylike(x) and is_floating(x))
-    return OptimizerInfo(name, total, movable, movable / pbytes if pbytes else 0.0)
+    # The streamed layout, as offload_opt_state(stream=True) builds it (see transforms/_opt_stream.py).
+    units, n = _units(params)
+    stacked = [_movable(jax.eval_shape(jax.vmap(optimizer.init), _view(params, units, k))) for k in range(n)]
+    rest_total, rest_movable = _movable(jax.eval_shape(optimizer.init, _view(params, units, -1)))
+    return OptimizerInfo(
+        name,
+        total,
+        movable,
+        movable / pbytes if pbytes else 0.0,
+        stream_state_bytes=rest_total + sum(t for t, _ in stacked),
+        stream_stack_bytes=sum(m for _, m in stacked),
+        stream_rest_bytes=rest_movable,
+    )
+
+
+#: Values of :attr:`Candidate.opt_state`: optimizer state on the device, offloaded (updated leaf
+#: by leaf), or offloaded with the streamed update (``offload_opt_state(..., stream=True)``).
+OPT_STATE_OPTIONS = (False, True, "stream")
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One set of transforms: offload parameters, offload optimizer state, an activation policy."""
+    """One set of transforms: offload parameters, offload optimizer state, an activation policy.
+
+    ``opt_state`` is ``False`` (on the device), ``True`` (:func:`transforms.offload_opt_state`:
+    state in host memory, the whole update on the device) or ``"stream"``
+    (``offload_opt_state(..., stream=True)``: state in host memory, the update streamed layer by
+    layer). ``None`` and ``"offload"`` are accepted for ``False`` and ``True``.
+    """
 
     params: bool = False
-    opt_state: bool = False
+    opt_state: bool | str = False
     activations: str | None = None  # a key of ACTIVATION_OPTIONS, "custom", or None = no transform
     custom: tuple[tuple[str, str], ...] | None = None  # the policy when activations == "custom"
+
+    def __post_init__(self):
+        value = {None: False, "offload": True}.get(self.opt_state, self.opt_state)
+        if not any(value is v or (isinstance(v, str) and value == v) for v in OPT_STATE_OPTIONS):
+            raise ValueError(f"opt_state must be False, True (or 'offload') or 'stream', got {self.opt_state!r}")
+        object.__setattr__(self, "opt_state", value)
+
+    @property
+    def stream(self) -> bool:
+        """Whether the optimizer update is streamed layer by layer."""
+        return self.opt_state == "stream"
 
     @property
     def label(self) -> str:
@@ -258,14 +337,14 @@ class Candidate:
         if self.params:
             parts.append("offload_params")
         if self.opt_state:
-            parts.append("offload_opt_state")
+            parts.append("offload_opt_state(stream)" if self.stream else "offload_opt_state")
         if self.activations is not None:
             parts.append(f"activations:{self.activations}")
         return " + ".join(parts) or "no offload"
 
     @property
     def n_transforms(self) -> int:
-        return int(self.params) + int(self.opt_state) + int(self.activations is not None)
+        return int(self.params) + int(bool(self.opt_state)) + int(self.activations is not None)
 
     @property
     def policy(self) -> dict[str, str] | None:
@@ -278,7 +357,7 @@ class Candidate:
     @property
     def uses_host(self) -> bool:
         policy = self.policy or {}
-        return self.params or self.opt_state or any(v == "offload" for v in policy.values())
+        return self.params or bool(self.opt_state) or any(v == "offload" for v in policy.values())
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "attn_out")
@@ -306,6 +385,9 @@ class Estimate:
     compute_s: float  # without recomputation
     recompute_s: float
     exposed_transfer_s: float
+    #: The streamed update's copies per layer iteration: {"to_device": bytes, "to_host": bytes}
+    #: (None without a streamed update). The device holds two layers of "to_device" at a time.
+    stream_layer: dict[str, int] | None = None
 
     @property
     def peak_phase(self) -> str:
@@ -427,8 +509,10 @@ def evaluate(
     link_bytes_per_s: float,
     flops_per_s: float,
     heap_overhead: float = 0.15,
+    clip: bool = False,
 ) -> Estimate:
-    """Bytes, transfers and time of one training step for ``cand`` (per device)."""
+    """Bytes, transfers and time of one training step for ``cand`` (per device). ``clip``: the
+    gradients are clipped to a global norm (the streamed update then makes a first pass for it)."""
     B = batch // fsdp  # examples per device per step
     mb = B // accum_steps  # examples per device per micro-batch
     S, L, c, p = seq, g.n_layers, g.c, g.p
@@ -495,6 +579,20 @@ def evaluate(
     gather = 2 * g.layer_param_bytes if fsdp > 1 else 0  # one layer all-gathered, and the next
     accum_buf = G if accum_steps > 1 else 0  # the running sum of micro-batch gradients
 
+    # The streamed update (opt_state == "stream"): the state of each stack is per layer; stacked
+    # gradients stay where the backward pass left them (in host memory for host weights, unless
+    # micro-batches are accumulated on the device).
+    stream = cand.stream
+    if stream:
+        O_move = (opt.stream_stack_bytes + opt.stream_rest_bytes) // fsdp
+        O_all = opt.stream_state_bytes // fsdp
+    O_stack = opt.stream_stack_bytes // fsdp if stream else 0
+    O_rest = O_move - O_stack if stream else 0
+    host_grads = stream and cand.params and accum_steps == 1
+    # Each host-resident stacked leaf is fetched one layer ahead: L + 1 layer copies per pass.
+    fetches = (L + 1) / L if L > 1 else 1.0
+    clip_pass = stream and clip and host_grads
+
     P_dev = 0 if cand.params else P
     O_dev = (O_all - O_move) if cand.opt_state else O_all
     state = {"parameters": P_dev, "optimizer state": O_dev, "batch": tokens_bytes}
@@ -514,10 +612,25 @@ def evaluate(
     loss["working buffers"] = int(gather + (g.head_elems * p // fsdp if cand.params else 0))
 
     update = dict(state)
-    update["gradients"] = G + accum_buf
     largest = g.largest_leaf_bytes // fsdp
-    opt_stream = int(2 * opt.moments_per_param * largest) if cand.opt_state else 0
-    update["working buffers"] = (P if cand.params else 0) + 2 * largest + opt_stream
+    if not stream:
+        update["gradients"] = G + accum_buf
+        opt_stream = int(2 * opt.moments_per_param * largest) if cand.opt_state else 0
+        update["working buffers"] = (P if cand.params else 0) + 2 * largest + opt_stream
+    else:
+        # Stacks: per layer, the fetched copies (gradients if on host, weights if on host, state)
+        # for the current and the next layer, the layer's new weights and state on their way out,
+        # and the update's two largest weight-sized buffers. New weights kept on the device are a
+        # new stacked scan output (the old ones are read until the last layer). Leaves outside the
+        # stacks: as the plain update, leaf by leaf, with their weights and gradients moved in.
+        layer_in = (P_layer if host_grads else 0) + (P_layer if cand.params else 0) + O_stack // L
+        layer_out = (P_layer if cand.params else 0) + O_stack // L
+        layer_update = g.two_largest_layer_weights // fsdp
+        stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else P_stack)
+        largest_out = max(g.outside_largest_leaf_bytes // fsdp, 1)
+        rest_work = (P_out if cand.params else 0) + 2 * largest_out + int(2 * opt.moments_per_param * largest_out)
+        update["gradients"] = (P_out if host_grads else G) + accum_buf
+        update["working buffers"] = int(max(stack_work, rest_work))
 
     phases = {"backward": backward, "loss": loss, "update": update}
     for ph in phases.values():
@@ -531,17 +644,35 @@ def evaluate(
         "optimizer state": O_move if cand.opt_state else 0,
         "saved activations": L * mb * saved_host_ex,
     }
+    if stream:
+        # The streamed update writes each stack's new state (and weights, if on host) as new scan
+        # outputs, in host memory, while the old ones are still read: a stack-sized host transient.
+        host["update outputs"] = O_stack + (P_stack if cand.params else 0)
 
     # --- bytes moved per step -------------------------------------------------------------
     h2d = d2h = 0
-    if cand.params:
+    if cand.params and not stream:
         h2d += accum_steps * (2 * P_stack + P_out + G) + P
         d2h += accum_steps * G + P
     h2d += saved_host
     d2h += saved_host
-    if cand.opt_state:
+    if cand.opt_state and not stream:
         h2d += O_move
         d2h += O_move
+    upd_h2d = upd_d2h = clip_h2d = 0.0
+    if stream:
+        if cand.params:  # forward, recomputation and the outside weights; gradients out
+            h2d += accum_steps * (2 * P_stack + P_out) + (accum_steps * G if accum_steps > 1 else 0)
+            d2h += accum_steps * G
+            upd_h2d += fetches * P_stack + P_out
+            upd_d2h += P
+        if host_grads:
+            upd_h2d += fetches * P_stack + P_out
+        upd_h2d += fetches * O_stack + O_rest
+        upd_d2h += O_move
+        clip_h2d = fetches * P_stack if clip_pass else 0.0
+        h2d += round(upd_h2d + clip_h2d)
+        d2h += round(upd_d2h)
 
     # --- time ---------------------------------------------------------------------------------
     flops = g.layer_flops(S)
@@ -561,9 +692,18 @@ def evaluate(
     fwd_copy = max(w_layer, act_layer) / bw
     bwd_copy = max(w_layer + act_layer, w_layer if cand.params else 0) / bw
     exposed = L * (max(0.0, fwd_copy - t_layer_fwd) + max(0.0, bwd_copy - t_layer_bwd))
-    outside_h2d = (accum_steps * P_out + accum_steps * G + P if cand.params else 0) + (O_move if cand.opt_state else 0)
-    outside_d2h = (P + accum_steps * (G - P_stack) if cand.params else 0) + (O_move if cand.opt_state else 0)
-    exposed += max(outside_h2d, outside_d2h) / bw
+    if not stream:
+        outside_h2d = (accum_steps * P_out + accum_steps * G + P if cand.params else 0) + (
+            O_move if cand.opt_state else 0
+        )
+        outside_d2h = (P + accum_steps * (G - P_stack) if cand.params else 0) + (O_move if cand.opt_state else 0)
+        exposed += max(outside_h2d, outside_d2h) / bw
+    else:
+        # The update's math is elementwise (no matmul time to hide copies behind): its copies are
+        # exposed, both directions concurrently; the clip pass runs before it, host -> device only.
+        outside_h2d = accum_steps * P_out + (accum_steps * G if accum_steps > 1 else 0) if cand.params else 0
+        outside_d2h = accum_steps * (G - P_stack) if cand.params else 0
+        exposed += (max(outside_h2d + upd_h2d, outside_d2h + upd_d2h) + clip_h2d) / bw
 
     return Estimate(
         candidate=cand,
@@ -575,4 +715,5 @@ def evaluate(
         compute_s=compute,
         recompute_s=recompute_s,
         exposed_transfer_s=exposed,
+        stream_layer={"to_device": layer_in, "to_host": layer_out} if stream else None,
     )

@@ -14,6 +14,7 @@ COMPONENT_ORDER = (
     "logits",
     "working buffers",
     "heap packing",
+    "update outputs",
     "batch",
 )
 

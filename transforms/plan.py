@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", type=int, default=1, help="devices along the fsdp mesh axis")
     p.add_argument("--accum-steps", type=int, default=1)
     p.add_argument("--margin", type=float, default=0.10, help="fraction of memory kept free")
+    p.add_argument(
+        "--clip-norm",
+        type=float,
+        default=None,
+        help="gradients clipped to this global norm (the streamed update's extra pass is counted)",
+    )
     p.add_argument("--param-dtype", default=None, help="override the preset's param_dtype")
     p.add_argument("--compute-dtype", default=None, help="override the preset's compute_dtype")
     p.add_argument("--host-memory-gb", type=float, default=None, help="host memory per device (GiB)")
@@ -81,6 +87,7 @@ def main(argv=None) -> int:
             accum_steps=args.accum_steps,
             margin=args.margin,
             host_memory_gb=args.host_memory_gb,
+            clip_norm=args.clip_norm,
         )
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
