@@ -82,10 +82,13 @@ def build_model(spec: str, cfg, mesh, *, seed: int, compute_dtype: str | None = 
     return sharding.init_sharded(lambda k: zoo.build_model(cfg, key=k), mesh, key=key)
 
 
-def make_optimizer(*, lr: float, warmup: int, steps: int, weight_decay: float, clip: float):
+def make_optimizer(*, lr: float, warmup: int, steps: int, weight_decay: float, clip: float | None):
+    """AdamW with warmup and cosine decay, after a global-norm clip (``clip=None``: no clip, for
+    callers that clip elsewhere, e.g. a streamed update's ``clip_norm``)."""
     warmup = min(warmup, steps - 1)  # a short run warms up for less than its length
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+    adamw = optax.adamw(schedule, weight_decay=weight_decay)
+    return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)
 
 
 def parse_offload(spec: str) -> set[str]:

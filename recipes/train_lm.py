@@ -181,14 +181,16 @@ class Run:
             raise SystemExit(
                 f"{args.model} has {self.config.vocab_size} tokens, the tokenizer {self.tokenizer.vocab_size}"
             )
-        optimizer = make_optimizer(
-            lr=args.lr, warmup=args.warmup, steps=args.steps, weight_decay=args.weight_decay, clip=args.clip
-        )
+        hyper = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "weight_decay": args.weight_decay}
         self.plan = None
-        if args.plan:
-            self.plan = transforms.plan(self.config, batch=args.batch, seq=args.seq, device=args.plan)
-            self.model, optimizer = self.plan.apply(self.model, optimizer)
+        if args.plan:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
+            self.plan = transforms.plan(
+                self.config, batch=args.batch, seq=args.seq, device=args.plan, clip_norm=args.clip
+            )
+            optimizer = make_optimizer(**hyper, clip=None)
+            self.model, optimizer = self.plan.apply(self.model, optimizer, clip_norm=args.clip)
         else:
+            optimizer = make_optimizer(**hyper, clip=args.clip)
             self.model, optimizer = apply_offload(self.model, optimizer, parse_offload(args.offload), args.activations)
         self.step_fn = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=args.accum)
         self.opt_state = self.step_fn.init(self.model)
