@@ -176,6 +176,11 @@ def _fingerprints(arrays) -> list[list[int]]:
         )
         if not small:
             out[n] = _fingerprint(x)
+            if jax.process_count() > 1:
+                # One program with cross-process collectives in flight at a time: CPU (gloo)
+                # collectives of programs running concurrently can pair up differently on each
+                # process and deadlock.
+                out[n].block_until_ready()
     for n, x in enumerate(arrays):
         if out[n] is None:
             out[n] = _fingerprint_np(np.asarray(x))
