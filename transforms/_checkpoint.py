@@ -176,10 +176,11 @@ def _fingerprints(arrays) -> list[list[int]]:
         )
         if not small:
             out[n] = _fingerprint(x)
-            if jax.process_count() > 1:
-                # One program with cross-process collectives in flight at a time: CPU (gloo)
-                # collectives of programs running concurrently can pair up differently on each
-                # process and deadlock.
+            if len(x.sharding.device_set) > 1:
+                # One program with collectives in flight at a time. The programs of different
+                # leaves are independent, so their collectives may run in a different order on
+                # each device: on the CPU backend that deadlocks, both between processes (gloo)
+                # and between the devices of one process (XLA aborts after 40 s in a rendezvous).
                 out[n].block_until_ready()
     for n, x in enumerate(arrays):
         if out[n] is None:
