@@ -44,10 +44,14 @@ def human_bytes(n: float) -> str:
 class Progress:
     """A tqdm bar (on a terminal) plus a plain line every ``log_every`` steps (always)."""
 
-    def __init__(self, *, total: int, initial: int, tokens_per_step: int, flops_per_token: float, peak, log_every):
+    def __init__(
+        self, *, total: int, initial: int, tokens_per_step: int, flops_per_token: float, peak, log_every, enabled=True
+    ):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True, disable=None)
+        self.enabled = enabled  # one process of several shows nothing
+        disable = None if enabled else True  # None: only on a terminal
+        self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True, disable=disable)
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak = peak
@@ -88,6 +92,8 @@ class Progress:
         return rates
 
     def write(self, line: str) -> None:
+        if not self.enabled:
+            return
         self.bar.write(line, file=sys.stdout)
         sys.stdout.flush()
 

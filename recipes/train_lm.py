@@ -316,10 +316,8 @@ def main(argv=None, *, defaults: dict | None = None) -> dict:
         flops_per_token=cfg.flops_per_token(args.seq),
         peak=peak_flops(args.compute_dtype),
         log_every=args.log_every,
+        enabled=lead,
     )
-    if not lead:
-        progress.bar.disable = True
-        progress.write = lambda line: None
 
     last = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
     loss = float("nan")

@@ -31,3 +31,14 @@ def build(cfg):
     pairs = zip(jax.tree.leaves(base), jax.tree.leaves(abstract), strict=True)
     leaves = [jnp.asarray(np.asarray(x).astype(s.dtype)) for x, s in pairs]
     return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+
+
+def all_outvars(jaxpr):
+    """Every value a jaxpr defines, those of nested jaxprs (scan bodies, checkpoints) included."""
+    for eqn in jaxpr.eqns:
+        yield from eqn.outvars
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from all_outvars(inner)

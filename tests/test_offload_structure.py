@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import all_outvars
 
 import transforms
 import zoo
@@ -44,16 +45,6 @@ def device_puts(jaxpr, in_scan=False):
 
 
 H, DEV = jax.memory.Space.Host, jax.memory.Space.Device
-
-
-def all_outvars(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield from eqn.outvars
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    yield from all_outvars(inner)
 
 
 def on_device_stacked(var, stacked_shapes):

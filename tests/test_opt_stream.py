@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import build
+from _models import all_outvars, build
 
 import transforms
 import zoo
@@ -312,16 +312,6 @@ def moves(jaxpr, in_scan=False):
                     yield from moves(inner, in_scan or eqn.primitive.name == "scan")
 
 
-def outvars(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield from eqn.outvars
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    yield from outvars(inner)
-
-
 @functools.cache
 def traced_step():
     model = transforms.offload_params(build(FAMILIES["llama"]))
@@ -346,7 +336,7 @@ def test_the_update_moves_one_layer_of_state_weights_and_gradients_inside_the_sc
         assert d2h == 3 * count, shape  # weight, two moments: back to host as scan outputs
     # No device value anywhere in the step has the shape of a whole stacked weight or moment.
     whole = set(stacked)
-    assert not [v for v in outvars(jaxpr) if tuple(v.aval.shape) in whole and v.aval.memory_space == DEV]
+    assert not [v for v in all_outvars(jaxpr) if tuple(v.aval.shape) in whole and v.aval.memory_space == DEV]
     # Outside the scans, only the first layer's slices are fetched and the other leaves moved.
     outside = {s for in_scan, a, b, s in moves(jaxpr) if not in_scan and b == DEV}
     rest = {tuple(x.shape) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))} - whole

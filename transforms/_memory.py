@@ -102,22 +102,6 @@ def mesh_of(tree):
     return None
 
 
-def replicate_strays(tree, mesh):
-    """Give leaves that sit on a single device (constants such as step counters that XLA placed
-    on device 0) a replicated sharding over ``mesh``, so every leaf spans the same devices."""
-    if mesh is None:
-        return tree
-
-    def one(x):
-        sharding = getattr(x, "sharding", None)
-        if isinstance(x, jax.Array) and isinstance(sharding, jax.sharding.SingleDeviceSharding):
-            target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=sharding.memory_kind)
-            return jax.device_put(x, target)
-        return x
-
-    return jax.tree.map(one, tree)
-
-
 def is_empty(x) -> bool:
     """An empty subtree of an optimizer state (``None`` or optax's ``MaskedNode``)."""
     return x is None or isinstance(x, optax.MaskedNode)

@@ -13,7 +13,6 @@ from ._memory import (
     is_arraylike,
     is_floating,
     mesh_of,
-    replicate_strays,
     require_host_memory,
     restore_kinds,
     state_shardings,
@@ -141,7 +140,7 @@ def offload_opt_state(
             # a device-space type, and programs that take them would then read host memory in place.
             return jax.tree.map(lambda x, c: to_host(x) if c else x, build(p), chosen)
 
-        return replicate_strays(jax.jit(build_on_host, out_shardings=target)(params), mesh_of(params))
+        return jax.jit(build_on_host, out_shardings=target)(params)
 
     def update(updates, state, params=None):
         kinds = jax.tree.map(traced_kind, state)

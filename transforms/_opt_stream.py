@@ -38,7 +38,6 @@ from ._memory import (
     HOST,
     is_arraylike,
     mesh_of,
-    replicate_strays,
     restore_kinds,
     state_shardings,
     to_device,
@@ -385,7 +384,7 @@ def _init(inner, select: Callable, where_given: bool, params):
         tuple(state_shardings(abstract.stacked[k], chosen.stacked[k], _view(params, units, k), mesh) for k in range(n)),
         state_shardings(abstract.rest, chosen.rest, _view(params, units, -1), mesh),
     )
-    return replicate_strays(jax.jit(build, out_shardings=targets)(params), mesh)
+    return jax.jit(build, out_shardings=targets)(params)
 
 
 def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
