@@ -92,8 +92,10 @@ def test_no_offload_means_no_transfers():
     assert moves == []
 
 
-def test_program_lowered_for_cuda_places_buffers_in_pinned_host():
-    m = transforms.offload_activations(transforms.offload_params(model()), names=("block_input",))
+@pytest.mark.parametrize("prefetch", [False, True], ids=["at-use", "prefetch"])
+def test_program_lowered_for_cuda_places_buffers_in_pinned_host(prefetch):
+    m = transforms.offload_params(model(), prefetch=prefetch)
+    m = transforms.offload_activations(m, names=("block_input",))
     params, static = eqx.partition(m, eqx.is_array)
     fn = jax.jit(lambda p, t: loss_and_grad(eqx.combine(p, static), t))
     text = fn.trace(params, tokens()).lower(lowering_platforms=("cuda",)).as_text()

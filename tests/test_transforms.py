@@ -27,7 +27,7 @@ def build(family, subset, mesh=None):
     model = make(jax.random.key(0)) if mesh is None else sharding.init_sharded(make, mesh, key=jax.random.key(0))
     optimizer = make_optimizer()
     if "params" in subset:
-        model = transforms.offload_params(model)
+        model = transforms.offload_params(model, prefetch="prefetch" in subset)
     if "activations" in subset:
         model = transforms.offload_activations(model, names=("block_input",))
     if "opt_state" in subset:
@@ -126,6 +126,19 @@ def test_every_subset_matches_no_offload_on_one_device(family, subset):
 )
 def test_subsets_match_no_offload_on_8_devices_with_fsdp_and_data(family, subset):
     _compare_with_plain(family, subset, sharding.make_mesh(data=2, fsdp=4))
+
+
+@pytest.mark.parametrize(
+    ("family", "subset", "mesh"),
+    [
+        ("llama", ("params", "prefetch"), False),
+        ("gpt2", ("params", "prefetch", "activations", "opt_state"), False),
+        ("llama", ("params", "prefetch", "activations", "opt_state"), True),
+    ],
+    ids=["llama-params", "gpt2-all", "llama-all-8-devices"],
+)
+def test_prefetched_params_match_no_offload(family, subset, mesh):
+    _compare_with_plain(family, subset, sharding.make_mesh(data=2, fsdp=4) if mesh else None)
 
 
 def test_transforms_compose_in_any_order():

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 
+from zoo import nn
+
 from ._memory import HOST, is_arraylike, is_floating, memory_kind, place, require_host_memory
 
 
@@ -19,7 +21,7 @@ def _selected(model, where: Callable | None):
     return jax.tree.map(lambda x: bool(is_arraylike(x) and where(x)), model)
 
 
-def offload_params(model, *, where: Callable | None = None):
+def offload_params(model, *, where: Callable | None = None, prefetch: bool = False):
     """Place the model's floating-point weights in host memory (``pinned_host``).
 
     Each selected leaf keeps its sharding (`PartitionSpec`, mesh) and changes only its memory
@@ -32,11 +34,22 @@ def offload_params(model, *, where: Callable | None = None):
     come back in host memory; :func:`transforms.train_step` moves them to the device before
     any optimizer math.
 
+    With ``prefetch=True`` each :class:`zoo.nn.Stack` runs an explicit schedule instead: in the
+    forward pass, iteration ``i`` of the scan issues the copy of layer ``i + 1``'s weights
+    before it computes layer ``i`` with the copy fetched one iteration earlier, so the copy
+    overlaps compute and the device holds two layers' weights; the backward pass does the same
+    in reverse (fetching layer ``i - 1`` while it differentiates layer ``i``). Only each
+    layer's input is kept for the backward pass (in host memory if the stack's
+    :class:`zoo.nn.Remat` offloads ``block_input``); the rest of the layer is recomputed there,
+    so other names of a `Remat` have no effect on such a stack. The layers' keyword arguments
+    (positions, masks) get no gradient, and the backward pass cannot itself be differentiated.
+
     **Arguments:**
 
     - `model`: an Equinox model (concrete, or abstract from `eqx.filter_eval_shape`).
     - `where`: optional filter ``leaf -> bool`` choosing the leaves to offload; it may only
       select floating-point arrays.
+    - `prefetch`: use the explicit one-layer-ahead schedule described above.
 
     **Returns:** the model with the selected leaves in ``pinned_host``.
 
@@ -53,6 +66,8 @@ def offload_params(model, *, where: Callable | None = None):
     ```
     """
     require_host_memory()
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"offload_params: prefetch must be True or False, got {prefetch!r}")
     selected = _selected(model, where)
     leaves = jax.tree.leaves(model)
     flags = jax.tree.leaves(selected)
@@ -67,7 +82,8 @@ def offload_params(model, *, where: Callable | None = None):
         )
     if all(memory_kind(x) == HOST for x in chosen):
         raise ValueError("offload_params: every selected leaf is already in pinned_host (model offloaded twice?)")
-    return jax.tree.map(lambda x, flag: place(x, HOST) if flag else x, model, selected)
+    placed = jax.tree.map(lambda x, flag: place(x, HOST) if flag else x, model, selected)
+    return nn.with_prefetch(placed, prefetch)
 
 
 def param_memory_kinds(model) -> dict[str, int]:

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
 from ._placement import any_on_host
+from ._prefetch import prefetched_scan
 from ._remat import Remat
 
 
@@ -33,6 +34,10 @@ class Stack(AxisNamed):
     - `n_layers`: depth (>= 1).
     - `scan`: run with `lax.scan` (default) or a Python loop.
     - `remat`: a :class:`Remat` or ``None`` (no checkpointing).
+    - `prefetch`: with host-resident weights (and `scan`, depth > 1), copy layer ``i + 1``'s
+      weights to the device while layer ``i`` computes, in the forward and the backward pass,
+      instead of moving each weight at its point of use; see :func:`transforms.offload_params`.
+      Ignored while every weight is on the device.
     - `key`: a `jax.random` key; split into one key per layer.
 
     **Example:**
@@ -49,6 +54,7 @@ class Stack(AxisNamed):
     n_layers: int = eqx.field(static=True)
     scan: bool = eqx.field(static=True)
     remat: Remat | None = eqx.field(static=True)
+    prefetch: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -57,6 +63,7 @@ class Stack(AxisNamed):
         *,
         scan: bool = True,
         remat: Remat | None = None,
+        prefetch: bool = False,
         key: PRNGKeyArray,
     ):
         if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
@@ -65,8 +72,11 @@ class Stack(AxisNamed):
         self.n_layers = n_layers
         self.scan = scan
         self.remat = remat
+        self.prefetch = prefetch
 
     def __check_init__(self):
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"Stack.prefetch must be a bool, got {self.prefetch!r}")
         if self.remat is not None:
             if not isinstance(self.remat, Remat):
                 raise TypeError(f"Stack.remat must be a zoo.nn.Remat or None, got {type(self.remat).__name__}")
@@ -115,6 +125,9 @@ class Stack(AxisNamed):
             h = checkpoint_name(h, "block_input")
             return layer(h, **kwargs), None
 
+        if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):
+            offload_inputs = self.remat is not None and "block_input" in self.remat.offload
+            return prefetched_scan(static, arrays, x, kwargs, n_layers=self.n_layers, offload_inputs=offload_inputs)
         policy = self._policy(arrays)
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -168,3 +181,11 @@ def checkpoint_names(tree) -> tuple[str, ...]:
         if isinstance(node, Stack):
             names.extend(n for n in node.checkpoint_names if n not in names)
     return tuple(names)
+
+
+def with_prefetch(tree, prefetch: bool):
+    """Return ``tree`` with every :class:`Stack` in it set to run with (or without) the explicit
+    one-layer-ahead weight prefetch (effective while its weights live in host memory)."""
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    return _map_stacks(tree, lambda s: _replace_static(s, prefetch=prefetch))

@@ -1,0 +1,165 @@
+"""offload_params(prefetch=True): the copy of the next layer is issued before this layer computes,
+in the forward and the backward scan; numbers equal to the plain stack.
+
+(Numerics of whole models under train_step, alone and with the other transforms, on 1 and 8
+devices, are in test_transforms.py.)"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _models import all_outvars
+
+import transforms
+import zoo
+from zoo import nn
+
+H, DEV = jax.memory.Space.Host, jax.memory.Space.Device
+CFG = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8)
+B, S = 2, 16  # B != n_layers, so per-example and per-layer shapes cannot be confused
+
+
+def llama(**kw):
+    return transforms.offload_params(zoo.Llama(CFG, key=jax.random.key(0)), **kw)
+
+
+def grad_jaxpr(model):
+    tokens = jnp.zeros((B, S + 1), jnp.int32)
+    return jax.make_jaxpr(eqx.filter_value_and_grad(zoo.lm_loss))(model, tokens).jaxpr
+
+
+def scans(jaxpr):
+    """Every scan equation, nested ones included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from scans(inner)
+
+
+def moves(body, src, dst):
+    return [
+        (e, o)
+        for e in body.eqns
+        if e.primitive.name == "device_put"
+        for i, o in zip(e.invars, e.outvars, strict=False)
+        if (i.aval.memory_space, o.aval.memory_space) == (src, dst)
+    ]
+
+
+def check_prefetch(eqn, per_layer):
+    """In this scan body every weight copy to the device feeds the carry only (it is used by the
+    next iteration) and is issued before the body's first matmul."""
+    body, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_carry"]
+    fetched = moves(body, H, DEV)
+    assert {tuple(o.aval.shape) for _, o in fetched if tuple(o.aval.shape) in per_layer} == per_layer
+    carry_out = body.outvars[:n_carry]
+    for _, out in fetched:
+        if tuple(out.aval.shape) in per_layer:
+            assert any(out is c for c in carry_out)
+            assert not [e for e in body.eqns if any(v is out for v in e.invars)], "used in this iteration"
+    first_dot = next(k for k, e in enumerate(body.eqns) if e.primitive.name == "dot_general")
+    assert max(body.eqns.index(e) for e, _ in fetched) < first_dot
+    # The matmuls read the weights carried in from the previous iteration.
+    carry_in = body.invars[eqn.params["num_consts"] : eqn.params["num_consts"] + n_carry]
+    assert {tuple(v.aval.shape) for v in carry_in} >= per_layer
+
+
+def test_forward_and_backward_scans_fetch_the_next_layer_while_computing_this_one():
+    m = llama(prefetch=True)
+    per_layer = {tuple(x.shape[1:]) for x in jax.tree.leaves(eqx.filter(m.stack, eqx.is_array))}
+    jaxpr = grad_jaxpr(m)
+    layered = [e for e in scans(jaxpr) if e.params["length"] == CFG.n_layers]
+    forward = [e for e in layered if not e.params["reverse"]]
+    backward = [e for e in layered if e.params["reverse"]]
+    assert len(forward) == 1 and len(backward) == 1
+    check_prefetch(forward[0], per_layer)
+    check_prefetch(backward[0], per_layer)
+    # The backward scan sends each layer's weight gradients to host.
+    grads_home = {tuple(o.aval.shape) for _, o in moves(backward[0].params["jaxpr"].jaxpr, DEV, H)}
+    assert per_layer <= grads_home
+
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(eqx.filter(m.stack, eqx.is_array))}
+    values = list(all_outvars(jaxpr))
+    # No whole stack on the device, and no weight gradient formed per example (the batch is
+    # summed inside each layer's matmuls, not after).
+    assert not [v for v in values if tuple(v.aval.shape) in stacked and v.aval.memory_space == DEV]
+    assert not [v for v in values if v.aval.shape[:1] == (B,) and tuple(v.aval.shape[1:]) in per_layer]
+
+
+def test_without_prefetch_weights_move_at_their_point_of_use():
+    m = llama()
+    per_layer = {tuple(x.shape[1:]) for x in jax.tree.leaves(eqx.filter(m.stack, eqx.is_array))}
+    (forward,) = [e for e in scans(grad_jaxpr(m)) if not e.params["reverse"]]
+    body, n_carry = forward.params["jaxpr"].jaxpr, forward.params["num_carry"]
+    fetched = [o for _, o in moves(body, H, DEV) if tuple(o.aval.shape) in per_layer]
+    assert fetched and not [o for o in fetched if any(o is c for c in body.outvars[:n_carry])]
+
+
+def test_layer_inputs_are_kept_in_host_memory_when_block_input_is_offloaded():
+    m = transforms.offload_activations(llama(prefetch=True), names=("block_input",))
+    (forward,) = [e for e in scans(grad_jaxpr(m)) if not e.params["reverse"]]
+    body = forward.params["jaxpr"].jaxpr
+    assert {tuple(o.aval.shape) for _, o in moves(body, DEV, H)} == {(B, S, CFG.d_model)}
+    n_carry = forward.params["num_carry"]
+    saved = body.outvars[n_carry:]
+    assert [v.aval.memory_space for v in saved] == [H]
+
+
+class Scaled(eqx.Module):
+    """A user's layer with a keyword argument."""
+
+    lin: nn.Linear
+
+    def __call__(self, h, *, scale):
+        return jnp.tanh(self.lin(h)) * scale + h
+
+
+def stack(prefetch, key=None):
+    key = jax.random.key(0) if key is None else key
+    s = nn.Stack(lambda k: Scaled(nn.Linear(8, 8, key=k)), 3, key=key)
+    return transforms.offload_params(s, prefetch=True) if prefetch else s
+
+
+def sq_loss(s, x, scale):
+    return jnp.sum(s(x, scale=scale) ** 2)
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_a_users_stack_batch_and_per_example_gradients_equal_the_plain_ones():
+    xs = jax.random.normal(jax.random.key(1), (4, 5, 8))
+    scale = jnp.float32(0.5)
+    batch_loss = lambda s, xs, scale: jnp.mean(jax.vmap(sq_loss, (None, 0, None))(s, xs, scale))
+    grad = eqx.filter_jit(eqx.filter_grad(batch_loss))
+    assert_same(grad(stack(True), xs, scale), grad(stack(False), xs, scale))
+    # vmap outside grad: one gradient per example.
+    per_example = eqx.filter_jit(eqx.filter_vmap(eqx.filter_grad(sq_loss), in_axes=(None, 0, None)))
+    got, want = per_example(stack(True), xs, scale), per_example(stack(False), xs, scale)
+    assert got.layers.lin.weight.shape == (4, 3, 8, 8)
+    assert_same(got, want)
+    # Keyword arguments are constants to the stack: no gradient flows to them.
+    d_scale = jax.grad(lambda c: sq_loss(stack(True), xs[0], c))(scale)
+    assert float(d_scale) == 0.0
+
+
+def test_vmapping_over_the_weights_is_a_clear_error():
+    ensemble = eqx.filter_vmap(lambda k: stack(False, k))(jax.random.split(jax.random.key(2), 2))
+    ensemble = transforms.offload_params(ensemble, prefetch=True)
+    xs = jnp.ones((5, 8))
+    with pytest.raises(ValueError, match="prefetch=False"):
+        eqx.filter_vmap(lambda s: s(xs, scale=1.0))(ensemble)
+
+
+def test_bad_prefetch_values_are_type_errors():
+    with pytest.raises(TypeError, match="prefetch"):
+        transforms.offload_params(stack(False), prefetch="yes")
+    with pytest.raises(TypeError, match="prefetch"):
+        nn.Stack(lambda k: nn.Linear(4, 4, key=k), 2, prefetch=1, key=jax.random.key(0))
