@@ -99,9 +99,9 @@ def parse_offload(spec: str) -> set[str]:
     return chosen
 
 
-def apply_offload(model, optimizer, offload: set[str], activations: str):
+def apply_offload(model, optimizer, offload: set[str], activations: str, prefetch: bool = False):
     if "params" in offload:
-        model = transforms.offload_params(model)
+        model = transforms.offload_params(model, prefetch=prefetch)
     if "activations" in offload:
         if activations in transforms.ACTIVATION_PRESETS:
             model = transforms.offload_activations(model, policy=activations)

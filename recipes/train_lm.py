@@ -87,6 +87,11 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
         "or comma-separated activation names",
     )
     a(
+        "--prefetch",
+        action="store_true",
+        help="with --offload params: copy layer i+1's weights while layer i computes (offload_params(prefetch=True))",
+    )
+    a(
         "--plan",
         metavar="DEVICE",
         default=None,
@@ -121,7 +126,9 @@ def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespa
     if args.resume:
         meta_args = resume_args(args.resume)
         given = vars(args)
-        args = argparse.Namespace(**{**meta_args, **{k: given[k] for k in RUN_CONTROL}})
+        # (flags added since the run began take their defaults)
+        defaults = {k: parser.get_default(k) for k in given}
+        args = argparse.Namespace(**{**defaults, **meta_args, **{k: given[k] for k in RUN_CONTROL}})
         args.out = args.resume
     for name in ("steps", "batch", "seq", "accum", "eval_every", "eval_batches", "log_every", "keep"):
         if getattr(args, name) < 1:
@@ -132,6 +139,8 @@ def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespa
         parser.error(f"--batch {args.batch} must be a multiple of --accum {args.accum}")
     if args.plan and args.offload:
         parser.error("--plan chooses the offload transforms itself: give either --plan or --offload")
+    if args.prefetch and not args.plan and "params" not in parse_offload(args.offload):
+        raise SystemExit("--prefetch needs --offload params (it schedules the copies of host-resident weights)")
     parse_offload(args.offload)
     return args
 
@@ -189,9 +198,13 @@ class Run:
             )
             optimizer = make_optimizer(**hyper, clip=None)
             self.model, optimizer = self.plan.apply(self.model, optimizer, clip_norm=args.clip)
+            if args.prefetch and self.plan.candidate.params:
+                self.model = zoo.nn.with_prefetch(self.model, True)
         else:
             optimizer = make_optimizer(**hyper, clip=args.clip)
-            self.model, optimizer = apply_offload(self.model, optimizer, parse_offload(args.offload), args.activations)
+            self.model, optimizer = apply_offload(
+                self.model, optimizer, parse_offload(args.offload), args.activations, prefetch=args.prefetch
+            )
         self.step_fn = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=args.accum)
         self.opt_state = self.step_fn.init(self.model)
         #: the sampling key's data (kept in the checkpoint's metadata)

@@ -151,6 +151,8 @@ def test_bad_flags_give_clear_errors(tmp_path, straight):
         train([*SMALL, "--mesh", "fsdp=3", "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="unknown"):
         train([*SMALL, "--offload", "weights", "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match="--prefetch needs --offload params"):
+        train([*SMALL, "--prefetch", "--offload", "opt_state", "--out", str(tmp_path / "c")])
     with pytest.raises(SystemExit, match="no checkpoints"):
         train(["--resume", str(tmp_path / "nothing")])
     with pytest.raises(SystemExit, match="already holds checkpoints"):
@@ -165,7 +167,7 @@ def _free_port() -> int:
 
 def test_two_processes_train_with_fsdp_and_all_offloads_checkpoint_resume_and_agree(tmp_path):
     out = tmp_path / "run"
-    common = ["--mesh", "fsdp=4", "--offload", "params,opt_state,activations", "--out", str(out)]
+    common = ["--mesh", "fsdp=4", "--offload", "params,opt_state,activations", "--prefetch", "--out", str(out)]
 
     def launch(extra):
         port = _free_port()
@@ -193,7 +195,7 @@ def test_two_processes_train_with_fsdp_and_all_offloads_checkpoint_resume_and_ag
     assert prints[0][0].split()[-1] == prints[1][0].split()[-1]  # identical parameters on both processes
     # The same model trained in this one process (8 devices, the batch also split over data=2) gets
     # the same losses, to reduction order.
-    flags = [*SMALL, "--steps", "6", "--mesh", "data=2,fsdp=4", "--offload", "params,opt_state,activations"]
+    flags = [*SMALL, "--steps", "6", "--mesh", "data=2,fsdp=4", *common[2:5]]
     single = train([*flags, "--out", str(tmp_path / "single")])
     log = recipe("lm_logging")["read_jsonl"](out / "metrics.jsonl")
     multi = {r["step"]: r["loss"] for r in log if r["kind"] == "train"}

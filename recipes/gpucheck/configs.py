@@ -20,12 +20,14 @@ class Config:
     description: str
     kind: str = "train"  # "train" or "bandwidth"
     params: bool = False
+    prefetch: bool = False  # offload_params(prefetch=True): the explicit one-layer-ahead schedule
     activations: str | None = None  # an activation preset of transforms.offload_activations
     opt: str = "device"  # "device", "offload" (offload_opt_state) or "stream" (stream=True)
     capped: bool = False
 
     def transforms(self) -> dict:
-        return {"offload_params": self.params, "activations": self.activations, "opt_state": self.opt}
+        out = {"offload_params": self.params, "activations": self.activations, "opt_state": self.opt}
+        return {**out, "prefetch": True} if self.prefetch else out
 
 
 def config_table(activation_presets) -> list[Config]:
@@ -57,6 +59,7 @@ def config_table(activation_presets) -> list[Config]:
     out += [
         Config("opt_state_stream", "offload_opt_state(adamw, stream=True, clip_norm=1.0)", opt="stream"),
         Config("params", "offload_params", params=True),
+        Config("params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True),
         Config("opt_state", "offload_opt_state(chain(clip_by_global_norm(1.0), adamw))", opt="offload"),
     ]
     for preset in presets:
