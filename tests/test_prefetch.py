@@ -51,6 +51,17 @@ def moves(body, src, dst):
     ]
 
 
+def has_matmul(eqn):
+    if eqn.primitive.name == "dot_general":
+        return True
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(sub, "jaxpr", sub)
+            if isinstance(inner, jax.extend.core.Jaxpr) and any(has_matmul(e) for e in inner.eqns):
+                return True
+    return False
+
+
 def check_prefetch(eqn, per_layer):
     """In this scan body every weight copy to the device feeds the carry only (it is used by the
     next iteration) and is issued before the body's first matmul."""
@@ -62,7 +73,7 @@ def check_prefetch(eqn, per_layer):
         if tuple(out.aval.shape) in per_layer:
             assert any(out is c for c in carry_out)
             assert not [e for e in body.eqns if any(v is out for v in e.invars)], "used in this iteration"
-    first_dot = next(k for k, e in enumerate(body.eqns) if e.primitive.name == "dot_general")
+    first_dot = next(k for k, e in enumerate(body.eqns) if has_matmul(e))
     assert max(body.eqns.index(e) for e, _ in fetched) < first_dot
     # The matmuls read the weights carried in from the previous iteration.
     carry_in = body.invars[eqn.params["num_consts"] : eqn.params["num_consts"] + n_carry]
@@ -100,14 +111,29 @@ def test_without_prefetch_weights_move_at_their_point_of_use():
     assert fetched and not [o for o in fetched if any(o is c for c in body.outvars[:n_carry])]
 
 
-def test_layer_inputs_are_kept_in_host_memory_when_block_input_is_offloaded():
-    m = transforms.offload_activations(llama(prefetch=True), names=("block_input",))
-    (forward,) = [e for e in scans(grad_jaxpr(m)) if not e.params["reverse"]]
-    body = forward.params["jaxpr"].jaxpr
-    assert {tuple(o.aval.shape) for _, o in moves(body, DEV, H)} == {(B, S, CFG.d_model)}
-    n_carry = forward.params["num_carry"]
-    saved = body.outvars[n_carry:]
-    assert [v.aval.memory_space for v in saved] == [H]
+def saved_activations(model):
+    """(shape, memory space) of each activation the forward layer scan keeps for the backward."""
+    (forward,) = [e for e in scans(grad_jaxpr(model)) if not e.params["reverse"]]
+    body, n_carry = forward.params["jaxpr"].jaxpr, forward.params["num_carry"]
+    kept = [v.aval for v in body.outvars[n_carry:] if v.aval.shape[:1] == (B,)]
+    return sorted((tuple(a.shape), str(a.memory_space)) for a in kept)
+
+
+@pytest.mark.parametrize("preset", [None, "block_input", "block_input_and_projections", "recompute_all"])
+def test_the_backward_pass_keeps_what_it_keeps_without_prefetch(preset):
+    def build(prefetch):
+        m = llama(prefetch=prefetch)
+        return m if preset is None else transforms.offload_activations(m, policy=preset)
+
+    kept = saved_activations(build(True))
+    assert kept == saved_activations(build(False))
+    host = [shape for shape, space in kept if space == str(H)]
+    if preset is None:  # matmul outputs and named activations, on the device
+        assert len(kept) > 2 and not host
+    elif preset == "recompute_all":  # only the layer's input
+        assert kept == [((B, S, CFG.d_model), str(DEV))]
+    else:
+        assert host and (B, S, CFG.d_model) in host
 
 
 class Scaled(eqx.Module):

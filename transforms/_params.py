@@ -38,11 +38,10 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
     forward pass, iteration ``i`` of the scan issues the copy of layer ``i + 1``'s weights
     before it computes layer ``i`` with the copy fetched one iteration earlier, so the copy
     overlaps compute and the device holds two layers' weights; the backward pass does the same
-    in reverse (fetching layer ``i - 1`` while it differentiates layer ``i``). Only each
-    layer's input is kept for the backward pass (in host memory if the stack's
-    :class:`zoo.nn.Remat` offloads ``block_input``); the rest of the layer is recomputed there,
-    so other names of a `Remat` have no effect on such a stack. The layers' keyword arguments
-    (positions, masks) get no gradient, and the backward pass cannot itself be differentiated.
+    in reverse (fetching layer ``i - 1`` while it differentiates layer ``i``). The backward
+    pass keeps what it keeps without prefetch (the stack's checkpoint policy, never a weight
+    copy). The layers' keyword arguments (positions, masks) get no gradient, the backward pass
+    cannot itself be differentiated, and such a stack cannot be vmapped over its weights.
 
     **Arguments:**
 

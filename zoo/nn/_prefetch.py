@@ -2,12 +2,13 @@
 
 Forward: iteration ``i`` issues the copy of layer ``i + 1``'s weights (host -> device) before it
 computes layer ``i`` with the copy carried in from iteration ``i - 1``; the device holds two
-layers' weights. Each layer's input is saved for the backward pass (in host memory if the
-stack's `Remat` offloads ``block_input``), nothing else.
+layers' weights. What each layer keeps for the backward pass is what the stack's checkpoint
+policy saves (matmul outputs by default; a `Remat`'s names, offloaded ones in host memory),
+never the weight copies.
 
-Backward (a reverse scan): iteration ``i`` issues the copy of layer ``i - 1``, recomputes layer
-``i`` from its saved input with the carried copy of its weights, takes the vector-Jacobian
-product, and sends the weight gradient of each host-resident leaf back to host memory.
+Backward (a reverse scan): iteration ``i`` issues the copy of layer ``i - 1``, then applies
+layer ``i``'s vector-Jacobian product to the saved residuals and the carried copy of its
+weights, and sends the weight gradient of each host-resident leaf back to host memory.
 
 Written with `jax.custom_vjp`, since automatic differentiation of a scan would save the carried
 weight copies of every layer for the backward pass. Under `jax.vmap` (models here are per
@@ -44,31 +45,70 @@ def _to_host_like(grads, arrays):
     return jax.tree.map(lambda g, a: jax.device_put(g, _HOST) if on_host(a) else g, grads, arrays)
 
 
-def _forward(apply, arrays, x, kw, n_layers: int, offload_inputs: bool):
+@jax.tree_util.register_pytree_node_class
+class _Saved:
+    """What the forward pass keeps of one layer (stacked over layers by the scan): the residuals
+    of its vector-Jacobian product except the weights, which the backward pass fetches again.
+    ``treedef`` and ``weight_at`` (for each residual, the index of the weight it is, or -1) are
+    static, so they travel with the residuals through the scan and the `custom_vjp`."""
+
+    def __init__(self, leaves, treedef, weight_at):
+        self.leaves, self.treedef, self.weight_at = list(leaves), treedef, weight_at
+
+    def tree_flatten(self):
+        return self.leaves, (self.treedef, self.weight_at)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(leaves, *aux)
+
+    @classmethod
+    def of(cls, vjp, weights) -> _Saved:
+        leaves, treedef = jax.tree.flatten(vjp)
+        ws = jax.tree.leaves(weights)
+        weight_at = tuple(next((k for k, w in enumerate(ws) if w is leaf), -1) for leaf in leaves)
+        kept = [leaf for leaf, k in zip(leaves, weight_at, strict=True) if k < 0]
+        return cls(kept, treedef, weight_at)
+
+    def vjp(self, weights):
+        ws, kept = jax.tree.leaves(weights), iter(self.leaves)
+        return jax.tree.unflatten(self.treedef, [ws[k] if k >= 0 else next(kept) for k in self.weight_at])
+
+
+def _layer_vjp(apply, policy, w, h, kw):
+    """``(y, vjp)`` of one layer with respect to its floating weights and its input; what the
+    checkpoint ``policy`` does not save is recomputed when ``vjp`` is called."""
+    wf, wo = eqx.partition(w, eqx.is_inexact_array)
+    fn = jax.checkpoint(lambda wf, h: apply(eqx.combine(wf, wo), h, kw), policy=policy, prevent_cse=False)
+    y, vjp = jax.vjp(fn, wf, h)
+    return y, vjp, wf
+
+
+def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
+    """The layers over ``x``; with a ``policy``, also what the backward pass needs of each."""
+
     def body(carry, i):
         h, w = carry
         ahead = _fetch(arrays, jnp.minimum(i + 1, n_layers - 1))  # issued before layer i computes
-        saved = jax.device_put(h, _HOST) if offload_inputs else h
-        return (apply(w, h, kw), ahead), saved
+        if policy is None:
+            return (apply(w, h, kw), ahead), None
+        y, vjp, wf = _layer_vjp(apply, policy, w, h, kw)
+        return (y, ahead), _Saved.of(vjp, wf)
 
-    (h, _), inputs = jax.lax.scan(body, (x, _fetch(arrays, 0)), jnp.arange(n_layers))
-    return h, inputs
+    (h, _), saved = jax.lax.scan(body, (x, _fetch(arrays, 0)), jnp.arange(n_layers))
+    return h, saved
 
 
-def _backward(apply, arrays, inputs, kw, g, n_layers: int):
+def _backward(arrays, saved: _Saved, g, n_layers: int):
     def body(carry, xs):
         dh, w = carry
-        i, h = xs
+        i, layer_saved = xs
         behind = _fetch(arrays, jnp.maximum(i - 1, 0))  # issued before layer i is differentiated
-        if on_host(h):
-            h = jax.device_put(h, _DEVICE)
-        wf, wo = eqx.partition(w, eqx.is_inexact_array)
-        _, vjp = jax.vjp(lambda wf, h: apply(eqx.combine(wf, wo), h, kw), wf, h)
-        dw, dh = vjp(dh)
+        dw, dh = layer_saved.vjp(eqx.filter(w, eqx.is_inexact_array))(dh)
         return (dh, behind), _to_host_like(dw, eqx.filter(arrays, eqx.is_inexact_array))
 
     init = (g, _fetch(arrays, n_layers - 1))
-    (dx, _), dws = jax.lax.scan(body, init, (jnp.arange(n_layers), inputs), reverse=True)
+    (dx, _), dws = jax.lax.scan(body, init, (jnp.arange(n_layers), saved), reverse=True)
     # Integer leaves (if a layer has any) get the symbolic zero cotangent.
     others = jax.tree.map(_zero_cotangent, eqx.filter(arrays, eqx.is_inexact_array, inverse=True))
     return eqx.combine(dws, others), dx
@@ -85,29 +125,29 @@ def _directly_vmapped() -> bool:
     return isinstance(getattr(trace_ctx, "trace", None), BatchTrace)
 
 
-def _differentiable(apply, n_layers: int, offload_inputs: bool):
+def _differentiable(apply, n_layers: int, policy):
     """``(arrays, x, kw) -> y`` through the prefetched forward, differentiated by the prefetched
     backward."""
 
     @jax.custom_vjp
     def run(arrays, x, kw):
-        return _forward(apply, arrays, x, kw, n_layers, offload_inputs)[0]
+        return _forward(apply, arrays, x, kw, n_layers)[0]
 
     def run_fwd(arrays, x, kw):
-        h, inputs = _forward(apply, arrays, x, kw, n_layers, offload_inputs)
-        return h, (arrays, inputs, kw)
+        h, saved = _forward(apply, arrays, x, kw, n_layers, policy)
+        return h, (arrays, saved, kw)
 
     def run_bwd(res, g):
-        arrays, inputs, kw = res
-        dws, dx = _backward(apply, arrays, inputs, kw, g, n_layers)
+        arrays, saved, kw = res
+        dws, dx = _backward(arrays, saved, g, n_layers)
         return dws, dx, jax.tree.map(_zero_cotangent, kw)
 
     run.defvjp(run_fwd, run_bwd)
     return run
 
 
-def _run(apply, arrays, x, kw, n_layers: int, offload_inputs: bool):
-    plain = _differentiable(apply, n_layers, offload_inputs)
+def _run(apply, arrays, x, kw, n_layers: int, policy):
+    plain = _differentiable(apply, n_layers, policy)
     if not _directly_vmapped():
         return plain(arrays, x, kw)
 
@@ -134,15 +174,17 @@ def _run(apply, arrays, x, kw, n_layers: int, offload_inputs: bool):
         def batched_apply(w, h, kw):
             return jax.vmap(apply, in_axes=(None, 0, kw_axes))(w, h, kw)
 
-        return _run(batched_apply, arrays, x, kw, n_layers, offload_inputs), True
+        return _run(batched_apply, arrays, x, kw, n_layers, policy), True
 
     return run(arrays, x, kw)
 
 
-def prefetched_scan(static, arrays, x, kwargs: dict, *, n_layers: int, offload_inputs: bool):
+def prefetched_scan(static, arrays, x, kwargs: dict, *, n_layers: int, policy):
     """Run the layers ``eqx.combine(arrays, static)`` over ``x`` with one-layer-ahead prefetch.
 
-    ``kwargs`` go to every layer; their arrays get no gradient.
+    ``policy`` is the `jax.checkpoint` policy of each layer: what its backward pass keeps from
+    the forward pass (the rest is recomputed). ``kwargs`` go to every layer; their arrays get
+    no gradient.
     """
     kw, kw_static = eqx.partition(kwargs, eqx.is_array)
 
@@ -150,7 +192,7 @@ def prefetched_scan(static, arrays, x, kwargs: dict, *, n_layers: int, offload_i
         layer = eqx.combine(w, static)
         return layer(checkpoint_name(h, "block_input"), **eqx.combine(kw, kw_static))
 
-    return _run(apply, arrays, x, kw, n_layers, offload_inputs)
+    return _run(apply, arrays, x, kw, n_layers, policy)
 
 
 def _zero_cotangent(x):

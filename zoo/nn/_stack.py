@@ -125,10 +125,9 @@ class Stack(AxisNamed):
             h = checkpoint_name(h, "block_input")
             return layer(h, **kwargs), None
 
-        if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):
-            offload_inputs = self.remat is not None and "block_input" in self.remat.offload
-            return prefetched_scan(static, arrays, x, kwargs, n_layers=self.n_layers, offload_inputs=offload_inputs)
         policy = self._policy(arrays)
+        if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):
+            return prefetched_scan(static, arrays, x, kwargs, n_layers=self.n_layers, policy=policy)
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         # A loop of one iteration is run without `lax.scan`: XLA fails to compile host offload
