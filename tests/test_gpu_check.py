@@ -368,6 +368,19 @@ def test_streamed_params_goal_reads_the_compiled_program():
     assert goals.params_goal({"params": {**entry, "hlo": analysis}})["pass"] is False
 
 
+def test_prefetch_goal_compares_with_the_at_use_schedule():
+    analysis = hlo.analyze_hlo(SYNTHETIC_HLO, n_layers=4)
+    analysis["stacked_h2d_outside_loops"] = []
+    model = {"layer_bytes": 1024, "n_layers": 4}
+    base = _entry("params", step=1.0, model=model, device={"platform": "gpu"})
+    fast = {**_entry("params_prefetch", step=0.8, model=model, device={"platform": "gpu"}), "hlo": analysis}
+    goal = goals.prefetch_goal({"params": base, "params_prefetch": fast})
+    assert goal["pass"] is True and goal["ratio"] == pytest.approx(0.8)
+    slow = {**fast, "worker": {**fast["worker"], "timing": {"median_s": 1.2}}}
+    assert goals.prefetch_goal({"params": base, "params_prefetch": slow})["pass"] is False
+    assert goals.prefetch_goal({"params": base})["pass"] is None  # not measured: no verdict
+
+
 def test_goals_compare_each_configuration_with_no_offload():
     gib = 2**30
     entries = {

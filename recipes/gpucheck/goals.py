@@ -15,6 +15,7 @@ GOALS = {
     "opt_step_ratio": 1.15,  # ... at <= 1.15x step time
     "params_layers_on_device": 2.25,  # streamed params: <= ~2 layers of weights fetched per iteration
     "capacity_ratio": 2.0,  # trainable state >= 2x the capped device memory
+    "prefetch_step_ratio": 1.0,  # offload_params(prefetch=True): no slower than weights moved at use
 }
 
 
@@ -160,6 +161,25 @@ def params_goal(configs: dict) -> dict:
     return _goal(title, None, None, target, None, note="neither params nor all_three was measured")
 
 
+def prefetch_goal(configs: dict) -> dict:
+    """``offload_params(prefetch=True)`` against the default schedule (weights copied at their
+    point of use): its step time, and its fetches per layer-loop iteration (the one-ahead copy
+    means the loops read one layer each, as the default does)."""
+    title = "prefetched params: step time <= 1.00x the at-use schedule, <= ~2 layers fetched per iteration"
+    target = f"<= {GOALS['prefetch_step_ratio']:.2f}x params"
+    entry, base = configs.get("params_prefetch"), configs.get("params")
+    if not step_time(entry) or not step_time(base):
+        missing = "params_prefetch" if not step_time(entry) else "params"
+        status = (configs.get(missing) or {}).get("status", "not run")
+        return _goal(title, "params_prefetch", None, target, None, note=f"{missing} has no step time ({status})")
+    ratio = step_time(entry) / step_time(base)
+    layers = params_goal({"params": entry})
+    passed = ratio <= GOALS["prefetch_step_ratio"] and layers["pass"] is not False
+    note = f"layers per iteration: {layers['measured'] or layers['note']}"
+    measured = f"{step_time(entry) * 1e3:.1f} ms vs {step_time(base) * 1e3:.1f} ms"
+    return _goal(title, "params_prefetch", measured, target, passed, ratio, note)
+
+
 def capacity_goal(entry: dict | None) -> dict:
     title = f"capacity: trainable state >= {GOALS['capacity_ratio']:g}x the capped device memory, and it trains"
     target = f">= {GOALS['capacity_ratio']:g}x"
@@ -198,5 +218,6 @@ def evaluate_goals(configs: dict) -> list[dict]:
         *activation_goals(configs),
         *optimizer_goals(configs),
         params_goal(configs),
+        prefetch_goal(configs),
         capacity_goal(configs.get("capped")),
     ]
