@@ -171,9 +171,11 @@ def test_a_users_stack_batch_and_per_example_gradients_equal_the_plain_ones():
     got, want = per_example(stack(True), xs, scale), per_example(stack(False), xs, scale)
     assert got.layers.lin.weight.shape == (4, 3, 8, 8)
     assert_same(got, want)
-    # Keyword arguments are constants to the stack: no gradient flows to them.
-    d_scale = jax.grad(lambda c: sq_loss(stack(True), xs[0], c))(scale)
-    assert float(d_scale) == 0.0
+    # Floating keyword arguments, read by every layer, get the gradient summed over the layers.
+    d_scale = jax.jit(jax.grad(lambda c, s: batch_loss(s, xs, c)), static_argnums=())
+    want = float(d_scale(scale, stack(False)))
+    assert want != 0.0
+    np.testing.assert_allclose(float(d_scale(scale, stack(True))), want, rtol=1e-6)
 
 
 def test_vmapping_over_the_weights_is_a_clear_error():

@@ -40,8 +40,8 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
     overlaps compute and the device holds two layers' weights; the backward pass does the same
     in reverse (fetching layer ``i - 1`` while it differentiates layer ``i``). The backward
     pass keeps what it keeps without prefetch (the stack's checkpoint policy, never a weight
-    copy). The layers' keyword arguments (positions, masks) get no gradient, the backward pass
-    cannot itself be differentiated, and such a stack cannot be vmapped over its weights.
+    copy). The backward pass cannot itself be differentiated, and such a stack cannot be vmapped
+    over its own weights.
 
     **Arguments:**
 

@@ -48,40 +48,50 @@ def _to_host_like(grads, arrays):
 @jax.tree_util.register_pytree_node_class
 class _Saved:
     """What the forward pass keeps of one layer (stacked over layers by the scan): the residuals
-    of its vector-Jacobian product except the weights, which the backward pass fetches again.
-    ``treedef`` and ``weight_at`` (for each residual, the index of the weight it is, or -1) are
-    static, so they travel with the residuals through the scan and the `custom_vjp`."""
+    of its vector-Jacobian product except the values shared by every layer's product and held
+    elsewhere: the weight copies, which the backward pass fetches again, and the keyword
+    arguments, kept once. ``treedef`` and ``shared_at`` (for each residual, its index among the
+    shared values, or -1) are static, so they travel with the residuals through the scan and
+    the `custom_vjp`."""
 
-    def __init__(self, leaves, treedef, weight_at):
-        self.leaves, self.treedef, self.weight_at = list(leaves), treedef, weight_at
+    def __init__(self, leaves, treedef, shared_at):
+        self.leaves, self.treedef, self.shared_at = list(leaves), treedef, shared_at
 
     def tree_flatten(self):
-        return self.leaves, (self.treedef, self.weight_at)
+        return self.leaves, (self.treedef, self.shared_at)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
         return cls(leaves, *aux)
 
     @classmethod
-    def of(cls, vjp, weights) -> _Saved:
+    def of(cls, vjp, shared) -> _Saved:
         leaves, treedef = jax.tree.flatten(vjp)
-        ws = jax.tree.leaves(weights)
-        weight_at = tuple(next((k for k, w in enumerate(ws) if w is leaf), -1) for leaf in leaves)
-        kept = [leaf for leaf, k in zip(leaves, weight_at, strict=True) if k < 0]
-        return cls(kept, treedef, weight_at)
+        values = jax.tree.leaves(shared)
+        shared_at = tuple(next((k for k, v in enumerate(values) if v is leaf), -1) for leaf in leaves)
+        kept = [leaf for leaf, k in zip(leaves, shared_at, strict=True) if k < 0]
+        return cls(kept, treedef, shared_at)
 
-    def vjp(self, weights):
-        ws, kept = jax.tree.leaves(weights), iter(self.leaves)
-        return jax.tree.unflatten(self.treedef, [ws[k] if k >= 0 else next(kept) for k in self.weight_at])
+    def vjp(self, shared):
+        values, kept = jax.tree.leaves(shared), iter(self.leaves)
+        return jax.tree.unflatten(self.treedef, [values[k] if k >= 0 else next(kept) for k in self.shared_at])
+
+
+def _floating(tree):
+    return eqx.partition(tree, eqx.is_inexact_array)
 
 
 def _layer_vjp(apply, policy, w, h, kw):
-    """``(y, vjp)`` of one layer with respect to its floating weights and its input; what the
-    checkpoint ``policy`` does not save is recomputed when ``vjp`` is called."""
-    wf, wo = eqx.partition(w, eqx.is_inexact_array)
-    fn = jax.checkpoint(lambda wf, h: apply(eqx.combine(wf, wo), h, kw), policy=policy, prevent_cse=False)
-    y, vjp = jax.vjp(fn, wf, h)
-    return y, vjp, wf
+    """``(y, vjp)`` of one layer with respect to its floating weights, its input and its floating
+    keyword arguments; what the checkpoint ``policy`` does not save is recomputed when ``vjp``
+    is called."""
+    (wf, wo), (kf, ko) = _floating(w), _floating(kw)
+
+    def fn(wf, h, kf):
+        return apply(eqx.combine(wf, wo), h, eqx.combine(kf, ko))
+
+    y, vjp = jax.vjp(jax.checkpoint(fn, policy=policy, prevent_cse=False), wf, h, kf)
+    return y, _Saved.of(vjp, (wf, kw))
 
 
 def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
@@ -92,26 +102,31 @@ def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
         ahead = _fetch(arrays, jnp.minimum(i + 1, n_layers - 1))  # issued before layer i computes
         if policy is None:
             return (apply(w, h, kw), ahead), None
-        y, vjp, wf = _layer_vjp(apply, policy, w, h, kw)
-        return (y, ahead), _Saved.of(vjp, wf)
+        y, saved = _layer_vjp(apply, policy, w, h, kw)
+        return (y, ahead), saved
 
     (h, _), saved = jax.lax.scan(body, (x, _fetch(arrays, 0)), jnp.arange(n_layers))
     return h, saved
 
 
-def _backward(arrays, saved: _Saved, g, n_layers: int):
+def _backward(arrays, saved: _Saved, kw, g, n_layers: int):
+    """Gradients of the weights (each in its weight's memory), the input and the keyword arguments
+    (summed over the layers, which all read them)."""
+    kf = _floating(kw)[0]
+
     def body(carry, xs):
-        dh, w = carry
+        dh, dkf, w = carry
         i, layer_saved = xs
         behind = _fetch(arrays, jnp.maximum(i - 1, 0))  # issued before layer i is differentiated
-        dw, dh = layer_saved.vjp(eqx.filter(w, eqx.is_inexact_array))(dh)
-        return (dh, behind), _to_host_like(dw, eqx.filter(arrays, eqx.is_inexact_array))
+        dw, dh, dk = layer_saved.vjp((_floating(w)[0], kw))(dh)
+        dkf = jax.tree.map(jnp.add, dkf, dk)
+        return (dh, dkf, behind), _to_host_like(dw, _floating(arrays)[0])
 
-    init = (g, _fetch(arrays, n_layers - 1))
-    (dx, _), dws = jax.lax.scan(body, init, (jnp.arange(n_layers), saved), reverse=True)
-    # Integer leaves (if a layer has any) get the symbolic zero cotangent.
-    others = jax.tree.map(_zero_cotangent, eqx.filter(arrays, eqx.is_inexact_array, inverse=True))
-    return eqx.combine(dws, others), dx
+    init = (g, jax.tree.map(jnp.zeros_like, kf), _fetch(arrays, n_layers - 1))
+    (dx, dkf, _), dws = jax.lax.scan(body, init, (jnp.arange(n_layers), saved), reverse=True)
+    # Integer leaves get the symbolic zero cotangent.
+    zeros = lambda tree: jax.tree.map(_zero_cotangent, eqx.filter(tree, eqx.is_inexact_array, inverse=True))
+    return eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))
 
 
 def _directly_vmapped() -> bool:
@@ -139,8 +154,7 @@ def _differentiable(apply, n_layers: int, policy):
 
     def run_bwd(res, g):
         arrays, saved, kw = res
-        dws, dx = _backward(arrays, saved, g, n_layers)
-        return dws, dx, jax.tree.map(_zero_cotangent, kw)
+        return _backward(arrays, saved, kw, g, n_layers)
 
     run.defvjp(run_fwd, run_bwd)
     return run
@@ -183,8 +197,7 @@ def prefetched_scan(static, arrays, x, kwargs: dict, *, n_layers: int, policy):
     """Run the layers ``eqx.combine(arrays, static)`` over ``x`` with one-layer-ahead prefetch.
 
     ``policy`` is the `jax.checkpoint` policy of each layer: what its backward pass keeps from
-    the forward pass (the rest is recomputed). ``kwargs`` go to every layer; their arrays get
-    no gradient.
+    the forward pass (the rest is recomputed). ``kwargs`` go to every layer.
     """
     kw, kw_static = eqx.partition(kwargs, eqx.is_array)
 
