@@ -137,17 +137,18 @@ def test_the_backward_pass_keeps_what_it_keeps_without_prefetch(preset):
 
 
 class Scaled(eqx.Module):
-    """A user's layer with a keyword argument."""
+    """A user's layer with a keyword argument and an integer leaf."""
 
     lin: nn.Linear
+    power: jax.Array  # int32: stays on the device, gets no gradient
 
     def __call__(self, h, *, scale):
-        return jnp.tanh(self.lin(h)) * scale + h
+        return jnp.tanh(self.lin(h)) ** self.power * scale + h
 
 
 def stack(prefetch, key=None):
     key = jax.random.key(0) if key is None else key
-    s = nn.Stack(lambda k: Scaled(nn.Linear(8, 8, key=k)), 3, key=key)
+    s = nn.Stack(lambda k: Scaled(nn.Linear(8, 8, key=k), jnp.int32(1)), 3, key=key)
     return transforms.offload_params(s, prefetch=True) if prefetch else s
 
 
