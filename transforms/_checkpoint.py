@@ -22,9 +22,12 @@ gives the same numbers without a compile per shape.
 from __future__ import annotations
 
 import functools
+import gc
 import json
+import logging
 import numbers
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -579,6 +582,10 @@ class Checkpointer:
         paths, leaves, positions, treedef, flat = _array_leaves(like, _is_target_leaf)
         targets = [self._target(path, leaf) for path, leaf in zip(paths, leaves, strict=True)]
         candidates = self._candidates(step)
+        with _QuietAbandonedReads() as quiet:
+            return self._restore_first_intact(candidates, quiet, paths, leaves, positions, treedef, flat, targets)
+
+    def _restore_first_intact(self, candidates, quiet, paths, leaves, positions, treedef, flat, targets):
         for n, s in enumerate(candidates):
             meta, arrays, problem = None, None, None
             try:
@@ -593,7 +600,7 @@ class Checkpointer:
                 try:
                     arrays = self._read_arrays(s, meta["leaves"], targets)
                 except _Damaged as e:
-                    problem = str(e)
+                    problem, quiet.failed = str(e), True
                 ok = _all_processes(problem is None)
                 if ok:  # the same answer on every process
                     problem = self._verify(meta["leaves"], arrays)
@@ -714,6 +721,57 @@ class Checkpointer:
             return None
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         return f"the values read for {len(bad)} leaves differ from those saved ({shown})"
+
+
+def _from_orbax_internals(exc: BaseException | None) -> bool:
+    """True if ``exc`` (or an exception it came from) was raised inside orbax or asyncio."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename
+            if f"{os.sep}orbax{os.sep}" in name or f"{os.sep}asyncio{os.sep}" in name:
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class _QuietAbandonedReads:
+    """When one read of a damaged checkpoint fails, orbax abandons the others: they raise later
+    into its closed event loop, or when their coroutines are collected, and Python prints each as
+    "Exception ignored in ..." at some later moment. The failure is reported once, by the
+    caller; while this context is active (and, after a failure, until the abandoned coroutines
+    and futures are collected on exit) these reports of the same failure are dropped (also
+    asyncio's "exception was never retrieved" log lines); others pass through."""
+
+    def __init__(self):
+        self.failed = False
+
+    def __enter__(self):
+        self._previous = previous = sys.unraisablehook
+
+        def hook(unraisable):
+            if not _from_orbax_internals(unraisable.exc_value):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_never_retrieved)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self.failed:
+                gc.collect()
+        finally:
+            sys.unraisablehook = self._previous
+            logging.getLogger("asyncio").removeFilter(_never_retrieved)
+        return False
+
+
+def _never_retrieved(record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
 
 
 def _on_host(target) -> bool:
