@@ -113,7 +113,7 @@ def worker_train(spec: dict, report: dict, write) -> None:
         param_bytes=param_bytes, stack_bytes=stack_bytes, layer_bytes=stack_bytes // max(cfg.n_layers, 1)
     )
     if conf.params:
-        model = transforms.offload_params(model, **({"prefetch": True} if conf.prefetch else {}))
+        model = transforms.offload_params(model, prefetch=conf.prefetch)
     if conf.activations:
         model = transforms.offload_activations(model, policy=conf.activations)
     tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
