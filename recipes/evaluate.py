@@ -1,8 +1,8 @@
 """Evaluate a checkpoint: validation loss in bits per byte, and sampled continuations.
 
-    python recipes/evaluate.py runs/llama-tiny-20261202-120000            # its last intact checkpoint
-    python recipes/evaluate.py runs/llama-tiny-20261202-120000 --step 200
-    python recipes/evaluate.py path/to/hf_checkpoint --data notes.txt      # a Hugging Face directory
+    python -m recipes.evaluate runs/llama-tiny-20261202-120000            # its last intact checkpoint
+    python -m recipes.evaluate runs/llama-tiny-20261202-120000 --step 200
+    python -m recipes.evaluate path/to/hf_checkpoint --data notes.txt      # a Hugging Face directory
 
 A run directory brings its own flags (model, data, sequence length, ...); for a Hugging Face
 directory, pass the training recipe's data flags after it.
@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
-from lm_setup import init_distributed, is_hf_dir, sample
-from train_lm import Run, build_parser, resume_args
 
-import transforms
+import checkpointing
+from recipes._lm.run_setup import init_distributed, is_hf_dir, sample
+from recipes.train_lm import Run, build_parser, resume_args
 
 
 def main(argv=None) -> dict:
@@ -49,7 +46,7 @@ def main(argv=None) -> dict:
     run = Run(run_args)
     step = None
     if (source / "checkpoints").is_dir():
-        with transforms.Checkpointer(source / "checkpoints") as ckpt:
+        with checkpointing.Checkpointer(source / "checkpoints") as ckpt:
             step, state, meta = ckpt.restore(run.state(), step=args.step)
         run.set_state(state, meta)
     val = run.val_bits_per_byte()

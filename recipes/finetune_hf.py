@@ -1,11 +1,11 @@
 """Fine-tune a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2) on local text.
 
-    python recipes/finetune_hf.py path/to/hf_checkpoint --data notes/ --steps 200
-    python recipes/finetune_hf.py path/to/hf_checkpoint --offload params,opt_state --export out/hf
+    python -m recipes.finetune_hf path/to/hf_checkpoint --data notes/ --steps 200
+    python -m recipes.finetune_hf path/to/hf_checkpoint --offload params,opt_state --export out/hf
 
 The directory holds ``config.json`` and ``model.safetensors`` (or a sharded index), and
 ``tokenizer.json`` if the model has a tokenizer (without one, text is fed as bytes, which needs a
-vocabulary of at least 256). Every flag of ``train_lm.py`` applies (offload, mesh, checkpoints,
+vocabulary of at least 256). Every flag of ``recipes.train_lm`` applies (offload, mesh, checkpoints,
 ``--resume``); the defaults suit fine-tuning: a small learning rate, short warmup, no weight
 decay. ``--export DIR`` writes the result back in Hugging Face format.
 """
@@ -15,14 +15,10 @@ from __future__ import annotations
 import argparse
 import pathlib
 import shutil
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from lm_setup import is_hf_dir
-from train_lm import main as train_main
 
 import zoo
+from recipes._lm.run_setup import is_hf_dir
+from recipes.train_lm import main as train_main
 
 DEFAULTS = {"lr": 1e-4, "warmup": 10, "steps": 100, "weight_decay": 0.0, "eval_every": 50, "save_every": 50}
 

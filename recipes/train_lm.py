@@ -3,13 +3,13 @@
 By default a tiny byte-level Llama learns the Python standard library's own source (found
 through `sysconfig`: no download), in about two minutes on 2 CPU cores:
 
-    python recipes/train_lm.py
-    python recipes/train_lm.py --model gpt2:tiny --steps 500 --data path/to/text_or_dir
-    python recipes/train_lm.py --offload params,opt_state,activations     # state in host memory
-    python recipes/train_lm.py --plan h100                                # the planner chooses
-    python recipes/train_lm.py --mesh data=2,fsdp=4                       # 8 devices
-    python recipes/train_lm.py --resume runs/llama-tiny-20261202-120000   # continue a run
-    python recipes/train_lm.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
+    python -m recipes.train_lm
+    python -m recipes.train_lm --model gpt2:tiny --steps 500 --data path/to/text_or_dir
+    python -m recipes.train_lm --offload params,opt_state,activations     # state in host memory
+    python -m recipes.train_lm --plan h100                                # the planner chooses
+    python -m recipes.train_lm --mesh data=2,fsdp=4                       # 8 devices
+    python -m recipes.train_lm --resume runs/llama-tiny-20261202-120000   # continue a run
+    python -m recipes.train_lm --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
 
 Each run writes to ``--out`` (default ``runs/<model>-<time>``): ``checkpoints/`` (orbax; the
 last ``--keep``; model, optimizer state, step, RNG, data position and every flag, so
@@ -24,18 +24,27 @@ import argparse
 import json
 import math
 import pathlib
-import sys
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the recipes' shared modules
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from lm_data import ByteTokenizer, Corpus, HFTokenizer, batch_at
-from lm_logging import MetricsLog, Progress, peak_flops, placement, plot_losses, plot_placement
-from lm_setup import (
+
+import checkpointing
+import transforms
+import zoo
+from recipes._lm.data import ByteTokenizer, Corpus, HFTokenizer, batch_at
+from recipes._lm.monitor import (
+    MetricsLog,
+    Progress,
+    peak_flops,
+    placement,
+    plot_losses,
+    plot_placement,
+    read_jsonl,
+)
+from recipes._lm.run_setup import (
     apply_offload,
     build_model,
     init_distributed,
@@ -48,9 +57,6 @@ from lm_setup import (
     put_batch,
     sample,
 )
-
-import transforms
-import zoo
 
 #: Flags that control one invocation, not the run: a resumed run takes them from the command line.
 RUN_CONTROL = ("resume", "stop_after", "coordinator", "num_processes", "process_id", "quiet_samples")
@@ -149,7 +155,7 @@ def resume_args(run_dir: str) -> dict:
     ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
     if not ckpt_dir.is_dir():
         raise SystemExit(f"--resume {run_dir}: no checkpoints directory at {ckpt_dir}")
-    with transforms.Checkpointer(ckpt_dir) as ckpt:
+    with checkpointing.Checkpointer(ckpt_dir) as ckpt:
         try:
             return ckpt.metadata()["args"]
         except FileNotFoundError as err:
@@ -283,111 +289,94 @@ def params_digest(model) -> str:
     return digest.hexdigest()
 
 
-def main(argv=None, *, defaults: dict | None = None) -> dict:
-    """Run the recipe; returns a summary (final step, losses, paths)."""
-    args = parse(argv, defaults, distributed=True)
-    lead = jax.process_index() == 0
+def open_run(args) -> tuple[Run, pathlib.Path, checkpointing.Checkpointer, int]:
+    """The run directory, the run, its checkpointer and the step it starts after (0, or the
+    step of the checkpoint it resumes from)."""
     out = pathlib.Path(args.out or default_out(args.model))
     if args.out is None and jax.process_count() > 1:
         raise SystemExit("a multi-process run needs --out (a directory all processes share)")
-    if lead:
+    if jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
     run = Run(args)
     args.out = str(out)
-    ckpt = transforms.Checkpointer(out / "checkpoints", keep=args.keep)
+    ckpt = checkpointing.Checkpointer(out / "checkpoints", keep=args.keep)
     if args.resume:
         start, state, meta = ckpt.restore(run.state())
         run.set_state(state, meta)
-        resumed = f"resumed at step {start} from {out}"
-    else:
-        if ckpt.latest_step() is not None:
-            raise SystemExit(f"{out} already holds checkpoints: continue it with --resume {out}, or choose a new --out")
-        start, resumed = 0, None
+        return run, out, ckpt, start
+    if ckpt.latest_step() is not None:
+        raise SystemExit(f"{out} already holds checkpoints: continue it with --resume {out}, or choose a new --out")
+    return run, out, ckpt, 0
 
-    say = print if lead else (lambda *a, **k: None)
-    cfg = run.config
+
+def announce(run: Run, out: pathlib.Path, start: int, say) -> float:
+    """Print what is about to run; returns the unigram baseline (bits per byte)."""
+    args, cfg = run.args, run.config
     say(
         f"{args.model}: {cfg.n_params():,} params | train {len(run.corpus.train):,} tokens, "
         f"val {len(run.corpus.val):,} | {jax.device_count()} x {jax.devices()[0].device_kind} | "
         f"{jax.process_count()} process(es) | run dir {out}"
     )
-    if resumed:
-        say(resumed)
+    if start:
+        say(f"resumed at step {start} from {out}")
     if run.plan is not None:
         say(run.plan)
     if args.offload or args.plan:
         say(transforms.memory_report(params=run.model, opt_state=run.opt_state))
     baseline = run.corpus.unigram_bits_per_byte()
     say(f"unigram baseline: {baseline:.3f} bits/byte")
-    if lead:
-        (out / "args.json").write_text(json.dumps(vars(args), indent=2))
-    log = MetricsLog(out / "metrics.jsonl", truncate_after=start) if lead else None
-    progress = Progress(
-        total=args.steps,
-        initial=start,
-        tokens_per_step=args.batch * args.seq,
-        flops_per_token=cfg.flops_per_token(args.seq),
-        peak=peak_flops(args.compute_dtype),
-        log_every=args.log_every,
-        enabled=lead,
+    return baseline
+
+
+def stop_on_bad_numbers(step: int, loss: float, model, ckpt, out) -> None:
+    """Stop without saving when the loss (or, at a save, a weight) is not finite."""
+    ckpt.wait()
+    good = ckpt.latest_step()
+    where = f"the last good checkpoint is step {good} in {out}" if good else "no checkpoint was saved"
+    what = f"the training loss is {loss}" if not math.isfinite(loss) else "the parameters are not finite"
+    raise SystemExit(
+        f"step {step}: {what}; stopping without saving. {where}. Lower --lr or raise --warmup, then --resume from it."
     )
 
-    last = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
-    loss = float("nan")
-    summary = {"out": str(out), "start_step": start, "losses": {}, "val": {}}
-    try:
-        for step in range(start + 1, last + 1):
-            model, opt_state, metrics = run.step_fn(
-                run.model, run.opt_state, run.batch(run.corpus.train, step, args.seed)
-            )
-            loss = float(metrics["loss"])
-            saving = (args.save_every and step % args.save_every == 0) or step == last
-            if not math.isfinite(loss) or (saving and not bool(all_finite(model))):
-                ckpt.wait()
-                good = ckpt.latest_step()
-                where = f"the last good checkpoint is step {good} in {out}" if good else "no checkpoint was saved"
-                what = f"the training loss is {loss}" if not math.isfinite(loss) else "the parameters are not finite"
-                raise SystemExit(
-                    f"step {step}: {what}; stopping without saving. {where}. "
-                    "Lower --lr or raise --warmup, then --resume from it."
-                )
-            run.model, run.opt_state = model, opt_state
-            summary["losses"][step] = loss
-            rates = progress.update(step, loss)
-            if log:
-                log.log(
-                    kind="train",
-                    step=step,
-                    loss=loss,
-                    train_bits_per_byte=run.bits_per_byte(loss),
-                    grad_norm=float(metrics["grad_norm"]),
-                    time=time.time(),
-                    **rates,
-                )
-            if step % args.eval_every == 0 or step == args.steps:
-                val = run.val_bits_per_byte()
-                summary["val"][step] = val
-                progress.write(f"step {step:5d}  val {val:.3f} bits/byte (unigram {baseline:.3f})")
-                if log:
-                    log.log(kind="val", step=step, val_bits_per_byte=val, time=time.time())
-            if saving:
-                ckpt.save(step, run.state(), metadata=run.metadata(step))
-    finally:
-        progress.close()
-        ckpt.close()  # waits for the background write of the last checkpoint
-        if log:
-            log.close()
-    summary["final_step"] = last
-    summary["model"] = run.model
-    if last < args.steps:
-        say(f"stopped after step {last} of {args.steps}; continue with: --resume {out}")
-        return summary
 
+def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, log, progress, summary) -> None:
+    """Steps ``start + 1 .. last``: train, log, validate, checkpoint."""
+    args = run.args
+    for step in range(start + 1, last + 1):
+        model, opt_state, metrics = run.step_fn(run.model, run.opt_state, run.batch(run.corpus.train, step, args.seed))
+        loss = float(metrics["loss"])
+        saving = (args.save_every and step % args.save_every == 0) or step == last
+        if not math.isfinite(loss) or (saving and not bool(all_finite(model))):
+            stop_on_bad_numbers(step, loss, model, ckpt, out)
+        run.model, run.opt_state = model, opt_state
+        summary["losses"][step] = loss
+        rates = progress.update(step, loss)
+        if log:
+            log.log(
+                kind="train",
+                step=step,
+                loss=loss,
+                train_bits_per_byte=run.bits_per_byte(loss),
+                grad_norm=float(metrics["grad_norm"]),
+                time=time.time(),
+                **rates,
+            )
+        if step % args.eval_every == 0 or step == args.steps:
+            val = run.val_bits_per_byte()
+            summary["val"][step] = val
+            progress.write(f"step {step:5d}  val {val:.3f} bits/byte (unigram {baseline:.3f})")
+            if log:
+                log.log(kind="val", step=step, val_bits_per_byte=val, time=time.time())
+        if saving:
+            ckpt.save(step, run.state(), metadata=run.metadata(step))
+
+
+def finish(run: Run, out: pathlib.Path, baseline: float, say) -> None:
+    """After the last step: the plots (lead process) and the samples."""
+    args = run.args
     if jax.process_count() > 1:  # every process shows what it ends with: they must agree
         print(f"process {jax.process_index()}: params sha256 {params_digest(run.model)}")
-    if lead:
-        from lm_logging import read_jsonl
-
+    if jax.process_index() == 0:
         records = read_jsonl(out / "metrics.jsonl")
         plot_losses(
             records, out / "loss.png", baseline=baseline, title=f"{args.model} on {args.data or 'Python stdlib'}"
@@ -402,6 +391,44 @@ def main(argv=None, *, defaults: dict | None = None) -> dict:
         prompt = run.tokenizer.encode(args.prompt.encode())
         for row in sample(run.model, prompt, 100, jax.random.wrap_key_data(jnp.asarray(run.rng, jnp.uint32))):
             say("sample:", repr(args.prompt + run.tokenizer.decode(row)))
+
+
+def main(argv=None, *, defaults: dict | None = None) -> dict:
+    """Run the recipe; returns a summary (final step, losses, paths)."""
+    args = parse(argv, defaults, distributed=True)
+    lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
+    run, out, ckpt, start = open_run(args)
+    baseline = announce(run, out, start, say)
+    if lead:
+        (out / "args.json").write_text(json.dumps(vars(args), indent=2))
+    log = MetricsLog(out / "metrics.jsonl", truncate_after=start) if lead else None
+    progress = Progress(
+        total=args.steps,
+        initial=start,
+        tokens_per_step=args.batch * args.seq,
+        flops_per_token=run.config.flops_per_token(args.seq),
+        peak=peak_flops(args.compute_dtype),
+        log_every=args.log_every,
+        enabled=lead,
+    )
+    last = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
+    summary = {"out": str(out), "start_step": start, "losses": {}, "val": {}}
+    try:
+        train_loop(
+            run, ckpt, out, start=start, last=last, baseline=baseline, log=log, progress=progress, summary=summary
+        )
+    finally:
+        progress.close()
+        ckpt.close()  # waits for the background write of the last checkpoint
+        if log:
+            log.close()
+    summary["final_step"] = last
+    summary["model"] = run.model
+    if last < args.steps:
+        say(f"stopped after step {last} of {args.steps}; continue with: --resume {out}")
+        return summary
+    finish(run, out, baseline, say)
     return summary
 
 

@@ -1,4 +1,4 @@
-"""transforms.Checkpointer: round trips, placements, pruning, interrupted saves, corruption, errors."""
+"""checkpointing.Checkpointer: round trips, placements, tree-path keys, pruning, killed saves, corruption, errors."""
 
 import gc
 import json
@@ -18,14 +18,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from _models import build
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import checkpointing
 import transforms
 import zoo
-from transforms import _checkpoint
+from checkpointing import _fingerprint, _quiet, _read
 from zoo import sharding
 
 HOST, DEVICE = "pinned_host", "device"
@@ -93,6 +95,33 @@ def small(step):
     return {"w": jnp.asarray(w), "b": {"c": jnp.arange(5) + step}}
 
 
+def dotted(path, prefix=()):
+    """The key of a tree path as the layout defines it (written here, independently of the code)."""
+    field = {
+        jax.tree_util.GetAttrKey: "name",
+        jax.tree_util.DictKey: "key",
+        jax.tree_util.SequenceKey: "idx",
+        jax.tree_util.FlattenedIndexKey: "key",
+    }
+    return ".".join([*prefix, *(str(getattr(k, field[type(k)])) for k in path)])
+
+
+def keys_of(tree, *prefix):
+    return [dotted(p, prefix) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if eqx.is_array(x)]
+
+
+def by_key(tree):
+    return {dotted(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if eqx.is_array(x)}
+
+
+def keys_on_disk(step_dir):
+    """The keys of the arrays orbax holds in a checkpoint, from orbax's own tree metadata."""
+    tree = json.loads((step_dir / "state" / "_METADATA").read_text())["tree_metadata"]
+    keys = [tuple(k["key"] for k in entry["key_metadata"]) for entry in tree.values()]
+    assert all(len(k) == 1 for k in keys), keys  # a flat dict
+    return sorted(k for (k,) in keys)
+
+
 def largest_file(step_dir):
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
@@ -122,14 +151,14 @@ def test_round_trip_of_model_adam_state_key_and_metadata_is_bit_exact(tmp_path):
         "lr": 0.5,
     }
     meta = {"config": {"preset": "tiny", "d_model": 64}, "tokens_seen": 12800, "names": ["a", "b"], "loss": 2.5}
-    with transforms.Checkpointer(tmp_path) as ckpt:
+    with checkpointing.Checkpointer(tmp_path) as ckpt:
         ckpt.save(7, state, metadata=meta)
         ckpt.wait()
         assert ckpt.steps() == [7] and ckpt.latest_step() == 7
     like = dict(state, model=randomized(live, 3), opt=randomized(state["opt"], 4), rows=np.zeros((2, 3), np.int64))
     like.update(key=jax.random.split(jax.random.key(0), 3), lr=0.25)
 
-    with transforms.Checkpointer(tmp_path) as ckpt:  # a new process, say
+    with checkpointing.Checkpointer(tmp_path) as ckpt:  # a new process, say
         assert ckpt.metadata() == meta
         step, restored, got_meta = ckpt.restore(like)
     assert step == 7 and got_meta == meta
@@ -153,7 +182,7 @@ def test_offloaded_leaves_come_back_in_host_memory_and_can_move_elsewhere(tmp_pa
     want = [HOST if f else DEVICE for f in floating] + [DEVICE] + moments + moments
     assert [x.sharding.memory_kind for x in arrays(state)] == want
 
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(3, state)
         _, restored, _ = ckpt.restore(abstract(state))
         assert [x.sharding.memory_kind for x in arrays(restored)] == want
@@ -169,7 +198,7 @@ def test_offloaded_leaves_come_back_in_host_memory_and_can_move_elsewhere(tmp_pa
 
 def test_on_a_mesh_leaves_get_the_live_shardings_or_new_ones(tmp_path, monkeypatch):
     # Fingerprint every leaf under `jit` on the global array (the path large leaves take).
-    monkeypatch.setattr(_checkpoint, "_HOST_FINGERPRINT_BYTES", -1)
+    monkeypatch.setattr(_fingerprint, "HOST_FINGERPRINT_BYTES", -1)
     mesh = sharding.make_mesh(data=2, fsdp=4)
     live = transforms.offload_params(sharding.shard(randomized(model(), 1), mesh))
     opt_state = randomized(adam_state(eqx.filter(live, eqx.is_array), offload=True), 2)
@@ -177,7 +206,7 @@ def test_on_a_mesh_leaves_get_the_live_shardings_or_new_ones(tmp_path, monkeypat
     w = live.stack.layers.mlp.up.weight
     assert w.sharding == NamedSharding(mesh, P(None, "fsdp", None), memory_kind=HOST)
 
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(5, state)
         _, restored, _ = ckpt.restore(abstract(state))
         assert [x.sharding for x in arrays(restored)] == [x.sharding for x in arrays(state)]
@@ -187,7 +216,7 @@ def test_on_a_mesh_leaves_get_the_live_shardings_or_new_ones(tmp_path, monkeypat
         # Another mesh and layout: the model on device over 8-way fsdp, the optimizer state
         # replicated in host memory. (Verified by the NumPy fingerprints of the small leaves this
         # time, against those computed under `jit` at save time.)
-        monkeypatch.setattr(_checkpoint, "_HOST_FINGERPRINT_BYTES", 1 << 22)
+        monkeypatch.setattr(_fingerprint, "HOST_FINGERPRINT_BYTES", 1 << 22)
         other = sharding.make_mesh(fsdp=8)
         target = (
             sharding.shardings(eqx.filter(live, eqx.is_array), other, memory_kind=DEVICE),
@@ -207,7 +236,7 @@ def test_async_save_copies_the_arrays_before_returning(tmp_path):
     state["h"] = jax.device_put(state["w"] * 2, state["w"].sharding.with_memory_kind(HOST))
     expected = {k: np.asarray(v).copy() for k, v in state.items()}
     like = abstract(state)
-    with transforms.Checkpointer(tmp_path, async_save=True) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=True) as ckpt:
         ckpt.save(1, state)
         for x in state.values():  # as a donating train step would
             x.delete()
@@ -221,7 +250,7 @@ def test_async_save_copies_the_arrays_before_returning(tmp_path):
 
 
 def test_keep_prunes_the_oldest_checkpoints(tmp_path):
-    with transforms.Checkpointer(tmp_path, keep=2, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, keep=2, async_save=False) as ckpt:
         for step in (10, 20, 30, 40):
             ckpt.save(step, small(step))
             assert ckpt.steps() == [10, 20, 30, 40][max(0, step // 10 - 2) : step // 10]
@@ -230,7 +259,7 @@ def test_keep_prunes_the_oldest_checkpoints(tmp_path):
     assert step == 40
     assert_bit_equal(state, small(40))
 
-    with transforms.Checkpointer(tmp_path / "async", keep=2, async_save=True) as ckpt:
+    with checkpointing.Checkpointer(tmp_path / "async", keep=2, async_save=True) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, small(step))
         ckpt.wait()
@@ -241,17 +270,158 @@ def test_keep_prunes_the_oldest_checkpoints(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# tree-path keys
+
+
+def test_arrays_are_stored_under_their_dotted_tree_paths(tmp_path):
+    live = model()
+    state = {
+        "model": live,
+        "opt_state": adam_state(eqx.filter(live, eqx.is_array)),
+        "rng": jax.random.key(3),
+        "lr": 0.5,  # not an array: not saved
+    }
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state)
+    on_disk = keys_on_disk(tmp_path / "1")
+    assert on_disk == sorted(keys_of(state))
+    assert {"model.stack.layers.attn.q_proj.weight", "opt_state.0.mu.stack.layers.attn.q_proj.weight"} <= set(on_disk)
+    assert {"opt_state.0.count", "rng"} <= set(on_disk) and not any(k.startswith("lr") for k in on_disk)
+    record = json.loads((tmp_path / "1" / "meta" / "metadata").read_text())
+    assert record["format"] == "checkpointing.Checkpointer/2"
+    assert [e["key"] for e in record["leaves"]] == keys_of(state)
+
+
+class Adapted(eqx.Module):
+    """A projection that has gained an adapter since the checkpoint was saved (as under LoRA)."""
+
+    weight: jax.Array
+    bias: jax.Array | None
+    lora_a: jax.Array
+
+
+def with_adapter(live, seed):
+    q = live.stack.layers.attn.q_proj
+    a = np.random.default_rng(seed).standard_normal((*q.weight.shape[:-1], 2)).astype(np.float32)
+    return eqx.tree_at(lambda m: m.stack.layers.attn.q_proj, live, Adapted(q.weight, q.bias, jnp.asarray(a)))
+
+
+def test_a_leaf_added_elsewhere_is_kept_and_the_others_restored(tmp_path):
+    live = model()
+    state = {"model": randomized(live, 1), "opt": randomized(adam_state(eqx.filter(live, eqx.is_array)), 2)}
+    like = {"model": with_adapter(randomized(live, 3), 4), "opt": randomized(state["opt"], 5), "ema": jnp.full(3, 7.0)}
+    new = ["model.stack.layers.attn.q_proj.lora_a", "ema"]
+    assert sorted(set(keys_of(like)) - set(keys_of(state))) == sorted(new)
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state)
+        with pytest.raises(ValueError, match=r"missing from the checkpoint \(in `like` only\), 2: ") as e:
+            ckpt.restore(like)
+        assert all(key in str(e.value) for key in new) and "unexpected (" not in str(e.value)
+        with pytest.warns(UserWarning, match="2 array leaves of `like` are not in it") as record:
+            step, restored, _ = ckpt.restore(like, strict=False)
+        with pytest.raises(ValueError, match=r"have no values .*ShapeDtypeStruct\): ema, model\.stack.*lora_a$"):
+            ckpt.restore(abstract(like), strict=False)
+    assert step == 1 and all(key in str(record[0].message) for key in new)
+    assert jax.tree.structure(restored) == jax.tree.structure(like)
+    got, saved, kept = by_key(restored), by_key(state), by_key(like)
+    for key in new:
+        assert got.pop(key) is kept[key]
+    assert got.keys() == saved.keys()
+    for key, value in got.items():
+        assert value.dtype == saved[key].dtype and np.asarray(value).tobytes() == np.asarray(saved[key]).tobytes(), key
+        assert value.sharding == kept[key].sharding, key
+
+
+def test_a_leaf_removed_since_the_save_is_named_or_skipped(tmp_path):
+    live = model()
+    state = {"model": randomized(live, 1), "opt": randomized(adam_state(eqx.filter(live, eqx.is_array)), 2)}
+    state["model_ema"] = {"norm": randomized(live.norm.weight, 3)}
+    like = {"model": randomized(live, 4)}
+    gone = [key for key in keys_of(state) if key not in keys_of(like)]  # in the checkpoint's order
+    assert gone == ["model_ema.norm", *keys_of(state["opt"], "opt")] and len(gone) > 20
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state)
+        with pytest.raises(ValueError, match=rf"unexpected \(in the checkpoint only\), {len(gone)}: ") as e:
+            ckpt.restore(like)
+        shown = ", ".join(gone[:20]) + f", and {len(gone) - 20} more"  # a long list is cut, with a count
+        assert shown in str(e.value) and "missing from" not in str(e.value)
+        with pytest.warns(UserWarning, match=rf"{len(gone)} array leaves of it are not in `like` and were not read"):
+            _, restored, _ = ckpt.restore(like, strict=False)
+    assert_bit_equal(restored["model"], state["model"])
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"a.b": jnp.zeros(2), "a": {"b": jnp.ones(2)}}, r"\['a'\]\['b'\] and \['a\.b'\] both map to the key 'a\.b'"),
+        (
+            {"leaf": [jnp.zeros(1)], "leaf.0": jnp.ones(1)},
+            r"\['leaf'\]\[0\] and \['leaf\.0'\] both map to the key 'leaf\.0'",
+        ),
+        ({"attn/q": jnp.zeros(1)}, r"\['attn/q'\] cannot be stored under the key 'attn/q' \(it holds '/'\)"),
+        ({"w": {"": jnp.zeros(1)}}, r"\['w'\]\[''\] cannot be stored under the key 'w\.' \(it has an empty part\)"),
+        ({("a", 1): jnp.zeros(1)}, r"""it holds ' ', "'", '\(', '\)', ','\)"""),
+        (jnp.zeros(3), r"single array.*\{'w': x\}"),
+    ],
+    ids=["dot in a dict key", "index and dotted name", "slash", "empty", "tuple key", "root"],
+)
+def test_leaves_without_a_unique_safe_key_are_refused(tmp_path, state, message):
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        with pytest.raises(ValueError, match=message):
+            ckpt.save(1, state)
+        assert ckpt.steps() == []  # nothing written
+        ckpt.save(1, {"w": jnp.zeros(1)})
+        with pytest.raises(ValueError, match=message.replace("state", "like")):
+            ckpt.restore(state)
+
+
+def write_positional(directory, form, state):
+    """A checkpoint as the earlier layout wrote it: arrays under leaf<i> in tree-flatten order."""
+    flat = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    entries = [
+        {"path": jax.tree_util.keystr(p), "shape": list(x.shape), "dtype": str(x.dtype), "fingerprint": [0, 0]}
+        for p, x in flat
+    ]
+    meta = {"format": form, "step": 1, "metadata": {"run": "old"}, "leaves": entries}
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(os.fspath(directory), options=options) as manager:
+        arrays = ocp.args.PyTreeSave({f"leaf{i}": x for i, (_, x) in enumerate(flat)})
+        manager.save(1, args=ocp.args.Composite(state=arrays, meta=ocp.args.JsonSave(meta)))
+
+
+@pytest.mark.parametrize(
+    "form, message",
+    [
+        ("transforms.Checkpointer/1", r"'transforms\.Checkpointer/1'.*positional keys \(leaf0, leaf1.*by tree path"),
+        ("checkpointing.Checkpointer/1", r"'checkpointing\.Checkpointer/1'.*positional keys .*earlier release"),
+        ("checkpointing.Checkpointer/9", r"'checkpointing\.Checkpointer/9', which this version does not know"),
+    ],
+)
+def test_a_checkpoint_in_another_layout_is_refused(tmp_path, form, message):
+    state = small(1)
+    write_positional(tmp_path, form, state)
+    assert keys_on_disk(tmp_path / "1") == ["leaf0", "leaf1"]
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        assert ckpt.steps() == [1]
+        with pytest.raises(ValueError, match=message):
+            ckpt.restore(state)
+        with pytest.raises(ValueError, match=message):
+            ckpt.metadata()
+        assert ckpt._damaged == {}  # refused, not taken for a corrupted checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
 # interrupted saves
 
 
 @pytest.mark.parametrize("suffix", [".orbax-checkpoint-tmp", ".orbax-checkpoint-tmp-1723456789123"])
 def test_an_unfinished_save_directory_is_ignored(tmp_path, suffix):
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(1, small(1))
         ckpt.save(2, small(2))
     # What a save killed before its final rename leaves: the step's files under a temporary name.
     shutil.copytree(tmp_path / "2", tmp_path / f"3{suffix}")
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         shutil.copytree(tmp_path / "2", tmp_path / f"4{suffix}")  # also one appearing later
         assert ckpt.steps() == [1, 2] and ckpt.latest_step() == 2
         step, state, _ = ckpt.restore(small(0))
@@ -264,8 +434,9 @@ def test_an_unfinished_save_directory_is_ignored(tmp_path, suffix):
 CHILD = """
 import os, signal, sys
 import jax.numpy as jnp, numpy as np
+import checkpointing
 import transforms
-ckpt = transforms.Checkpointer(sys.argv[1], async_save=True)
+ckpt = checkpointing.Checkpointer(sys.argv[1], async_save=True)
 ckpt.save(1, {"w": jnp.full((1024, 1024), 1.0)})
 ckpt.wait()
 ckpt.save(2, {"w": jnp.asarray(np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32))})
@@ -287,7 +458,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_pat
     assert child.returncode == -signal.SIGKILL, child.stderr
     listing = child.stdout.split()  # e.g. ["1", "2.orbax-checkpoint-tmp"]: step 2 unfinished
     assert "1" in listing and "2" not in listing, listing
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         assert ckpt.steps() == [1]
         like = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
         step, state, _ = ckpt.restore(like)
@@ -313,11 +484,11 @@ def _replace_arrays_with_other_valid_ones(step_dir):
 # if the Checkpointer did not collect them itself.
 @pytest.mark.parametrize("damage", [truncate, delete, _replace_arrays_with_other_valid_ones], ids=lambda f: f.__name__)
 def test_a_corrupted_latest_checkpoint_warns_and_falls_back(tmp_path, damage):
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(1, small(1))
         ckpt.save(2, small(2))
     damage(tmp_path / "2")
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         assert ckpt.steps() == [1, 2]  # complete, but not intact
         with pytest.warns(UserWarning, match="corrupted") as record:
             step, state, _ = ckpt.restore(small(0))
@@ -326,7 +497,7 @@ def test_a_corrupted_latest_checkpoint_warns_and_falls_back(tmp_path, damage):
         message = str(record[0].message)
         assert str(tmp_path / "2") in message and "falling back" in message
         if damage is _replace_arrays_with_other_valid_ones:  # read fine: only the fingerprints tell
-            assert "differ from those saved" in message and "['w']" in message
+            assert "2 leaves differ from those saved (b.c, w)" in message
         # A run resumed from step 1 reaches step 2 again: the corrupted checkpoint is replaced.
         ckpt.save(2, small(22))
         assert ckpt.steps() == [1, 2]
@@ -336,28 +507,28 @@ def test_a_corrupted_latest_checkpoint_warns_and_falls_back(tmp_path, damage):
 
 
 def test_no_intact_checkpoint_is_an_error_listing_each_problem(tmp_path):
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(1, small(1))
         ckpt.save(2, small(2))
     truncate(tmp_path / "1")
     (tmp_path / "2" / "meta" / "metadata").write_text("{not json")
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
-        with pytest.warns(UserWarning, match="falling back"), pytest.raises(transforms.CorruptCheckpointError) as e:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        with pytest.warns(UserWarning, match="falling back"), pytest.raises(checkpointing.CorruptCheckpointError) as e:
             ckpt.restore(small(0))
         text = str(e.value)
         assert str(tmp_path / "1") in text and str(tmp_path / "2") in text
         assert "metadata cannot be read" in text and "reading its arrays failed" in text
-        with pytest.raises(transforms.CorruptCheckpointError, match="metadata cannot be read"):
+        with pytest.raises(checkpointing.CorruptCheckpointError, match="metadata cannot be read"):
             ckpt.restore(small(0), step=2)  # an explicit step does not fall back
 
 
 def test_metadata_is_read_without_the_arrays(tmp_path):
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(4, small(4), metadata={"preset": "tiny", "seen": [1, 2]})
         ckpt.save(8, small(8), metadata={"preset": "small", "seen": [3]})
     for step in (4, 8):
         shutil.rmtree(tmp_path / str(step) / "state")
-    with transforms.Checkpointer(tmp_path) as ckpt:
+    with checkpointing.Checkpointer(tmp_path) as ckpt:
         assert ckpt.metadata() == {"preset": "small", "seen": [3]}
         assert ckpt.metadata(step=4) == {"preset": "tiny", "seen": [1, 2]}
         assert ckpt.metadata(step=4) == json.loads((tmp_path / "4" / "meta" / "metadata").read_text())["metadata"]
@@ -380,17 +551,17 @@ def test_fingerprints_agree_across_implementations_and_see_every_change():
         np.float32(3.0),
     ]
     for value in values:
-        want = _checkpoint._fingerprint_np(value)
-        assert np.asarray(_checkpoint._fingerprint(jnp.asarray(value))).tolist() == want, value.dtype
+        want = _fingerprint.fingerprint_np(value)
+        assert np.asarray(_fingerprint.fingerprint(jnp.asarray(value))).tolist() == want, value.dtype
     # Sharded and host-resident: computed on the global array, the same numbers.
     mesh = sharding.make_mesh(data=2, fsdp=4)
     value = rng.standard_normal((8, 12)).astype(np.float32)
     for spec in (P("data", "fsdp"), P(None, "fsdp")):
         for kind in (DEVICE, HOST):
             x = jax.device_put(value, NamedSharding(mesh, spec, memory_kind=kind))
-            assert np.asarray(_checkpoint._fingerprint(x)).tolist() == _checkpoint._fingerprint_np(value)
+            assert np.asarray(_fingerprint.fingerprint(x)).tolist() == _fingerprint.fingerprint_np(value)
 
-    base = _checkpoint._fingerprint_np(value)
+    base = _fingerprint.fingerprint_np(value)
     flipped = value.copy()
     flipped.view(np.uint32)[3, 4] ^= 1  # one bit
     zeroed = value.copy()
@@ -398,7 +569,7 @@ def test_fingerprints_agree_across_implementations_and_see_every_change():
     swapped = value.copy()
     swapped[[0, 1]] = swapped[[1, 0]]  # right values, wrong places
     for changed in (flipped, zeroed, swapped, value.reshape(12, 8)[:8, :]):
-        assert _checkpoint._fingerprint_np(changed) != base
+        assert _fingerprint.fingerprint_np(changed) != base
 
 
 def test_restore_reads_host_leaves_one_at_a_time_where_orbax_cannot_read_into_host(tmp_path, monkeypatch):
@@ -406,56 +577,76 @@ def test_restore_reads_host_leaves_one_at_a_time_where_orbax_cannot_read_into_ho
         "host": [jax.device_put(small(i)["w"], small(i)["w"].sharding.with_memory_kind(HOST)) for i in range(3)],
         "dev": jnp.arange(4),
     }
-    read = _checkpoint.Checkpointer._read_some
+    read = _read.read_some
     calls = []
 
-    def old_orbax(self, step, specs, indices):
-        targets = [specs[i][0] for i in indices]
-        if any(isinstance(t, jax.ShapeDtypeStruct) and t.sharding.memory_kind == HOST for t in targets):
+    def old_orbax(manager, step, saved, specs):
+        if any(isinstance(t, jax.ShapeDtypeStruct) and t.sharding.memory_kind == HOST for t, _ in specs.values()):
             raise ValueError("Memory kind mismatch with xla::PjRtBuffers")
-        calls.append(list(indices))
-        return read(self, step, specs, indices)
+        calls.append(list(specs))
+        return read(manager, step, saved, specs)
 
-    monkeypatch.setattr(_checkpoint.Checkpointer, "_read_some", old_orbax)
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+    monkeypatch.setattr(_read, "read_some", old_orbax)
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(1, state)
         _, restored, _ = ckpt.restore(abstract(state))
     assert [x.sharding.memory_kind for x in arrays(restored)] == [DEVICE, HOST, HOST, HOST]
     assert_bit_equal(restored, state)
-    assert calls == [[0], [1], [2], [3]]  # the device leaf, then each host leaf alone
+    assert calls == [["dev"], ["host.0"], ["host.1"], ["host.2"]]  # the device leaf, then each host leaf alone
 
 
 # ---------------------------------------------------------------------------------------------
 # errors
 
 
-def test_a_like_that_does_not_match_names_the_first_differing_leaf(tmp_path):
-    with transforms.Checkpointer(tmp_path, async_save=False) as ckpt:
+def test_a_like_that_does_not_match_lists_every_difference(tmp_path):
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(1, small(1))
         w, c = jnp.zeros((64, 64)), jnp.arange(5)
         cases = {
-            "shape": ({"w": w[:, :32], "b": {"c": c}}, r"\['w'\] is float32\[64, 32\] in `like` but float32\[64, 64\]"),
-            "dtype": ({"w": w, "b": {"c": c * 1.0}}, r"\['b'\]\['c'\] is float32\[5\] in `like` but int32\[5\]"),
-            "missing": ({"b": {"c": jnp.arange(5)}}, r"checkpoint has an array leaf \['w'\] that `like` does not"),
-            "extra": ({**small(0), "z": jnp.zeros(2)}, r"\['z'\]"),
+            "shape and dtype": (
+                {"w": w[:, :32], "b": {"c": c * 1.0}},
+                [
+                    r"shape or dtype differs, 2: b\.c is float32\[5\] in `like` but int32\[5\] in the checkpoint; "
+                    r"w is float32\[64, 32\] in `like` but float32\[64, 64\] in the checkpoint$"
+                ],
+            ),
+            "missing": ({"b": {"c": c}}, [r"unexpected \(in the checkpoint only\), 1: w\n"]),
+            "extra": (
+                {**small(0), "z": {"y": jnp.zeros(2)}},
+                [r"missing from the checkpoint \(in `like` only\), 1: z\.y\n"],
+            ),
+            # Every leaf of the model is missing, and the array it replaced is unexpected.
+            "model": (
+                {"w": model(), "b": {"c": c}},
+                [
+                    "missing from the checkpoint .*, 12: " + ", ".join(map(re.escape, keys_of(model(), "w"))),
+                    r", 1: w\n",
+                ],
+            ),
         }
-        for name, (like, pattern) in cases.items():
-            with pytest.raises(ValueError, match=pattern):
+        for name, (like, patterns) in cases.items():
+            with pytest.raises(ValueError, match=re.escape(str(tmp_path / "1"))) as e:
                 ckpt.restore(like)
+            for pattern in patterns:
+                assert re.search(pattern, str(e.value)), (name, pattern, str(e.value))
+            assert ("strict=False" in str(e.value)) == (name != "shape and dtype"), name
             assert ckpt._damaged == {}, name  # a caller's error, not a corrupted checkpoint
-        with pytest.raises(ValueError, match=r"\['w'\]\.\w+.* in `like` but \['w'\] in the checkpoint"):
-            ckpt.restore({"w": model(), "b": {"c": jnp.arange(5)}})
+        with pytest.raises(ValueError, match="shape or dtype differs, 1: w is"):  # strict or not
+            ckpt.restore({"w": w[:32], "b": {"c": c}, "z": c}, strict=False)
+        with pytest.raises(ValueError, match="no array leaf in common"):
+            ckpt.restore({"z": c}, strict=False)
 
 
 def test_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="keep"):
-        transforms.Checkpointer(tmp_path, keep=0)
+        checkpointing.Checkpointer(tmp_path, keep=0)
     with pytest.raises(TypeError, match="keep"):
-        transforms.Checkpointer(tmp_path, keep=1.5)
+        checkpointing.Checkpointer(tmp_path, keep=1.5)
     with pytest.raises(TypeError, match="directory"):
-        transforms.Checkpointer(None)
+        checkpointing.Checkpointer(None)
     empty = tmp_path / "empty"
-    with transforms.Checkpointer(empty, async_save=False) as ckpt:
+    with checkpointing.Checkpointer(empty, async_save=False) as ckpt:
         assert ckpt.steps() == [] and ckpt.latest_step() is None
         with pytest.raises(FileNotFoundError, match=str(empty)):
             ckpt.restore(small(0))
@@ -487,7 +678,7 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 
 
 def test_save_and_restore_print_nothing(tmp_path, capfd):
-    with transforms.Checkpointer(tmp_path) as ckpt:
+    with checkpointing.Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, small(1), metadata={"a": 1})
         ckpt.wait()
         ckpt.restore(small(0))
@@ -495,10 +686,12 @@ def test_save_and_restore_print_nothing(tmp_path, capfd):
     assert out == "" and err == ""
 
 
-def test_docstring_example_runs(capsys):
-    (block,) = re.findall(r"```python\n(.*?)```", transforms.Checkpointer.__doc__, flags=re.S)
-    exec(compile(textwrap.dedent(block), "Checkpointer docstring", "exec"), {})
-    assert capsys.readouterr().out.split() == ["100", "12800", HOST]
+def test_docstring_examples_run(capsys):
+    examples = {checkpointing.Checkpointer: ["100", "12800", HOST], checkpointing.Checkpointer.restore: ["1.0", "0.5"]}
+    for obj, want in examples.items():
+        (block,) = re.findall(r"```python\n(.*?)```", obj.__doc__, flags=re.S)
+        exec(compile(textwrap.dedent(block), f"{obj.__qualname__} docstring", "exec"), {})
+        assert capsys.readouterr().out.split() == want
 
 
 def test_reports_of_abandoned_orbax_reads_are_dropped_and_other_reports_kept(monkeypatch):
@@ -516,7 +709,7 @@ def test_reports_of_abandoned_orbax_reads_are_dropped_and_other_reports_kept(mon
             holder = [coroutine]
             holder.append(holder)
 
-    with _checkpoint._QuietAbandonedReads() as quiet:
+    with _quiet.QuietAbandonedReads() as quiet:
         abandon(in_a_cycle=False)
         abandon(in_a_cycle=True)
         sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("ours"), object=None))

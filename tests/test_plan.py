@@ -1,5 +1,6 @@
 """The memory planner: its estimates against XLA and JAX, its choices, its errors, its CLI."""
 
+import ast
 import json
 import math
 import pathlib
@@ -17,7 +18,7 @@ import pytest
 
 import transforms
 import zoo
-from transforms._plan_model import ACTIVATION_OPTIONS, Candidate
+from transforms.plan._bytes import ACTIVATION_OPTIONS, Candidate
 
 ROOT = pathlib.Path(__file__).parents[1]
 MiB = 2**20
@@ -343,7 +344,7 @@ def test_streamed_update_lowered_for_cuda_moves_and_keeps_what_the_plan_says():
 def test_fp32_8b_fits_an_h200_only_with_the_streamed_update():
     """Before the streamed update nothing fitted (the update held every gradient and weight on the
     device); now full offload with the streamed update does, and its peak is no longer the update."""
-    p = transforms.plan("llama-8b", batch=1, seq=8192, device="h200")
+    p = transforms.plan("llama:8b", batch=1, seq=8192, device="h200")
     assert p.fits and p.stream_update
     assert p.transforms[:1] == ("offload_params",) and "offload_opt_state" in p.transforms
     assert p.candidate.label.startswith("offload_params + offload_opt_state(stream)")
@@ -352,7 +353,7 @@ def test_fp32_8b_fits_an_h200_only_with_the_streamed_update():
     assert not any(r.fits for r in p.rows if not r.estimate.candidate.stream)  # nothing else fits
     assert p.predict(params=True, opt_state="stream", activations=p.activation_policy)["fits"]
     # Clipping adds a pass over the host gradients: more bytes in, a slower step, the same fit.
-    clipped = transforms.plan("llama-8b", batch=1, seq=8192, device="h200", clip_norm=1.0)
+    clipped = transforms.plan("llama:8b", batch=1, seq=8192, device="h200", clip_norm=1.0)
     assert clipped.fits and clipped.host_to_device > p.host_to_device
     assert clipped.predict(**_as_predict(p.candidate))["step_s"] > p.step_time_s
     assert any("streamed update" in n for n in p.notes)
@@ -389,14 +390,14 @@ def test_stream_candidates_and_their_names():
     assert Candidate(opt_state="stream").label == "offload_opt_state(stream)"
     with pytest.raises(ValueError, match="opt_state must be"):
         Candidate(opt_state="sometimes")
-    p = transforms.plan("llama-tiny", batch=2, seq=32, device="h100")
+    p = transforms.plan("llama:tiny", batch=2, seq=32, device="h100")
     assert {r.estimate.candidate.opt_state for r in p.rows} == {False, True, "stream"}
-    spark = transforms.plan("llama-tiny", batch=2, seq=32, device="dgx-spark")
+    spark = transforms.plan("llama:tiny", batch=2, seq=32, device="dgx-spark")
     assert not any(r.estimate.candidate.stream for r in spark.rows)
     with pytest.raises(ValueError, match="clip_norm must be"):
-        transforms.plan("llama-tiny", batch=2, seq=32, clip_norm=0)
+        transforms.plan("llama:tiny", batch=2, seq=32, clip_norm=0)
     chained = transforms.plan(
-        "llama-tiny", batch=2, seq=32, optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+        "llama:tiny", batch=2, seq=32, optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
     )
     assert any("optax.clip_by_global_norm" in n and "clip_norm" in n for n in chained.notes)
     assert chained._context.clip
@@ -408,7 +409,7 @@ def test_stream_candidates_and_their_names():
 
 
 def test_a_case_that_fits_gets_no_offload():
-    for model in ("llama-tiny", "gpt2-124m", "llama-small"):
+    for model in ("llama:tiny", "gpt2:124m", "llama:small"):
         p = transforms.plan(model, batch=8, seq=128, device="h100")
         assert p.fits and p.transforms == () and p.label == "no offload"
         assert p.activation_policy is None and p.host_bytes == 0 and p.host_to_device == 0
@@ -441,10 +442,10 @@ def test_more_memory_means_fewer_transforms_and_a_faster_link_less_overhead():
 
 @pytest.mark.parametrize(
     ("model", "batch", "seq"),
-    [("llama-8b", 1, 8192), ("llama-1b", 4, 4096), ("llama-tiny", 2, 64), ("gpt2-1.5b", 8, 1024)],
+    [("llama:8b", 1, 8192), ("llama:1b", 4, 4096), ("llama:tiny", 2, 64), ("gpt2:1.5b", 8, 1024)],
 )
 def test_dgx_spark_never_recommends_host_offload(model, batch, seq):
-    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16") if model == "llama-8b" else model
+    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16") if model == "llama:8b" else model
     p = transforms.plan(cfg, batch=batch, seq=seq, device="dgx-spark")
     assert not any(r.estimate.candidate.uses_host for r in p.rows)
     assert "offload_params" not in p.transforms and "offload_opt_state" not in p.transforms
@@ -497,7 +498,7 @@ def test_smaller_batch_and_shorter_sequence_suggestions_are_the_largest_that_fit
 
 
 def test_plan_components_and_per_layer_activations():
-    p = transforms.plan("llama-8b", batch=1, seq=8192, device="h200")
+    p = transforms.plan("llama:8b", batch=1, seq=8192, device="h200")
     comps = p.components
     for name in ("parameters", "gradients", "optimizer state", "batch"):
         assert name in comps
@@ -537,14 +538,14 @@ def test_host_memory_limit_constrains_the_plan():
 
 
 def test_device_profiles_carry_their_sources():
-    doc = sys.modules["transforms._plan_devices"].__doc__
+    doc = sys.modules["transforms.plan._devices"].__doc__
     for name, dev in transforms.DEVICE_PROFILES.items():
         assert dev.sources and f"``{name}``" in doc
         assert dev.memory_bytes > 0 and dev.link_bytes_per_s <= dev.link_peak_bytes_per_s
     assert transforms.DEVICE_PROFILES["dgx-spark"].unified
     assert "273 GB/s" in doc and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in doc
     custom = transforms.custom_device(memory_gb=24, link_gb_s=25, tflops=165)
-    assert transforms.plan("llama-tiny", batch=2, seq=32, device=custom).device is custom
+    assert transforms.plan("llama:tiny", batch=2, seq=32, device=custom).device is custom
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,21 +581,216 @@ def test_apply_no_offload_returns_its_inputs_and_checks_the_config():
 
 
 # ----------------------------------------------------------------------------------------------
+# Models that describe themselves: the families, and a user's own model built from zoo parts
+# ----------------------------------------------------------------------------------------------
+
+
+def _named_values(jaxpr, out):
+    """name -> {(shape, dtype)} of every value tagged with `checkpoint_name`, nested jaxprs included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            aval = eqn.outvars[0].aval
+            out.setdefault(eqn.params["name"], set()).add((tuple(aval.shape), str(aval.dtype)))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
+                if hasattr(sub, "eqns"):
+                    _named_values(sub, out)
+    return out
+
+
+DESCRIBED = [
+    zoo.LlamaConfig.preset("tiny", head_dim=8, sliding_window=8, compute_dtype="bfloat16"),
+    zoo.GPT2Config.preset("tiny", n_layers=3),
+]
+
+
+@pytest.mark.parametrize("cfg", DESCRIBED, ids=lambda c: c.family)
+def test_describe_gives_the_widths_the_blocks_tag(cfg):
+    """The spec against the traced model: the names and widths of the values it tags, their dtype,
+    the logits' width, the depth, the weights' dtype, the MLP's input matmuls and a tied head."""
+    model = zoo.abstract_model(cfg)
+    seq = 12
+    tokens = jnp.zeros(seq, jnp.int32)
+    named = _named_values(eqx.filter_make_jaxpr(lambda m, t: m(t))(model, tokens)[0].jaxpr, {})
+    spec = zoo.describe(cfg)
+    assert spec == zoo.describe(model)
+    assert set(named) == set(zoo.nn.checkpoint_names(model)) == set(spec.layer.widths)
+    for name, seen in named.items():
+        ((shape, dtype),) = seen
+        assert shape[0] == seq and math.prod(shape[1:]) == spec.layer.widths[name], name
+        assert dtype == spec.compute_dtype, name
+    assert eqx.filter_eval_shape(lambda m, t: m(t), model, tokens).shape == (seq, spec.vocab_size)
+    floats = [x for x in jax.tree.leaves(model) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    assert {x.dtype for x in floats} == {jnp.dtype(spec.param_dtype)}
+    stacked = [x for x in jax.tree.leaves(model.stack) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    assert {x.shape[0] for x in stacked} == {spec.n_layers}
+    mlp_in = [x for x in stacked if x.shape[1:] == (spec.d_model, spec.layer.d_ff)]
+    assert len(mlp_in) == spec.layer.mlp_inputs
+    vocab_matrices = [x for x in floats if sorted(x.shape) == sorted((spec.vocab_size, spec.d_model))]
+    assert len(vocab_matrices) == (1 if spec.tied_head else 2)
+    assert spec.layer.sliding_window == getattr(cfg, "sliding_window", None)
+
+
+def test_describe_explains_the_protocol():
+    with pytest.raises(TypeError, match=r"describe\(\) -> zoo\.ModelSpec") as err:
+        zoo.describe(object())
+    assert "zoo.ModelSpec.from_stack" in str(err.value) and "def describe(self)" in str(err.value)
+
+    class Wrong:
+        def describe(self):
+            return 3
+
+    with pytest.raises(TypeError, match=r"Wrong\.describe\(\) returned int, not a zoo\.ModelSpec"):
+        zoo.describe(Wrong())
+    with pytest.raises(TypeError, match="no describe"):  # layers that do not describe themselves
+        zoo.nn.Stack(lambda k: zoo.nn.Linear(8, 8, key=k), 2, key=jax.random.key(0)).describe()
+    with pytest.raises(ValueError, match="activations names"):
+        zoo.LayerSpec(
+            d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, d_ff=16, mlp_inputs=1, activations=(("a", 8),) * 2
+        )
+    with pytest.raises(ValueError, match="floating"):
+        zoo.describe(zoo.LlamaConfig.preset("tiny")).replace(compute_dtype="int32")
+
+
+class OwnLM(eqx.Module):
+    """A user's own decoder from zoo parts: its own embedding table and head, a Stack of Blocks."""
+
+    embed: jax.Array
+    stack: zoo.nn.Stack
+    norm: zoo.nn.RMSNorm
+    head: jax.Array
+
+    def __init__(self, vocab, d, layers, heads, kv_heads, d_ff, *, mlp, key):
+        ke, ks, kh = jax.random.split(key, 3)
+        rotary = zoo.nn.RotaryEmbedding(d // heads)
+        make_mlp = {"swiglu": zoo.nn.SwiGLU, "gelu": zoo.nn.GeluMLP}[mlp]
+
+        def block(k):
+            ka, km = jax.random.split(k)
+            attn = zoo.nn.Attention(d, heads, n_kv_heads=kv_heads, rotary=rotary, key=ka)
+            mlp_part = make_mlp(d, d_ff, use_bias=False, key=km)
+            return zoo.nn.Block(attn_norm=zoo.nn.RMSNorm(d), attn=attn, mlp_norm=zoo.nn.RMSNorm(d), mlp=mlp_part)
+
+        self.embed = 0.02 * jax.random.normal(ke, (vocab, d))
+        self.stack = zoo.nn.Stack(block, layers, key=ks)
+        self.norm = zoo.nn.RMSNorm(d)
+        self.head = 0.02 * jax.random.normal(kh, (d, vocab))
+
+    def __call__(self, tokens):
+        return self.norm(self.stack(self.embed[tokens])) @ self.head
+
+    def describe(self):
+        return zoo.ModelSpec.from_stack(
+            self.stack, name="own-lm", vocab_size=self.embed.shape[0], tied_head=False, compute_dtype="float32"
+        )
+
+
+def _own(*args, mlp):
+    return eqx.filter_eval_shape(lambda k: OwnLM(*args, mlp=mlp, key=k), jax.random.key(0))
+
+
+def test_a_users_model_is_planned_like_the_family_it_matches():
+    """Built like llama:tiny (rotary, RMSNorm, SwiGLU, untied head) but with its own embedding and
+    head, it gets exactly the numbers of llama:tiny: nothing in the planner depends on the family."""
+    own = _own(256, 64, 2, 4, 2, 192, mlp="swiglu")
+    p = transforms.plan(own, batch=2, seq=64, device="h100")
+    family = transforms.plan("llama:tiny", batch=2, seq=64, device="h100")
+    assert p.to_dict()["candidates"] == family.to_dict()["candidates"]
+    assert p.n_params == family.n_params == zoo.LlamaConfig.preset("tiny").n_params()
+    assert p.config is None and p.spec.name == "own-lm" and p.model == "own-lm (OwnLM model)"
+    data = json.loads(json.dumps(p.to_dict(), default=str))
+    assert data["config"] is None and data["spec"]["layer"]["activations"]["k_proj"] == 2 * 16
+    assert "Model: own-lm, 0.00 B params (float32 params, float32 compute), 2 layers" in str(p)
+
+
+def test_device_bytes_of_a_users_model_agree_with_compiled_memory_analysis():
+    """A mix neither family has (GELU MLP with RMSNorm, grouped-query attention, own embedding and
+    head): the no-offload estimate is as close to XLA's as the families' are."""
+    own = _own(1024, 256, 2, 4, 2, 1024, mlp="gelu")
+    batch, seq = 2, 128
+    measured = transforms.compiled_memory(own, optax.adamw(1e-3), batch=batch, seq=seq)
+    predicted = transforms.plan(own, batch=batch, seq=seq, device="h100").baseline.estimate
+    error = predicted.device_bytes / measured["peak"] - 1
+    assert abs(error) < 0.15, f"{error:+.1%}"
+
+
+def test_apply_to_a_users_model_and_its_checks():
+    model = _own(256, 64, 2, 4, 2, 192, mlp="gelu")
+    p = transforms.plan(model, batch=4, seq=32, device="h100")
+    p.chosen = row(p, params=True, opt_state=True, activations="offload:block_input")
+    applied, opt = p.apply(model, optax.adamw(1e-3))
+    assert applied.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
+    assert applied.stack.remat.offload == ("block_input",) and opt._offload_inner is not None
+    with pytest.raises(ValueError, match="differs from the planned one"):
+        p.apply(_own(256, 64, 3, 4, 2, 192, mlp="gelu"), optax.adamw(1e-3))
+    with pytest.raises(ValueError, match="differs from the planned one"):  # same spec, other parameters
+        p.apply(_own(512, 64, 2, 4, 2, 192, mlp="gelu"), optax.adamw(1e-3))
+
+    class Deeper(eqx.Module):  # says it has more layers than its stack holds
+        inner: OwnLM
+
+        def describe(self):
+            return self.inner.describe().replace(n_layers=5)
+
+    with pytest.raises(ValueError, match=r"describes 5 layers but its parameter tree has stacks of \[2\] layers"):
+        transforms.plan(Deeper(_own(256, 64, 2, 4, 2, 192, mlp="gelu")), batch=1, seq=8)
+
+
+_FAMILY = re.compile(r"llama|gpt-?2", re.IGNORECASE)
+_FAMILY_ATTRS = {"family", "Llama", "GPT2", "LlamaConfig", "GPT2Config", "tie_embeddings"}
+
+
+def _family_code(source: str) -> list[str]:
+    """Where ``source`` names a model family in code: string constants (docstrings and comments
+    aside), family attributes (``cfg.family``, ``zoo.Llama``), and calls of a config's ``n_params()``."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if _FAMILY.search(node.value):
+                out.append(f"line {node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Attribute) and node.attr in _FAMILY_ATTRS:
+            out.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "n_params":
+            out.append(f"line {node.lineno}: n_params()")
+    return out
+
+
+def test_the_planner_has_no_family_code():
+    sample = 'def f(cfg):\n    """For llama."""\n    # gpt2 too\n    return cfg.family == "gpt2" or f"llama:{cfg}"'
+    assert [o.split(":")[0] for o in _family_code(sample)] == ["line 4"] * 3
+    assert _family_code("x = cfg.n_params()") == ["line 1: n_params()"]
+    for path in sorted((ROOT / "transforms" / "plan").glob("*.py")):
+        assert _family_code(path.read_text()) == [], path.name
+
+
+# ----------------------------------------------------------------------------------------------
 # Inputs and errors
 # ----------------------------------------------------------------------------------------------
 
 
 def test_models_can_be_named_configs_or_models():
-    by_name = transforms.plan("llama-tiny", batch=2, seq=32)
+    by_name = transforms.plan("llama:tiny", batch=2, seq=32)
     assert transforms.plan("llama:tiny", batch=2, seq=32).device_bytes == by_name.device_bytes
     assert transforms.plan(zoo.LlamaConfig.preset("tiny"), batch=2, seq=32).device_bytes == by_name.device_bytes
     model = zoo.abstract_model(zoo.LlamaConfig.preset("tiny"))
     assert transforms.plan(model, batch=2, seq=32).device_bytes == by_name.device_bytes
-    assert transforms.plan("mistral-7b", batch=1, seq=128).config == zoo.LlamaConfig.preset("mistral-7b")
-    assert transforms.plan("llama-qwen2-0.5b", batch=1, seq=128).config.family == "llama"
-    sgd = transforms.plan("llama-tiny", batch=2, seq=32, optimizer="sgd").baseline.estimate
+    assert transforms.plan("llama:mistral-7b", batch=1, seq=128).config == zoo.LlamaConfig.preset("mistral-7b")
+    assert transforms.plan("llama:qwen2-0.5b", batch=1, seq=128).config.family == "llama"
+    with pytest.raises(ValueError, match=r"'llama-8b' \(did you mean llama:8b\?\)"):  # one spelling only
+        transforms.plan("llama-8b", batch=1, seq=128)
+    sgd = transforms.plan("llama:tiny", batch=2, seq=32, optimizer="sgd").baseline.estimate
     assert sgd.phases["update"]["optimizer state"] == 0
-    custom = transforms.plan("llama-tiny", batch=2, seq=32, optimizer=optax.adam(1e-3))
+    custom = transforms.plan("llama:tiny", batch=2, seq=32, optimizer=optax.adam(1e-3))
     assert custom.optimizer == "custom optax transform"
 
 
@@ -602,7 +798,10 @@ def test_models_can_be_named_configs_or_models():
     ("kwargs", "match"),
     [
         (dict(device="h900"), r"unknown device profile 'h900'; known profiles: \['a100', 'dgx-spark'"),
-        (dict(model="llama-9b"), r"unknown model 'llama-9b'; known models .*llama-8b.*gpt2-124m"),
+        (
+            dict(model="llama:9b"),
+            r"unknown model 'llama:9b'; model names are FAMILY:PRESET, one of: .*llama:8b.*gpt2:124m",
+        ),
         (dict(batch=0), "batch must be a positive int"),
         (dict(batch=True), "batch must be a positive int"),
         (dict(seq=-1), "seq must be a positive int"),
@@ -614,7 +813,7 @@ def test_models_can_be_named_configs_or_models():
     ],
 )
 def test_clear_errors(kwargs, match):
-    args = dict(model="llama-tiny", batch=2, seq=32, device="h100")
+    args = dict(model="llama:tiny", batch=2, seq=32, device="h100")
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         transforms.plan(args.pop("model"), **args)
@@ -622,7 +821,7 @@ def test_clear_errors(kwargs, match):
 
 def test_wrong_types_are_rejected():
     with pytest.raises((TypeError, ValueError), match="batch"):  # TypeError from a runtime type checker
-        transforms.plan("llama-tiny", batch=2.0, seq=8)
+        transforms.plan("llama:tiny", batch=2.0, seq=8)
     with pytest.raises(TypeError, match="zoo config"):
         transforms.plan(object(), batch=1, seq=8)
     with pytest.raises(ValueError, match="must be a positive number"):
@@ -630,7 +829,7 @@ def test_wrong_types_are_rejected():
 
 
 def test_predict_gives_any_transform_set():
-    p = transforms.plan("llama-1b", batch=4, seq=2048, device="h100")
+    p = transforms.plan("llama:1b", batch=4, seq=2048, device="h100")
     assert p.predict()["device_bytes"] == p.baseline.estimate.device_bytes
     preset = p.predict(params=True, activations="block_input")  # offload_activations' preset name
     assert preset["transforms"] == "offload_params + activations:offload:block_input"
@@ -670,11 +869,11 @@ def _run(*args, code=None):
 def test_cli_prints_the_table_and_writes_png_and_json(tmp_path):
     png, js = tmp_path / "plan.png", tmp_path / "plan.json"
     out = _run(
-        "--model", "llama-8b", "--batch", "1", "--seq", "8192", "--device", "h200", "--png", str(png), "--json", str(js)
+        "--model", "llama:8b", "--batch", "1", "--seq", "8192", "--device", "h200", "--png", str(png), "--json", str(js)
     )
     assert out.returncode == 0, out.stderr
     for text in (
-        "Memory plan: llama-8b",
+        "Memory plan: llama:8b",
         "Plan:",
         "component",
         "parameters",
@@ -686,13 +885,13 @@ def test_cli_prints_the_table_and_writes_png_and_json(tmp_path):
     ):
         assert text in out.stdout
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads(js.read_text())["model"] == "llama-8b"
+    assert json.loads(js.read_text())["model"] == "llama:8b"
 
 
 def test_cli_errors_list_the_valid_choices():
-    out = _run("--model", "llama-8b", "--batch", "1", "--seq", "8192", "--device", "tpu")
+    out = _run("--model", "llama:8b", "--batch", "1", "--seq", "8192", "--device", "tpu")
     assert out.returncode == 2 and "known profiles" in out.stderr and "h200" in out.stderr
-    out = _run("--model", "llama-8b", "--batch", "1", "--seq", "8", "--device", "custom", "--memory-gb", "24")
+    out = _run("--model", "llama:8b", "--batch", "1", "--seq", "8", "--device", "custom", "--memory-gb", "24")
     assert out.returncode == 2 and "--link-gb-s" in out.stderr
 
 
@@ -702,7 +901,7 @@ def test_plan_is_the_function_and_the_module_stays_callable():
         import transforms, types
         assert isinstance(transforms.plan, types.FunctionType)
         import transforms.plan                      # binds the submodule to the attribute ...
-        p = transforms.plan("llama-tiny", batch=2, seq=16)   # ... which is still callable
+        p = transforms.plan("llama:tiny", batch=2, seq=16)   # ... which is still callable
         assert p.transforms == () and isinstance(p, transforms.Plan)
         print("ok")
         """

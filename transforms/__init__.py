@@ -17,20 +17,19 @@ print(transforms.memory_report(params=model, opt_state=state))
 
 from ._activations import PRESETS as ACTIVATION_PRESETS
 from ._activations import offload_activations as offload_activations
-from ._checkpoint import Checkpointer as Checkpointer
-from ._checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from ._memory import host_and_device_share_memory as host_and_device_share_memory
 from ._opt_state import offload_opt_state as offload_opt_state
 from ._params import offload_params as offload_params
-from ._plan import Plan as Plan
-from ._plan import compiled_memory as compiled_memory
-from ._plan import plan as plan
-from ._plan_devices import DEVICES as DEVICE_PROFILES
-from ._plan_devices import DeviceProfile as DeviceProfile
-from ._plan_devices import custom_device as custom_device
 from ._report import MemoryReport as MemoryReport
 from ._report import TransferReport as TransferReport
+from ._report import format_bytes as format_bytes
 from ._report import memory_report as memory_report
 from ._report import transfer_report as transfer_report
 from ._train_step import TrainStep as TrainStep
 from ._train_step import train_step as train_step
+from .plan import DEVICES as DEVICE_PROFILES
+from .plan import DeviceProfile as DeviceProfile
+from .plan import Plan as Plan
+from .plan import compiled_memory as compiled_memory
+from .plan import custom_device as custom_device
+from .plan import plan as plan  # the function (the subpackage stays importable as transforms.plan)

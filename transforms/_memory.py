@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zoo.nn._placement import is_arraylike as is_arraylike
 from zoo.nn._placement import on_host
 
 HOST = "pinned_host"
@@ -51,10 +52,6 @@ def memory_kind(x) -> str | None:
 
 def is_floating(x) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def is_arraylike(x) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def place(x, kind: str):

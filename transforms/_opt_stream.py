@@ -45,6 +45,7 @@ from ._memory import (
     traced_kind,
     tree_to_device,
 )
+from ._tree import sum_squares
 
 
 class StreamedState(NamedTuple):
@@ -145,26 +146,19 @@ def _layer_scan(body: Callable, carry, xs, length: int, place_out: Callable):
     return carry, ys
 
 
-def _sum_squares(tree) -> jax.Array:
-    total = jnp.zeros((), jnp.float32)
-    for x in jax.tree.leaves(tree):
-        total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
-    return total
-
-
 def _clip(tree, g_norm, max_norm: float):
     # The formula of `optax.clip_by_global_norm`, so that both give the same numbers.
     trigger = g_norm < max_norm
     return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), tree)
 
 
-def _stacked_sum_squares(grads, length: int) -> jax.Array:
+def _stackedsum_squares(grads, length: int) -> jax.Array:
     """Sum of squares of one stack's gradients; host-resident ones are fetched layer by layer."""
     on_device = [g for g in jax.tree.leaves(grads) if not on_host(g)]
     off_device = [g for g in jax.tree.leaves(grads) if on_host(g)]
-    total = _sum_squares(on_device)
+    total = sum_squares(on_device)
     if off_device:
-        total, _ = _layer_scan(lambda acc, g: (acc + _sum_squares(g), None), total, off_device, length, lambda y: y)
+        total, _ = _layer_scan(lambda acc, g: (acc + sum_squares(g), None), total, off_device, length, lambda y: y)
     return total
 
 
@@ -313,9 +307,16 @@ def _culprit(tx, params, units, n: int) -> str | None:
     return None
 
 
+def global_parts(optimizer: optax.GradientTransformation) -> list[str]:
+    """Names of the parts of ``optimizer`` that look at all leaves at once (``clip_by_global_norm``,
+    ...; see :data:`GLOBAL_TRANSFORMS`), in order, each once: what the streamed update refuses."""
+    names = [_name(p) for p in [optimizer, *_all_parts(optimizer)]]
+    return list(dict.fromkeys(n for n in names if n in GLOBAL_TRANSFORMS))
+
+
 def check_streamable(optimizer: optax.GradientTransformation, params, units, n: int) -> None:
     """Raise `ValueError` if ``optimizer``'s update of one layer depends on other layers."""
-    names = [_name(p) for p in [optimizer, *_all_parts(optimizer)] if _name(p) in GLOBAL_TRANSFORMS]
+    names = global_parts(optimizer)
     if not names:
         if _separable(optimizer, params, units, n):
             return
@@ -399,9 +400,9 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
 
     g_norm, scale = None, None
     if clip_norm is not None:  # first pass: the global norm over every layer
-        total = _sum_squares(grads_rest)
+        total = sum_squares(grads_rest)
         for k in range(n):
-            total = total + _stacked_sum_squares(_view(grads, units, k), lengths[k])
+            total = total + _stackedsum_squares(_view(grads, units, k), lengths[k])
         g_norm = jnp.sqrt(total)
         scale = lambda tree: _clip(tree, g_norm, clip_norm)
 
@@ -414,7 +415,7 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     def body(acc, x):
         g, s, p = x
         if scale is None:  # the norm for the metrics, in the same pass
-            acc = acc + _sum_squares(g)
+            acc = acc + sum_squares(g)
         return acc, update(g, s, p)
 
     new_stacked, outs, squares = [], [], jnp.zeros((), jnp.float32)
@@ -438,7 +439,7 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
         out_rest = restore_kinds(out_rest, jax.tree.map(traced_kind, p_rest))
     new_state = StreamedState(tuple(new_stacked), restore_kinds(s_rest, jax.tree.map(traced_kind, state.rest)))
     if g_norm is None:
-        g_norm = jnp.sqrt(squares + _sum_squares(grads_rest))
+        g_norm = jnp.sqrt(squares + sum_squares(grads_rest))
     return _merge(units, [out_rest, *outs]), new_state, g_norm
 
 

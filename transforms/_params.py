@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import equinox as eqx
 import jax
 
 from zoo import nn
@@ -83,12 +82,3 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
         raise ValueError("offload_params: every selected leaf is already in pinned_host (model offloaded twice?)")
     placed = jax.tree.map(lambda x, flag: place(x, HOST) if flag else x, model, selected)
     return nn.with_prefetch(placed, prefetch)
-
-
-def param_memory_kinds(model) -> dict[str, int]:
-    """Count of the model's array leaves per memory kind (a quick placement check)."""
-    counts: dict[str, int] = {}
-    for x in jax.tree.leaves(eqx.filter(model, is_arraylike)):
-        kind = memory_kind(x) or "unknown"
-        counts[kind] = counts.get(kind, 0) + 1
-    return counts

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from zoo._jax_compat import var_memory_space
+
 from ._memory import DEVICE, HOST, host_and_device_share_memory, is_arraylike
 
 SHARED_MEMORY_NOTE = (
@@ -18,7 +20,15 @@ SHARED_MEMORY_NOTE = (
 
 
 def format_bytes(n: float | int) -> str:
-    """``1536 -> '1.5 KiB'``."""
+    """A byte count in binary units, two decimals: ``format_bytes(1536) == '1.50 KiB'``.
+
+    **Example:**
+
+    ```python
+    import transforms
+    transforms.format_bytes(3 * 2**30)   # '3.00 GiB'
+    ```
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -190,7 +200,7 @@ def transfer_report(fn: Callable, *args, **kwargs) -> TransferReport:
             name = eqn.primitive.name
             if name == "device_put":
                 for src, dst in zip(eqn.invars, eqn.outvars, strict=False):
-                    a, b = getattr(src.aval, "memory_space", None), getattr(dst.aval, "memory_space", None)
+                    a, b = var_memory_space(src), var_memory_space(dst)
                     if a == b or a is None or b is None:
                         continue
                     size = math.prod(dst.aval.shape) * np.dtype(dst.aval.dtype).itemsize * times

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zoo.nn import Stack
+from zoo.nn._placement import any_on_host
+
 from ._memory import mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
 from ._opt_stream import StreamedOptimizer
-
-
-def _global_norm(tree) -> jax.Array:
-    leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(leaves)) if leaves else jnp.zeros((), jnp.float32)
+from ._tree import global_norm
 
 
 def _split_microbatches(batch, accum_steps: int):
@@ -28,6 +27,17 @@ def _split_microbatches(batch, accum_steps: int):
         return x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])
 
     return jax.tree.map(one, batch)
+
+
+def _offloads_inside_layer_loops(model) -> bool:
+    """Whether a forward pass of ``model`` moves data between host and device inside the layer
+    loops of its stacks: weights in host memory, or activations offloaded by a remat policy."""
+    stacks = [n for n in jax.tree.leaves(model, is_leaf=_is_stack) if _is_stack(n)]
+    return any(any_on_host(s.layers) or (s.remat is not None and s.remat.offload) for s in stacks)
+
+
+def _is_stack(node) -> bool:
+    return isinstance(node, Stack)
 
 
 def _commit(tree):
@@ -50,7 +60,9 @@ class TrainStep:
       (``transforms.offload_opt_state(..., stream=True)``) they are left where they are and the
       optimizer moves them one layer at a time, with the weights and its state.
     - With ``accum_steps > 1`` the batch's leading dimension is split into that many
-      micro-batches whose gradients are averaged (a `lax.scan`, one compiled body).
+      micro-batches whose gradients are averaged (a `lax.scan`, one compiled body; with weights
+      or activations offloaded, an unrolled loop, since host offload inside nested loops does
+      not compile everywhere).
     - ``metrics`` holds ``loss`` (mean over micro-batches) and ``grad_norm``.
     - One trace per model structure and placement: :attr:`trace_count` counts them.
 
@@ -112,7 +124,16 @@ class TrainStep:
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), eqx.filter(model, eqx.is_inexact_array))
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+        carry = (jnp.zeros((), jnp.float32), zeros)
+        if _offloads_inside_layer_loops(model):
+            # Host offload inside a loop nested in another loop fails to compile on some
+            # backends (seen as maxtext#4995): the micro-batches run one after the other,
+            # unrolled, around the layer loops.
+            for i in range(self.accum_steps):
+                carry, _ = body(carry, jax.tree.map(lambda x, i=i: x[i], micro))
+        else:
+            carry, _ = jax.lax.scan(body, carry, micro)
+        loss_sum, grad_sum = carry
         scale = 1.0 / self.accum_steps
         return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
 
@@ -132,7 +153,7 @@ class TrainStep:
             trainable = tree_to_device(trainable)
             updates, opt_state = self.optimizer.update(grads, opt_state, trainable)
             trainable = restore_kinds(optax.apply_updates(trainable, updates), kinds)
-            return eqx.combine(trainable, frozen), opt_state, {"loss": loss, "grad_norm": _global_norm(grads)}
+            return eqx.combine(trainable, frozen), opt_state, {"loss": loss, "grad_norm": global_norm(grads)}
 
         return step
 

@@ -12,11 +12,17 @@ logits = jax.vmap(model)(jnp.zeros((2, 16), jnp.int32))   # (2, 16, vocab)
 
 from . import nn as nn
 from . import sharding as sharding
+from ._build import FAMILIES as FAMILIES
 from ._build import abstract_model as abstract_model
 from ._build import build_model as build_model
+from ._build import config_from_name as config_from_name
+from ._build import model_names as model_names
 from ._config import DecoderConfig as DecoderConfig
 from ._config import GPT2Config as GPT2Config
 from ._config import LlamaConfig as LlamaConfig
+from ._describe import LayerSpec as LayerSpec
+from ._describe import ModelSpec as ModelSpec
+from ._describe import describe as describe
 from ._gpt2 import GPT2 as GPT2
 from ._llama import Llama as Llama
 from ._loss import cross_entropy as cross_entropy

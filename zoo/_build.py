@@ -1,4 +1,4 @@
-"""Build a model from any config, concretely or abstractly."""
+"""Build a model from any config, concretely or abstractly, and name models ``FAMILY:PRESET``."""
 
 from __future__ import annotations
 
@@ -9,14 +9,52 @@ from ._config import DecoderConfig, GPT2Config, LlamaConfig
 from ._gpt2 import GPT2
 from ._llama import Llama
 
+#: The model families: name -> (config class, model class). Model names are ``FAMILY:PRESET``.
+FAMILIES: dict[str, tuple[type[DecoderConfig], type[eqx.Module]]] = {
+    "llama": (LlamaConfig, Llama),
+    "gpt2": (GPT2Config, GPT2),
+}
+
+
+def model_names() -> list[str]:
+    """Every ``FAMILY:PRESET`` model name (``llama:8b``, ``gpt2:124m``, ...)."""
+    return [f"{family}:{preset}" for family, (cls, _) in FAMILIES.items() for preset in cls.PRESETS]
+
+
+def config_from_name(name: str, **overrides) -> DecoderConfig:
+    """The config named ``FAMILY:PRESET`` (``"llama:8b"``), with any field overridden by keyword.
+
+    This is the one spelling of model names in the library, the recipes, the planner and the
+    benchmarks. Raises `ValueError` for an unknown name, listing the valid ones.
+
+    **Example:**
+
+    ```python
+    import zoo
+    cfg = zoo.config_from_name("llama:8b")
+    small = zoo.config_from_name("gpt2:tiny", max_seq_len=256)
+    ```
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"a model name must be a string like 'llama:8b', got {type(name).__name__}")
+    family, sep, preset = name.strip().lower().partition(":")
+    if sep and family in FAMILIES and preset in FAMILIES[family][0].PRESETS:
+        return FAMILIES[family][0].preset(preset, **overrides)
+    hint = ""
+    for f, (cls, _) in FAMILIES.items():  # a near miss such as "llama-8b": say how it is spelled
+        rest = name.strip().lower().removeprefix(f).lstrip("-_ ")
+        if not sep and rest in cls.PRESETS:
+            hint = f" (did you mean {f}:{rest!s}?)"
+    raise ValueError(f"unknown model {name!r}{hint}; model names are FAMILY:PRESET, one of: {', '.join(model_names())}")
+
 
 def build_model(config: DecoderConfig, *, key):
-    """``GPT2(config)`` or ``Llama(config)`` according to the config's type."""
-    if isinstance(config, GPT2Config):
-        return GPT2(config, key=key)
-    if isinstance(config, LlamaConfig):
-        return Llama(config, key=key)
-    raise TypeError(f"expected a GPT2Config or LlamaConfig, got {type(config).__name__}")
+    """The model of ``config``'s family (``GPT2(config)``, ``Llama(config)``, ...)."""
+    for cfg_cls, model_cls in FAMILIES.values():
+        if type(config) is cfg_cls:
+            return model_cls(config, key=key)
+    known = ", ".join(cls.__name__ for cls, _ in FAMILIES.values())
+    raise TypeError(f"expected a zoo config ({known}), got {type(config).__name__}")
 
 
 def abstract_model(config: DecoderConfig):

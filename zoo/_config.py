@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from .nn import Llama3RopeScaling
+from .nn import ATTENTION_IMPLEMENTATIONS, Llama3RopeScaling
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,6 +37,8 @@ class DecoderConfig:
     init_std: float = 0.02
     # Scan over layers: compile time stays flat with depth. False runs a Python loop (same numbers).
     scan_layers: bool = True
+    # How attention scores are computed: one of zoo.nn.ATTENTION_IMPLEMENTATIONS (see zoo.nn.attend).
+    attention: str = "xla"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
 
@@ -46,6 +48,11 @@ class DecoderConfig:
             value = getattr(self, name)
             if value not in DTYPES:
                 raise ValueError(f"{type(self).__name__}.{name} must be one of {DTYPES}, got {value!r}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{type(self).__name__}.attention must be one of {list(ATTENTION_IMPLEMENTATIONS)}, "
+                f"got {self.attention!r}"
+            )
         if not self.norm_eps > 0:
             raise ValueError(f"{type(self).__name__}.norm_eps must be > 0, got {self.norm_eps!r}")
         if not self.init_std > 0:

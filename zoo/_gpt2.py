@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from . import nn
 from ._common import check_tokens
 from ._config import GPT2Config
+from .nn._spec import ModelSpec
 
 
 class GPT2(eqx.Module):
@@ -59,6 +60,7 @@ class GPT2(eqx.Module):
                     c.n_heads,
                     qkv_bias=True,
                     o_bias=True,
+                    implementation=c.attention,
                     init_std=c.init_std,
                     out_init_std=out_std,
                     dtype=dtype,
@@ -79,13 +81,37 @@ class GPT2(eqx.Module):
         """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
         return self.stack.checkpoint_names
 
-    def __call__(
+    def describe(self) -> ModelSpec:
+        """The :class:`zoo.ModelSpec` the memory planner reads (depth, widths, dtypes, the layer);
+        the output head is the token embedding, transposed."""
+        c = self.config
+        return ModelSpec.from_stack(
+            self.stack,
+            name=c.family,
+            vocab_size=c.vocab_size,
+            tied_head=True,
+            compute_dtype=c.compute_dtype,
+            param_dtype=c.param_dtype,
+            max_seq_len=c.max_seq_len,
+        )
+
+    def hidden(
         self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq vocab"]:
+    ) -> Float[Array, "seq embed"]:
+        """The final hidden states (after the last norm), before the output head."""
         c = self.config
         check_tokens(tokens, c.max_seq_len, "GPT2")
         if positions is None:
             positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
         x = (self.wte(tokens) + self.wpe(positions)).astype(c.compute_jnp_dtype)
-        x = self.stack(x)
-        return self.wte.attend(self.ln_f(x))
+        return self.ln_f(self.stack(x))
+
+    def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
+        """The output head (tied to the token embedding): hidden states to logits."""
+        with jax.named_scope("lm_head"):
+            return self.wte.attend(x)
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq vocab"]:
+        return self.head(self.hidden(tokens, positions=positions))

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from . import nn
 from ._common import check_tokens
 from ._config import LlamaConfig
+from .nn._spec import ModelSpec
 
 
 class Llama(eqx.Module):
@@ -62,6 +63,7 @@ class Llama(eqx.Module):
                     o_bias=c.o_bias,
                     rotary=rotary,
                     sliding_window=c.sliding_window,
+                    implementation=c.attention,
                     init_std=c.init_std,
                     out_init_std=out_std,
                     dtype=dtype,
@@ -96,13 +98,37 @@ class Llama(eqx.Module):
         """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
         return self.stack.checkpoint_names
 
-    def __call__(
+    def describe(self) -> ModelSpec:
+        """The :class:`zoo.ModelSpec` the memory planner reads (depth, widths, dtypes, the layer);
+        the output head is the token embedding (transposed) when ``tie_embeddings``."""
+        c = self.config
+        return ModelSpec.from_stack(
+            self.stack,
+            name=c.family,
+            vocab_size=c.vocab_size,
+            tied_head=c.tie_embeddings,
+            compute_dtype=c.compute_dtype,
+            param_dtype=c.param_dtype,
+            max_seq_len=c.max_seq_len,
+        )
+
+    def hidden(
         self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq vocab"]:
+    ) -> Float[Array, "seq embed"]:
+        """The final hidden states (after the last norm), before the output head."""
         c = self.config
         check_tokens(tokens, c.max_seq_len, "Llama")
         if positions is None:
             positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
         x = self.embed(tokens).astype(c.compute_jnp_dtype)
-        x = self.norm(self.stack(x, positions=positions))
-        return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return self.norm(self.stack(x, positions=positions))
+
+    def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
+        """The output head: hidden states to logits (any number of positions)."""
+        with jax.named_scope("lm_head"):
+            return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq vocab"]:
+        return self.head(self.hidden(tokens, positions=positions))

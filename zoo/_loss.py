@@ -50,4 +50,5 @@ def lm_loss(
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"lm_loss needs tokens of shape (batch, seq + 1) with seq >= 1, got {tokens.shape}")
     logits = jax.vmap(model)(tokens[:, :-1])
-    return cross_entropy(logits, tokens[:, 1:], mask)
+    with jax.named_scope("loss"):
+        return cross_entropy(logits, tokens[:, 1:], mask)

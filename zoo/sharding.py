@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .nn import logical_axes
-from .nn._axes import is_array_like
+from .nn._placement import is_arraylike
 
 __all__ = [
     "DEFAULT_RULES",
@@ -136,7 +136,7 @@ def init_sharded(make: Callable, mesh: Mesh, *, key, rules: Mapping | None = Non
     """Build ``make(key)`` under `jit` with sharded outputs: each weight is created directly in
     its shards, never whole on one device."""
     abstract = eqx.filter_eval_shape(make, key)
-    arrays, static = eqx.partition(abstract, is_array_like)
+    arrays, static = eqx.partition(abstract, is_arraylike)
     out = shardings(arrays, mesh, rules)
 
     @jax.jit

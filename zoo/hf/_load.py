@@ -18,7 +18,7 @@ from .._build import abstract_model
 from .._config import DTYPES
 from .._gpt2 import GPT2
 from .._llama import Llama
-from ..nn._axes import is_array_like
+from ..nn._placement import is_arraylike
 from . import _weights
 from ._config_map import model_type_of, zoo_config_from_hf
 from ._safetensors import DTYPES as ST_DTYPES
@@ -192,7 +192,7 @@ def load_hf(
         compute_dtype=param_dtype if compute_dtype is None else param_dtype_name(compute_dtype),
     )
     abstract = abstract_model(config)
-    arrays, static = eqx.partition(abstract, is_array_like)
+    arrays, static = eqx.partition(abstract, is_arraylike)
     leaves = _weights.leaf_paths(arrays)
 
     if mesh is not None:

@@ -1,5 +1,7 @@
 """Layers of the zoo: unbatched Equinox modules (batch with `jax.vmap`)."""
 
+from ._attend import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from ._attend import attend as attend
 from ._attention import Attention as Attention
 from ._axes import AxisNamed as AxisNamed
 from ._axes import logical_axes as logical_axes

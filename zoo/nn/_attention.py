@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._attend import attend, check_implementation
 from ._linear import Linear
 from ._rotary import RotaryEmbedding
 
@@ -17,7 +18,7 @@ class Attention(eqx.Module):
 
     ``n_kv_heads == n_heads`` is multi-head attention, ``n_kv_heads == 1`` multi-query, anything
     in between grouped-query (each key/value head serves ``n_heads // n_kv_heads`` query heads).
-    The scores go through `jax.nn.dot_product_attention`, so a GPU may use its fused kernel.
+    The scores are computed by :func:`zoo.nn.attend`.
 
     Named activation points (see :class:`zoo.nn.Stack`): ``q_proj``, ``k_proj``, ``v_proj`` (the
     projections, before rotary), ``attn_context`` (the attention-weighted values, before the
@@ -32,6 +33,10 @@ class Attention(eqx.Module):
     - `rotary`: a :class:`RotaryEmbedding` applied to queries and keys, or ``None``.
     - `sliding_window`: if given, each query sees only itself and the ``sliding_window - 1``
       keys before it.
+    - `softcap`: if given, scores are soft-capped to ``softcap * tanh(scores / softcap)``.
+    - `scale`: the score scale (default ``head_dim ** -0.5``).
+    - `implementation`: how the scores are computed, one of :data:`zoo.nn.ATTENTION_IMPLEMENTATIONS`
+      (see :func:`zoo.nn.attend`).
     - `init_std`, `out_init_std`: initialisation scales of the input and output projections.
     - `dtype`: parameter dtype.
     - `key`: a `jax.random` key.
@@ -46,6 +51,9 @@ class Attention(eqx.Module):
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     sliding_window: int | None = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+    scale: float | None = eqx.field(static=True)
+    implementation: str = eqx.field(static=True)
 
     checkpoint_names = ("q_proj", "k_proj", "v_proj", "attn_context", "attn_out")
 
@@ -60,6 +68,9 @@ class Attention(eqx.Module):
         o_bias: bool = False,
         rotary: RotaryEmbedding | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        implementation: str = "xla",
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -76,6 +87,9 @@ class Attention(eqx.Module):
             head_dim = d_model // n_heads
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+        for name, value in (("softcap", softcap), ("scale", scale)):
+            if value is not None and not value > 0:
+                raise ValueError(f"Attention {name} must be a positive number or None, got {value!r}")
         kq, kk, kv, ko = jax.random.split(key, 4)
         common = dict(init_std=init_std, dtype=dtype)
         self.q_proj = Linear(d_model, n_heads * head_dim, use_bias=qkv_bias, axes=("embed", "heads"), key=kq, **common)
@@ -99,6 +113,9 @@ class Attention(eqx.Module):
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.scale = scale
+        self.implementation = check_implementation(implementation)
 
     def __call__(
         self, x: Float[Array, "seq embed"], *, positions: Int[Array, " seq"] | None = None
@@ -112,7 +129,31 @@ class Attention(eqx.Module):
         if self.rotary is not None:
             q = self.rotary(q, positions)
             k = self.rotary(k, positions)
-        window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
-        ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)  # (seq, heads, hd)
+        ctx = attend(  # (seq, heads, head_dim)
+            q,
+            k,
+            v,
+            window=self.sliding_window,
+            softcap=self.softcap,
+            scale=self.scale,
+            implementation=self.implementation,
+        )
         ctx = checkpoint_name(ctx.reshape(seq, self.n_heads * self.head_dim), "attn_context")
         return checkpoint_name(self.o_proj(ctx), "attn_out")
+
+    def describe(self) -> dict:
+        """This attention's part of a :class:`zoo.LayerSpec`: ``d_model``, head counts and width,
+        ``sliding_window`` and the widths per token of the activations it names.
+
+        Works on a single layer and on the stacked layers of a :class:`zoo.nn.Stack` alike.
+        """
+        d_model = self.q_proj.weight.shape[-2]
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {
+            "d_model": d_model,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "sliding_window": self.sliding_window,
+            "activations": (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("attn_context", q), ("attn_out", d_model)),
+        }

@@ -13,6 +13,8 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
 
+from ._placement import is_arraylike
+
 
 class AxisNamed(eqx.Module):
     """A module that knows the logical axis names of its own arrays."""
@@ -21,11 +23,6 @@ class AxisNamed(eqx.Module):
     def logical_axes(self) -> AxisNamed:
         """Return a copy of this module whose array leaves are replaced by `PartitionSpec`s of
         logical axis names (one name, or ``None``, per dimension)."""
-
-
-def is_array_like(node) -> bool:
-    """True for arrays and for abstract arrays (`jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`)."""
-    return eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
 
 
 def _is_axis_named(node) -> bool:
@@ -51,7 +48,7 @@ def logical_axes(tree):
     def one(node):
         if _is_axis_named(node):
             return node.logical_axes()
-        if is_array_like(node):
+        if is_arraylike(node):
             return P(*([None] * node.ndim))
         return None
 

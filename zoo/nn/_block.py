@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from ._attention import Attention
+from ._spec import LayerSpec
 
 
 class Block(eqx.Module):
@@ -14,7 +16,9 @@ class Block(eqx.Module):
 
     Named activation points: those of the attention and MLP, plus ``attn_residual`` (the
     residual stream between the two halves). The block input itself is named ``block_input``
-    by the :class:`zoo.nn.Stack` that runs the block.
+    by the :class:`zoo.nn.Stack` that runs the block. The two halves run under the named scopes
+    ``attn`` and ``mlp`` (``layer/attn``, ``layer/mlp`` inside a stack), which profiles and HLO
+    dumps show.
 
     **Arguments:** `attn_norm`, `attn`, `mlp_norm`, `mlp` (already-built submodules).
     """
@@ -28,9 +32,26 @@ class Block(eqx.Module):
     def checkpoint_names(self) -> tuple[str, ...]:
         return (*self.attn.checkpoint_names, "attn_residual", *getattr(self.mlp, "checkpoint_names", ()))
 
+    def describe(self) -> LayerSpec:
+        """The :class:`zoo.LayerSpec` of this block: its attention's and MLP's parts (their
+        ``describe()``), with ``attn_residual`` between them. A :class:`zoo.nn.Stack` adds
+        ``block_input``. Raises `TypeError` if the MLP does not describe itself."""
+        attn = self.attn.describe()
+        describe_mlp = getattr(self.mlp, "describe", None)
+        if not callable(describe_mlp):
+            raise TypeError(
+                f"Block.describe: the MLP {type(self.mlp).__name__} has no describe() method; use zoo.nn.SwiGLU or "
+                "zoo.nn.GeluMLP, or give it describe() -> {'d_ff': ..., 'mlp_inputs': ..., 'activations': (...)}"
+            )
+        mlp = describe_mlp()
+        names = (*attn.pop("activations"), ("attn_residual", attn["d_model"]), *mlp.pop("activations"))
+        return LayerSpec(**attn, **mlp, activations=names)
+
     def __call__(
         self, x: Float[Array, "seq embed"], *, positions: Int[Array, " seq"] | None = None
     ) -> Float[Array, "seq embed"]:
-        x = x + self.attn(self.attn_norm(x), positions=positions)
+        with jax.named_scope("attn"):
+            x = x + self.attn(self.attn_norm(x), positions=positions)
         x = checkpoint_name(x, "attn_residual")
-        return x + self.mlp(self.mlp_norm(x))
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.mlp_norm(x))

@@ -49,6 +49,10 @@ class GeluMLP(eqx.Module):
         h = checkpoint_name(jax.nn.gelu(self.up(x), approximate=True), "mlp_hidden")
         return self.down(h)
 
+    def describe(self) -> dict:
+        """This MLP's part of a :class:`zoo.LayerSpec`: ``d_ff``, one input matmul, ``mlp_hidden``."""
+        return _mlp_part(self.down, mlp_inputs=1)
+
 
 class SwiGLU(eqx.Module):
     """``down(silu(gate(x)) * up(x))``, the Llama feed-forward block.
@@ -86,3 +90,13 @@ class SwiGLU(eqx.Module):
     def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
         h = checkpoint_name(jax.nn.silu(self.gate(x)) * self.up(x), "mlp_hidden")
         return self.down(h)
+
+    def describe(self) -> dict:
+        """This MLP's part of a :class:`zoo.LayerSpec`: ``d_ff``, two input matmuls (gate and up),
+        ``mlp_hidden``."""
+        return _mlp_part(self.down, mlp_inputs=2)
+
+
+def _mlp_part(down: Linear, *, mlp_inputs: int) -> dict:
+    d_ff = down.weight.shape[-2]  # (d_ff, d_model), with a leading layer axis inside a Stack
+    return {"d_ff": d_ff, "mlp_inputs": mlp_inputs, "activations": (("mlp_hidden", d_ff),)}

@@ -10,17 +10,14 @@ For a weight already on the device, `use_param` is only the dtype cast.
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from .._jax_compat import memory_space
+
 #: Name tagged on the device copies of host-resident weights (never saved for the backward pass).
 PARAM_NAME = "zoo_streamed_param"
-
-
-def memory_space(x):
-    """The memory space of an array or tracer (`jax.memory.Space`), or ``None`` if unknown."""
-    aval = getattr(x, "aval", None)
-    return getattr(aval, "memory_space", None)
 
 
 def on_host(x) -> bool:
@@ -37,6 +34,11 @@ def use_param(p, dtype=None):
             p = p.astype(dtype)
         return checkpoint_name(p, PARAM_NAME)
     return p if dtype is None else p.astype(dtype)
+
+
+def is_arraylike(node) -> bool:
+    """True for arrays and for abstract arrays (`jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`)."""
+    return eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
 
 
 def any_on_host(tree) -> bool:

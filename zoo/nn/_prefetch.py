@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from .._jax_compat import innermost_transform_is_vmap
 from ._placement import on_host
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
@@ -129,17 +130,6 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int):
     return eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))
 
 
-def _directly_vmapped() -> bool:
-    """True if the innermost transformation being traced is `jax.vmap` (as in
-    ``grad(vmap(model))`` for a per-example model; not in ``vmap(grad(...))``)."""
-    try:  # not public API; without it every vmapped call takes the per-example path
-        from jax._src.core import trace_ctx
-        from jax._src.interpreters.batching import BatchTrace
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(getattr(trace_ctx, "trace", None), BatchTrace)
-
-
 def _differentiable(apply, n_layers: int, policy):
     """``(arrays, x, kw) -> y`` through the prefetched forward, differentiated by the prefetched
     backward."""
@@ -162,7 +152,7 @@ def _differentiable(apply, n_layers: int, policy):
 
 def _run(apply, arrays, x, kw, n_layers: int, policy):
     plain = _differentiable(apply, n_layers, policy)
-    if not _directly_vmapped():
+    if not innermost_transform_is_vmap():
         return plain(arrays, x, kw)
 
     # Under `vmap` (models here are per example): run the batched layer as one function of the
@@ -203,7 +193,9 @@ def prefetched_scan(static, arrays, x, kwargs: dict, *, n_layers: int, policy):
 
     def apply(w, h, kw):
         layer = eqx.combine(w, static)
-        return layer(checkpoint_name(h, "block_input"), **eqx.combine(kw, kw_static))
+        h = checkpoint_name(h, "block_input")
+        with jax.named_scope("layer"):
+            return layer(h, **eqx.combine(kw, kw_static))
 
     return _run(apply, arrays, x, kw, n_layers, policy)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import equinox as eqx
@@ -12,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
-from ._placement import any_on_host
+from ._placement import any_on_host, is_arraylike
 from ._prefetch import prefetched_scan
 from ._remat import Remat
 
@@ -39,6 +38,9 @@ class Stack(AxisNamed):
       instead of moving each weight at its point of use; see :func:`transforms.offload_params`.
       Ignored while every weight is on the device.
     - `key`: a `jax.random` key; split into one key per layer.
+    - `layers`: instead of `make_layer` and `key`, layers already stacked (every array with a
+      leading axis of ``n_layers``), e.g. weights loaded from a checkpoint; ``n_layers`` is
+      then read from that axis unless given.
 
     **Example:**
 
@@ -58,17 +60,29 @@ class Stack(AxisNamed):
 
     def __init__(
         self,
-        make_layer: Callable[[PRNGKeyArray], eqx.Module],
-        n_layers: int,
+        make_layer: Callable[[PRNGKeyArray], eqx.Module] | None = None,
+        n_layers: int | None = None,
         *,
         scan: bool = True,
         remat: Remat | None = None,
         prefetch: bool = False,
-        key: PRNGKeyArray,
+        key: PRNGKeyArray | None = None,
+        layers: eqx.Module | None = None,
     ):
-        if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
-            raise ValueError(f"Stack needs n_layers >= 1, got {n_layers!r}")
-        self.layers = eqx.filter_vmap(make_layer)(jax.random.split(key, n_layers))
+        if layers is None:
+            if make_layer is None or key is None:
+                raise TypeError("Stack needs make_layer and key (or already-stacked layers=...)")
+            if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+                raise ValueError(f"Stack needs n_layers >= 1, got {n_layers!r}")
+            layers = eqx.filter_vmap(make_layer)(jax.random.split(key, n_layers))
+        elif make_layer is not None or key is not None:
+            raise TypeError("Stack takes either make_layer and key, or layers=..., not both")
+        elif n_layers is None:  # the depth is the arrays' shared leading axis
+            depths = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(eqx.filter(layers, is_arraylike))}
+            if len(depths) != 1 or None in depths:
+                raise ValueError(f"Stack(layers=...) needs arrays with one shared leading layer axis, got {depths}")
+            (n_layers,) = depths
+        self.layers = layers
         self.n_layers = n_layers
         self.scan = scan
         self.remat = remat
@@ -87,6 +101,21 @@ class Stack(AxisNamed):
         """Names of the activations this stack's layers tag, valid in a :class:`Remat`."""
         layer_names = getattr(self.layers, "checkpoint_names", ())
         return ("block_input", *layer_names)
+
+    def describe(self):
+        """``(n_layers, spec)``: the depth and the :class:`zoo.LayerSpec` of the stacked layer
+        (its ``describe()``) with this stack's ``block_input`` (one residual-stream width) first.
+
+        Raises `TypeError` if the layer does not describe itself (a :class:`zoo.nn.Block` does).
+        """
+        describe_layer = getattr(self.layers, "describe", None)
+        if not callable(describe_layer):
+            raise TypeError(
+                f"Stack.describe: its layer {type(self.layers).__name__} has no describe() method returning a "
+                "zoo.LayerSpec; build the layers from zoo.nn.Block (or give the layer such a method)"
+            )
+        spec = describe_layer()
+        return self.n_layers, spec.replace(activations=(("block_input", spec.d_model), *spec.activations))
 
     def layer(self, i: int) -> eqx.Module:
         """Layer ``i`` as an ordinary (unstacked) module."""
@@ -123,7 +152,8 @@ class Stack(AxisNamed):
         def body(h, layer_arrays):
             layer = eqx.combine(layer_arrays, static)
             h = checkpoint_name(h, "block_input")
-            return layer(h, **kwargs), None
+            with jax.named_scope("layer"):
+                return layer(h, **kwargs), None
 
         policy = self._policy(arrays)
         if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):
@@ -140,11 +170,10 @@ class Stack(AxisNamed):
         return x
 
 
-def _replace_static(module: eqx.Module, **changes) -> eqx.Module:
-    new = copy.copy(module)
-    for name, value in changes.items():
-        object.__setattr__(new, name, value)
-    return new
+def _rebuilt(stack: Stack, **changes) -> Stack:
+    """``stack`` with some of its static options changed (a new module; nothing is mutated)."""
+    options = {"scan": stack.scan, "remat": stack.remat, "prefetch": stack.prefetch, **changes}
+    return type(stack)(layers=stack.layers, n_layers=stack.n_layers, **options)
 
 
 def _map_stacks(tree, fn):
@@ -163,14 +192,14 @@ def with_remat(tree, remat: Remat | None):
     def one(stack: Stack) -> Stack:
         if remat is not None:
             remat.validate(stack.checkpoint_names)
-        return _replace_static(stack, remat=remat)
+        return _rebuilt(stack, remat=remat)
 
     return _map_stacks(tree, one)
 
 
 def with_scan(tree, scan: bool):
     """Return ``tree`` with every :class:`Stack` run by `lax.scan` (``True``) or a Python loop."""
-    return _map_stacks(tree, lambda s: _replace_static(s, scan=bool(scan)))
+    return _map_stacks(tree, lambda s: _rebuilt(s, scan=bool(scan)))
 
 
 def checkpoint_names(tree) -> tuple[str, ...]:
@@ -187,4 +216,4 @@ def with_prefetch(tree, prefetch: bool):
     one-layer-ahead weight prefetch (effective while its weights live in host memory)."""
     if not isinstance(prefetch, bool):
         raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
-    return _map_stacks(tree, lambda s: _replace_static(s, prefetch=prefetch))
+    return _map_stacks(tree, lambda s: _rebuilt(s, prefetch=prefetch))

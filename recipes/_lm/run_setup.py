@@ -16,7 +16,6 @@ import transforms
 import zoo
 from zoo import sharding
 
-FAMILIES = {"llama": zoo.LlamaConfig, "gpt2": zoo.GPT2Config}
 OFFLOADABLE = ("params", "opt_state", "activations")
 
 
@@ -53,23 +52,17 @@ def is_hf_dir(spec: str) -> bool:
 
 
 def make_config(spec: str, *, vocab_size: int, seq: int, param_dtype: str, compute_dtype: str):
-    family, _, preset = spec.partition(":")
-    if family not in FAMILIES:
-        raise SystemExit(
-            f"--model must be FAMILY:PRESET with FAMILY in {sorted(FAMILIES)}, or a Hugging Face checkpoint "
-            f"directory, got {spec!r}"
-        )
-    cls = FAMILIES[family]
+    """The config of ``--model FAMILY:PRESET`` sized for the tokenizer and the sequence length."""
     try:
-        return cls.preset(
-            preset or "tiny",
+        return zoo.config_from_name(
+            spec,
             vocab_size=vocab_size,
             max_seq_len=max(seq, 128),
             param_dtype=param_dtype,
             compute_dtype=compute_dtype,
         )
-    except (KeyError, ValueError) as err:
-        raise SystemExit(f"--model {spec!r}: {err}") from None
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"--model: {err} (or give a Hugging Face checkpoint directory)") from None
 
 
 def build_model(spec: str, cfg, mesh, *, seed: int, compute_dtype: str | None = None):

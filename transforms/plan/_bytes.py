@@ -11,6 +11,11 @@ differentiates the floating leaves); optimizer state from ``optax``'s own ``init
 batch ``(batch, seq + 1)`` int32. Inputs are donated, so the updated parameters and state reuse
 their buffers and add nothing.
 
+The architecture comes from the model's :class:`zoo.ModelSpec` (``describe()``), the bytes from its
+parameter tree: the leaves under a :class:`zoo.nn.Stack` are the layers, the others are outside
+the stack. The formulas below are those of the zoo's parts (:class:`zoo.nn.Block` of
+:class:`zoo.nn.Attention`, a gated or GELU MLP and two norms), whatever model holds them.
+
 **Saved activations, per layer and example** (``S`` = sequence, ``d`` = width, ``q = heads * head_dim``,
 ``kv = kv_heads * head_dim``, ``f`` = MLP width, ``H`` = heads, ``c`` = compute itemsize; norms
 compute in float32):
@@ -30,9 +35,10 @@ compute in float32):
   projections, the float32 scores ``H*S*S*4``, ``attn_context``, ``attn_residual``, the gate/up
   outputs and ``mlp_hidden``.
 - *An activation policy* (:func:`transforms.offload_activations`): exactly the named values it
-  saves (device) or offloads (host), with sizes ``block_input``, ``attn_out``, ``attn_residual``:
-  ``S*d*c``; ``q_proj``, ``attn_context``: ``S*q*c``; ``k_proj``, ``v_proj``: ``S*kv*c``;
-  ``mlp_hidden``: ``S*f*c``. ``block_input`` stays on the device even when not named, unless
+  saves (device) or offloads (host), each ``S*width*c`` with the width the model's
+  :class:`zoo.LayerSpec` gives it (for the zoo's blocks: ``block_input``, ``attn_out``,
+  ``attn_residual``: ``d``; ``q_proj``, ``attn_context``: ``q``; ``k_proj``, ``v_proj``: ``kv``;
+  ``mlp_hidden``: ``f``). ``block_input`` stays on the device even when not named, unless
   offloaded: it is the input of the rematerialised layer.
 
 Outside the stack: the final norm ``S*d*(3*4 + c)``, the float32 log-softmax ``S*V*4``, and a
@@ -114,190 +120,17 @@ them, host -> device only): its per-layer math is elementwise, with no matmul ti
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
-import jax
-import numpy as np
+from ._model import Geometry, OptimizerInfo
 
-from ._memory import is_arraylike, is_floating
-from ._report import nbytes
-
-NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
-
-#: Sizes of the named activations, as multiples of (S * width * compute itemsize).
-NAMED_WIDTH = {
-    "block_input": "d",
-    "q_proj": "q",
-    "k_proj": "kv",
-    "v_proj": "kv",
-    "attn_context": "q",
-    "attn_out": "d",
-    "attn_residual": "d",
-    "mlp_hidden": "f",
+PHASE_NAMES = {
+    "backward": "backward through the layers",
+    "loss": "loss and its gradient",
+    "update": "optimizer update",
 }
 
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Shapes and sizes of a zoo model, read from its config and its (abstract) parameter tree."""
-
-    family: str
-    n_layers: int
-    d: int
-    f: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    compute_dtype: str
-    param_dtype: str
-    n_mlp_in: int  # input matmuls of the MLP: 2 (SwiGLU gate, up) or 1 (GELU up)
-    tied_head: bool
-    param_bytes: int  # floating parameter bytes (= gradient bytes)
-    stack_param_bytes: int
-    layer_matmul_elems: int  # weight elements of one layer's matmuls
-    two_largest_layer_weights: int  # bytes (param dtype) of a layer's two largest weights
-    largest_leaf_bytes: int
-    outside_largest_leaf_bytes: int  # the largest leaf outside the stack (embedding or head)
-    head_elems: int  # V * d
-
-    @property
-    def q(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def c(self) -> int:
-        return np.dtype(self.compute_dtype).itemsize
-
-    @property
-    def p(self) -> int:
-        return np.dtype(self.param_dtype).itemsize
-
-    @property
-    def layer_param_bytes(self) -> int:
-        return self.stack_param_bytes // self.n_layers
-
-    @property
-    def outside_param_bytes(self) -> int:
-        return self.param_bytes - self.stack_param_bytes
-
-    def width(self, key: str) -> int:
-        return {"d": self.d, "q": self.q, "kv": self.kv, "f": self.f}[key]
-
-    # FLOPs per token, forward pass.
-    def layer_flops(self, seq: int) -> dict[str, float]:
-        """Forward matmul FLOPs per token of one layer, per matmul."""
-        d, q, kv, f = self.d, self.q, self.kv, self.f
-        out = {"q": 2.0 * d * q, "k": 2.0 * d * kv, "v": 2.0 * d * kv, "scores": 2.0 * seq * q}
-        out.update({"context": 2.0 * seq * q, "o": 2.0 * q * d})
-        if self.n_mlp_in == 2:
-            out.update({"gate": 2.0 * d * f, "up": 2.0 * d * f})
-        else:
-            out["up"] = 2.0 * d * f
-        out["down"] = 2.0 * f * d
-        return out
-
-    @property
-    def head_flops(self) -> float:
-        return 2.0 * self.d * self.vocab
-
-
-def geometry(config, model) -> Geometry:
-    """Build a :class:`Geometry` from a zoo config and the matching (abstract) model."""
-    import equinox as eqx
-
-    family = config.family
-    if family not in ("llama", "gpt2"):
-        raise TypeError(f"the planner knows the zoo families llama and gpt2, got family {family!r}")
-    params = [x for x in jax.tree.leaves(eqx.filter(model, is_arraylike)) if is_floating(x)]
-    stack = [x for x in jax.tree.leaves(eqx.filter(model.stack, is_arraylike)) if is_floating(x)]
-    matrices = [x for x in stack if len(x.shape) == 3]
-    per_layer_matrix_bytes = sorted((nbytes(x) // x.shape[0] for x in matrices), reverse=True)
-    kv_heads = getattr(config, "n_kv_heads", config.n_heads)
-    from ._opt_stream import _units
-
-    tree = eqx.filter(model, is_arraylike)
-    units = jax.tree.leaves(_units(tree)[0])
-    outside = [x for u, x in zip(units, jax.tree.leaves(tree), strict=True) if u == -1 and is_floating(x)]
-    return Geometry(
-        family=family,
-        n_layers=config.n_layers,
-        d=config.d_model,
-        f=config.d_ff,
-        heads=config.n_heads,
-        kv_heads=kv_heads,
-        head_dim=config.head_size,
-        vocab=config.vocab_size,
-        compute_dtype=config.compute_dtype,
-        param_dtype=config.param_dtype,
-        n_mlp_in=2 if family == "llama" else 1,
-        tied_head=bool(getattr(config, "tie_embeddings", True)),
-        param_bytes=sum(nbytes(x) for x in params),
-        stack_param_bytes=sum(nbytes(x) for x in stack),
-        layer_matmul_elems=sum(math.prod(x.shape[1:]) for x in matrices),
-        two_largest_layer_weights=sum(per_layer_matrix_bytes[:2]),
-        largest_leaf_bytes=max(nbytes(x) for x in params),
-        outside_largest_leaf_bytes=max((nbytes(x) for x in outside), default=0),
-        head_elems=config.vocab_size * config.d_model,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerInfo:
-    """Optimizer-state sizes from ``optax``'s ``init`` under `jax.eval_shape`.
-
-    The ``stream_*`` fields size the state of ``offload_opt_state(optimizer, stream=True)``: the
-    wrapped optimizer's state built per layer for each :class:`zoo.nn.Stack` (every leaf, step
-    counters included, gets the stack's layer axis) plus its state for the other leaves.
-    """
-
-    name: str
-    state_bytes: int
-    offloadable_bytes: int  # floating leaves with >= 1 dimension (what offload_opt_state moves)
-    moments_per_param: float  # offloadable state bytes per parameter byte
-    stream_state_bytes: int = 0
-    stream_stack_bytes: int = 0  # offloadable bytes of the per-layer (stacked) state, all layers
-    stream_rest_bytes: int = 0  # offloadable bytes of the state of the leaves outside the stacks
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.state_bytes - self.offloadable_bytes
-
-    @property
-    def stream_resident_bytes(self) -> int:
-        return self.stream_state_bytes - self.stream_stack_bytes - self.stream_rest_bytes
-
-
-def _movable(tree) -> tuple[int, int]:
-    """(all bytes, bytes of the floating leaves with >= 1 dimension) of an abstract state."""
-    leaves = [x for x in jax.tree.leaves(tree) if is_arraylike(x)]
-    return sum(nbytes(x) for x in leaves), sum(nbytes(x) for x in leaves if is_floating(x) and len(x.shape) > 0)
-
-
-def optimizer_info(optimizer, params, name: str) -> OptimizerInfo:
-    from ._opt_stream import _units, _view
-
-    state = jax.eval_shape(optimizer.init, params)
-    total, movable = _movable(state)
-    pbytes = sum(nbytes(x) for x in jax.tree.leaves(params) if is_arraylike(x) and is_floating(x))
-    # The streamed layout, as offload_opt_state(stream=True) builds it (see transforms/_opt_stream.py).
-    units, n = _units(params)
-    stacked = [_movable(jax.eval_shape(jax.vmap(optimizer.init), _view(params, units, k))) for k in range(n)]
-    rest_total, rest_movable = _movable(jax.eval_shape(optimizer.init, _view(params, units, -1)))
-    return OptimizerInfo(
-        name,
-        total,
-        movable,
-        movable / pbytes if pbytes else 0.0,
-        stream_state_bytes=rest_total + sum(t for t, _ in stacked),
-        stream_stack_bytes=sum(m for _, m in stacked),
-        stream_rest_bytes=rest_movable,
-    )
+NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
 
 
 #: Values of :attr:`Candidate.opt_state`: optimizer state on the device, offloaded (updated leaf
@@ -481,7 +314,8 @@ def cotangent_bytes(g: Geometry, S: int) -> tuple[int, int]:
 
 
 def named_bytes(g: Geometry, S: int, name: str) -> int:
-    return _sd(S, g.width(NAMED_WIDTH[name]), g.c)
+    """Per-example bytes of the named activation ``name`` (its width from the model's spec)."""
+    return _sd(S, g.width(name), g.c)
 
 
 def recomputed_matmuls(g: Geometry, policy: Mapping[str, str]) -> list[str]:
@@ -495,6 +329,326 @@ def recomputed_matmuls(g: Geometry, policy: Mapping[str, str]) -> list[str]:
         out.append("o")
     out += ["gate", "up"] if g.n_mlp_in == 2 else ["up"]
     return out
+
+
+# --- one step, per device ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shares:
+    """One device's share of a step's sizes (bytes unless said otherwise) for one candidate."""
+
+    fsdp: int
+    accum_steps: int
+    B: int  # examples per device per step
+    mb: int  # examples per device per micro-batch
+    S: int  # sequence length
+    L: int  # layers
+    P: int  # parameters (= gradients)
+    P_stack: int
+    P_layer: int
+    P_out: int  # parameters outside the stacks
+    O_all: int  # optimizer state
+    O_move: int  # the part of it offload_opt_state moves
+    O_stack: int  # the streamed update's per-layer state, all layers (0 without streaming)
+    O_rest: int  # the streamed update's state of the leaves outside the stacks
+    tokens: int  # the token batch
+    stream: bool  # the update is streamed layer by layer
+    host_grads: bool  # the streamed update reads the stacks' gradients from host memory
+    fetches: float  # layer copies per layer of a streamed pass: each layer fetched one ahead
+    clip_pass: bool  # the streamed update makes a first pass over the host gradients for the norm
+
+    @property
+    def G(self) -> int:
+        return self.P
+
+
+def shares(
+    g: Geometry, opt: OptimizerInfo, cand: Candidate, *, batch: int, seq: int, fsdp: int, accum_steps: int, clip: bool
+) -> Shares:
+    """The per-device sizes of one step of ``cand``."""
+    B = batch // fsdp
+    L = g.n_layers
+    P = g.param_bytes // fsdp
+    P_stack = g.stack_param_bytes // fsdp
+    O_all = opt.state_bytes // fsdp
+    O_move = opt.offloadable_bytes // fsdp
+    # The streamed update (opt_state == "stream"): the state of each stack is per layer; stacked
+    # gradients stay where the backward pass left them (in host memory for host weights, unless
+    # micro-batches are accumulated on the device).
+    stream = cand.stream
+    if stream:
+        O_move = (opt.stream_stack_bytes + opt.stream_rest_bytes) // fsdp
+        O_all = opt.stream_state_bytes // fsdp
+    O_stack = opt.stream_stack_bytes // fsdp if stream else 0
+    host_grads = stream and cand.params and accum_steps == 1
+    return Shares(
+        fsdp=fsdp,
+        accum_steps=accum_steps,
+        B=B,
+        mb=B // accum_steps,
+        S=seq,
+        L=L,
+        P=P,
+        P_stack=P_stack,
+        P_layer=P_stack // L,
+        P_out=P - P_stack,
+        O_all=O_all,
+        O_move=O_move,
+        O_stack=O_stack,
+        O_rest=O_move - O_stack if stream else 0,
+        tokens=B * (seq + 1) * 4,
+        stream=stream,
+        host_grads=host_grads,
+        # Each host-resident stacked leaf is fetched one layer ahead: L + 1 layer copies per pass.
+        fetches=(L + 1) / L if L > 1 else 1.0,
+        clip_pass=stream and clip and host_grads,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """What one layer saves for the backward pass: ``mode`` ("all": no transform, "dots": weights
+    in host memory and no policy, "names": an activation policy), per-example bytes and where
+    (``items``), and per-layer bytes not per example (``const_dev``, on the device)."""
+
+    mode: str
+    items: dict[str, tuple[int, str]]
+    const_dev: int
+
+    @property
+    def device_per_example(self) -> int:
+        return sum(v for v, w in self.items.values() if w == "device")
+
+    @property
+    def host_per_example(self) -> int:
+        return sum(v for v, w in self.items.values() if w == "host")
+
+    def device_names(self) -> set[str]:
+        return {n for n, (_, w) in self.items.items() if w == "device"}
+
+
+def saved_per_layer(g: Geometry, cand: Candidate, S: int) -> Saved:
+    """The residuals one layer keeps for ``cand`` (see the module docstring)."""
+    policy = cand.policy
+    if policy is None and not cand.params:
+        const = g.layer_matmul_elems * g.c if g.p != g.c else 0
+        const += 2 * g.d * NORM_ITEMSIZE  # norm scales, broadcast in float32
+        return Saved("all", {k: (v, "device") for k, v in full_layer_items(g, S).items()}, const)
+    if policy is None:
+        return Saved("dots", {k: (v, "device") for k, v in dots_layer_items(g, S).items()}, 0)
+    items = {n: (named_bytes(g, S, n), "host" if ch == "offload" else "device") for n, ch in policy.items()}
+    if "block_input" not in items:  # the remat input is kept on the device
+        items = {"block_input": (named_bytes(g, S, "block_input"), "device"), **items}
+    return Saved("names", items, 0)
+
+
+def outside_stack(g: Geometry, cand: Candidate, sh: Shares, saved: Saved) -> tuple[int, int]:
+    """Residuals outside the stack: (until the loss gradient, through the layers' backward pass).
+
+    The final norm, the head's compute-dtype copy (tied: a transpose; cast; or streamed) and,
+    without a transform, the causal mask (loop-invariant, so it lives through the backward pass).
+    """
+    c, p = g.c, g.p
+    norm = _sd(sh.S, g.d, 3 * NORM_ITEMSIZE + c)
+    head_copy = g.head_elems * c // sh.fsdp if (g.tied_head or p != c or cand.params) else 0
+    mask = g.heads * sh.S * sh.S * 5 if saved.mode == "all" else 0
+    return sh.mb * (norm + mask) + head_copy, sh.mb * mask
+
+
+def _cast_factor(g: Geometry):
+    """1 plus the compute-dtype copy of a parameter-dtype buffer, relative to it."""
+    return 1 + (g.c / g.p if g.c != g.p else 0)
+
+
+def layer_backward_bytes(g: Geometry, cand: Candidate, sh: Shares, saved: Saved) -> int:
+    """The working set of one layer's backward pass (see the module docstring).
+
+    An ideal schedule would free the MLP half before the attention's cotangents appear; XLA does
+    not always manage that (seen at long sequences), so the whole layer's recomputed values and
+    both halves' cotangents are taken to coexist.
+    """
+    attn_cot, mlp_cot = cotangent_bytes(g, sh.S)
+    if saved.mode == "all":
+        rec_attn = rec_mlp = 0
+    else:
+        attn_rec, mlp_rec = recompute_items(g, sh.S)
+        kept = saved.device_names()
+        if saved.mode == "dots":  # matmul outputs are saved: only norm outputs and probabilities come back
+            kept |= set(attn_rec) | set(mlp_rec)
+            kept -= {"attn_norm output", "mlp_norm output", "attention probabilities"}
+        rec_attn = sum(v for n, v in attn_rec.items() if n not in kept)
+        rec_mlp = sum(v for n, v in mlp_rec.items() if n not in kept)
+    layer_grads = g.two_largest_layer_weights // sh.fsdp * _cast_factor(g)
+    layer_work = sh.mb * (rec_attn + rec_mlp + mlp_cot + attn_cot) + int(layer_grads)
+    streamed = 2 * sh.P_layer * _cast_factor(g) if cand.params else 0
+    gather = 2 * g.layer_param_bytes if sh.fsdp > 1 else 0  # one layer all-gathered, and the next
+    return int(layer_work + streamed + gather)
+
+
+def stream_layer_bytes(cand: Candidate, sh: Shares) -> tuple[int, int]:
+    """The streamed update's copies per layer iteration: (to the device, to the host)."""
+    layer_in = (sh.P_layer if sh.host_grads else 0) + (sh.P_layer if cand.params else 0) + sh.O_stack // sh.L
+    layer_out = (sh.P_layer if cand.params else 0) + sh.O_stack // sh.L
+    return layer_in, layer_out
+
+
+def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, accum_buf: int) -> dict[str, int]:
+    """The update phase's gradients and working buffers."""
+    largest = g.largest_leaf_bytes // sh.fsdp
+    if not sh.stream:
+        opt_stream = int(2 * opt.moments_per_param * largest) if cand.opt_state else 0
+        return {
+            "gradients": sh.G + accum_buf,
+            "working buffers": (sh.P if cand.params else 0) + 2 * largest + opt_stream,
+        }
+    # Stacks: per layer, the fetched copies (gradients if on host, weights if on host, state)
+    # for the current and the next layer, the layer's new weights and state on their way out,
+    # and the update's two largest weight-sized buffers. New weights kept on the device are a
+    # new stacked scan output (the old ones are read until the last layer). Leaves outside the
+    # stacks: as the plain update, leaf by leaf, with their weights and gradients moved in.
+    layer_in, layer_out = stream_layer_bytes(cand, sh)
+    layer_update = g.two_largest_layer_weights // sh.fsdp
+    stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else sh.P_stack)
+    largest_out = max(g.outside_largest_leaf_bytes // sh.fsdp, 1)
+    rest_work = (sh.P_out if cand.params else 0) + 2 * largest_out + int(2 * opt.moments_per_param * largest_out)
+    return {
+        "gradients": (sh.P_out if sh.host_grads else sh.G) + accum_buf,
+        "working buffers": int(max(stack_work, rest_work)),
+    }
+
+
+def device_phases(
+    g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, saved: Saved, heap_overhead: float
+) -> dict[str, dict[str, int]]:
+    """Device bytes per component in each phase: backward through the layers, loss, update."""
+    saved_dev = sh.L * (sh.mb * saved.device_per_example + saved.const_dev)
+    other, other_bwd = outside_stack(g, cand, sh, saved)
+    accum_buf = sh.G if sh.accum_steps > 1 else 0  # the running sum of micro-batch gradients
+    gather = 2 * g.layer_param_bytes if sh.fsdp > 1 else 0
+    O_dev = (sh.O_all - sh.O_move) if cand.opt_state else sh.O_all
+    state = {"parameters": 0 if cand.params else sh.P, "optimizer state": O_dev, "batch": sh.tokens}
+
+    backward = dict(state)
+    backward["gradients"] = (sh.G if not cand.params else 0) + accum_buf
+    backward["saved activations"] = saved_dev
+    backward["other residuals"] = other_bwd
+    backward["working buffers"] = layer_backward_bytes(g, cand, sh, saved)
+
+    loss = dict(state)
+    head_grad = g.head_elems * g.p // sh.fsdp
+    loss["gradients"] = accum_buf + head_grad
+    loss["saved activations"] = saved_dev
+    loss["other residuals"] = other
+    logsoftmax = sh.mb * sh.S * g.vocab * 4
+    loss["logits"] = logsoftmax + sh.mb * sh.S * g.vocab * (4 + (g.c if g.c != 4 else 0))
+    # With weights in host memory the head's weight is fetched again for its gradient.
+    loss["working buffers"] = int(gather + (head_grad if cand.params else 0))
+
+    update = dict(state)
+    update.update(_update_phase(g, opt, cand, sh, accum_buf))
+
+    phases = {"backward": backward, "loss": loss, "update": update}
+    for ph in phases.values():
+        transient = sum(v for n, v in ph.items() if n not in state)
+        ph["heap packing"] = heap_overhead * transient
+    return {k: {n: int(b) for n, b in v.items()} for k, v in phases.items()}
+
+
+def host_resident(cand: Candidate, sh: Shares, saved: Saved) -> dict[str, int]:
+    """Host bytes per component."""
+    host = {
+        "parameters": sh.P if cand.params else 0,
+        "gradients": sh.G if cand.params else 0,
+        "optimizer state": sh.O_move if cand.opt_state else 0,
+        "saved activations": sh.L * sh.mb * saved.host_per_example,
+    }
+    if sh.stream:
+        # The streamed update writes each stack's new state (and weights, if on host) as new scan
+        # outputs, in host memory, while the old ones are still read: a stack-sized host transient.
+        host["update outputs"] = sh.O_stack + (sh.P_stack if cand.params else 0)
+    return host
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """Bytes moved per step: in total each way, and the streamed update's part of them."""
+
+    host_to_device: int
+    device_to_host: int
+    update_h2d: float = 0.0  # the streamed update's copies (both directions run concurrently)
+    update_d2h: float = 0.0
+    clip_h2d: float = 0.0  # the streamed clip pass's copies (before the update)
+
+
+def bytes_moved(cand: Candidate, sh: Shares, saved: Saved) -> Moved:
+    """What the train step's program moves between the host and the device (see the module docstring)."""
+    acc, G, P, P_stack, P_out = sh.accum_steps, sh.G, sh.P, sh.P_stack, sh.P_out
+    saved_host = sh.L * sh.B * saved.host_per_example  # every micro-batch's offloaded activations cross the link
+    h2d = d2h = 0
+    if cand.params and not sh.stream:
+        h2d += acc * (2 * P_stack + P_out + G) + P
+        d2h += acc * G + P
+    h2d += saved_host
+    d2h += saved_host
+    if cand.opt_state and not sh.stream:
+        h2d += sh.O_move
+        d2h += sh.O_move
+    if not sh.stream:
+        return Moved(int(h2d), int(d2h))
+    upd_h2d = upd_d2h = 0.0
+    if cand.params:  # forward, recomputation and the outside weights; gradients out
+        h2d += acc * (2 * P_stack + P_out) + (acc * G if acc > 1 else 0)
+        d2h += acc * G
+        upd_h2d += sh.fetches * P_stack + P_out
+        upd_d2h += P
+    if sh.host_grads:
+        upd_h2d += sh.fetches * P_stack + P_out
+    upd_h2d += sh.fetches * sh.O_stack + sh.O_rest
+    upd_d2h += sh.O_move
+    clip_h2d = sh.fetches * P_stack if sh.clip_pass else 0.0
+    h2d += round(upd_h2d + clip_h2d)
+    d2h += round(upd_d2h)
+    return Moved(int(h2d), int(d2h), upd_h2d, upd_d2h, clip_h2d)
+
+
+def step_seconds(
+    g: Geometry, cand: Candidate, sh: Shares, saved: Saved, moved: Moved, *, link_bytes_per_s: float, flops_per_s: float
+) -> tuple[float, float, float]:
+    """``(compute, recompute, exposed copies)`` in seconds (see the module docstring)."""
+    flops = g.layer_flops(sh.S)
+    layer_fwd = sum(flops.values())
+    tokens = sh.B * sh.S
+    t_layer_fwd = tokens * layer_fwd / flops_per_s
+    recompute = 0.0
+    if saved.mode == "names":
+        recompute = sum(flops[m] for m in recomputed_matmuls(g, cand.policy))
+    t_layer_bwd = tokens * (2 * layer_fwd + recompute) / flops_per_s
+    compute = sh.L * 3 * t_layer_fwd + tokens * 3 * g.head_flops / flops_per_s
+    recompute_s = sh.L * tokens * recompute / flops_per_s
+
+    bw = link_bytes_per_s
+    w_layer = sh.accum_steps * sh.P_layer if cand.params else 0
+    act_layer = sh.B * saved.host_per_example
+    fwd_copy = max(w_layer, act_layer) / bw
+    bwd_copy = max(w_layer + act_layer, w_layer if cand.params else 0) / bw
+    exposed = sh.L * (max(0.0, fwd_copy - t_layer_fwd) + max(0.0, bwd_copy - t_layer_bwd))
+    return compute, recompute_s, exposed + _outside_copy_bytes(cand, sh, moved) / bw
+
+
+def _outside_copy_bytes(cand: Candidate, sh: Shares, moved: Moved) -> float:
+    """Bytes of the copies outside the layer loop (all exposed): the larger direction, as the two
+    run concurrently, plus the streamed clip pass before the update."""
+    acc, G, P, P_stack, P_out = sh.accum_steps, sh.G, sh.P, sh.P_stack, sh.P_out
+    if not sh.stream:
+        outside_h2d = (acc * P_out + acc * G + P if cand.params else 0) + (sh.O_move if cand.opt_state else 0)
+        outside_d2h = (P + acc * (G - P_stack) if cand.params else 0) + (sh.O_move if cand.opt_state else 0)
+        return float(max(outside_h2d, outside_d2h))
+    # The update's math is elementwise (no matmul time to hide copies behind): its copies are
+    # exposed, both directions concurrently; the clip pass runs before it, host -> device only.
+    outside_h2d = acc * P_out + (acc * G if acc > 1 else 0) if cand.params else 0
+    outside_d2h = acc * (G - P_stack) if cand.params else 0
+    return max(outside_h2d + moved.update_h2d, outside_d2h + moved.update_d2h) + moved.clip_h2d
 
 
 def evaluate(
@@ -513,207 +667,25 @@ def evaluate(
 ) -> Estimate:
     """Bytes, transfers and time of one training step for ``cand`` (per device). ``clip``: the
     gradients are clipped to a global norm (the streamed update then makes a first pass for it)."""
-    B = batch // fsdp  # examples per device per step
-    mb = B // accum_steps  # examples per device per micro-batch
-    S, L, c, p = seq, g.n_layers, g.c, g.p
-    P = g.param_bytes // fsdp
-    P_stack = g.stack_param_bytes // fsdp
-    P_layer = P_stack // L
-    P_out = P - P_stack
-    G = P
-    O_all = opt.state_bytes // fsdp
-    O_move = opt.offloadable_bytes // fsdp
-    tokens_bytes = B * (S + 1) * 4
-
-    # --- what each layer saves ------------------------------------------------------------
-    policy = cand.policy
-    per_layer_const_dev = 0
-    if policy is None and not cand.params:
-        mode = "all"
-        items = {k: (v, "device") for k, v in full_layer_items(g, S).items()}
-        if p != c:
-            per_layer_const_dev += g.layer_matmul_elems * c
-        per_layer_const_dev += 2 * g.d * NORM_ITEMSIZE  # norm scales, broadcast in float32
-    elif policy is None:
-        mode = "dots"
-        items = {k: (v, "device") for k, v in dots_layer_items(g, S).items()}
-    else:
-        mode = "names"
-        items = {n: (named_bytes(g, S, n), "host" if ch == "offload" else "device") for n, ch in policy.items()}
-        if "block_input" not in items:  # the remat input is kept on the device
-            items = {"block_input": (named_bytes(g, S, "block_input"), "device"), **items}
-    saved_dev_ex = sum(v for v, w in items.values() if w == "device")
-    saved_host_ex = sum(v for v, w in items.values() if w == "host")
-    activations = {name: {"per_layer": mb * v, "where": w} for name, (v, w) in items.items()}
-    if per_layer_const_dev:
-        activations["weight casts and norm scales"] = {"per_layer": per_layer_const_dev, "where": "device"}
-    saved_dev = L * (mb * saved_dev_ex + per_layer_const_dev)
-    saved_host = L * B * saved_host_ex  # every micro-batch's offloaded activations cross the link
-
-    # --- outside the stack ------------------------------------------------------------------
-    norm = _sd(S, g.d, 3 * NORM_ITEMSIZE + c)
-    head_copy = g.head_elems * c // fsdp if (g.tied_head or p != c or cand.params) else 0
-    mask = g.heads * S * S * 5 if mode == "all" else 0
-    logsoftmax = mb * S * g.vocab * 4
-    other = mb * (norm + mask) + head_copy  # until the loss gradient
-    other_bwd = mb * mask  # through the layers' backward pass (the mask is loop-invariant)
-
-    # --- working sets -------------------------------------------------------------------------
-    # One layer's backward. An ideal schedule would free the MLP half before the attention's
-    # cotangents appear; XLA does not always manage that (seen at long sequences), so the whole
-    # layer's recomputed values and both halves' cotangents are taken to coexist.
-    attn_cot, mlp_cot = cotangent_bytes(g, S)
-    if mode == "all":
-        rec_attn = rec_mlp = 0
-    else:
-        attn_rec, mlp_rec = recompute_items(g, S)
-        kept = {n for n, (_, w) in items.items() if w == "device"}
-        if mode == "dots":  # matmul outputs are saved: only norm outputs and probabilities come back
-            kept |= set(attn_rec) | set(mlp_rec)
-            kept -= {"attn_norm output", "mlp_norm output", "attention probabilities"}
-        rec_attn = sum(v for n, v in attn_rec.items() if n not in kept)
-        rec_mlp = sum(v for n, v in mlp_rec.items() if n not in kept)
-    layer_grads = g.two_largest_layer_weights // fsdp * (1 + (c / p if c != p else 0))
-    layer_work = mb * (rec_attn + rec_mlp + mlp_cot + attn_cot) + int(layer_grads)
-    streamed = 2 * P_layer * (1 + (c / p if c != p else 0)) if cand.params else 0
-    gather = 2 * g.layer_param_bytes if fsdp > 1 else 0  # one layer all-gathered, and the next
-    accum_buf = G if accum_steps > 1 else 0  # the running sum of micro-batch gradients
-
-    # The streamed update (opt_state == "stream"): the state of each stack is per layer; stacked
-    # gradients stay where the backward pass left them (in host memory for host weights, unless
-    # micro-batches are accumulated on the device).
-    stream = cand.stream
-    if stream:
-        O_move = (opt.stream_stack_bytes + opt.stream_rest_bytes) // fsdp
-        O_all = opt.stream_state_bytes // fsdp
-    O_stack = opt.stream_stack_bytes // fsdp if stream else 0
-    O_rest = O_move - O_stack if stream else 0
-    host_grads = stream and cand.params and accum_steps == 1
-    # Each host-resident stacked leaf is fetched one layer ahead: L + 1 layer copies per pass.
-    fetches = (L + 1) / L if L > 1 else 1.0
-    clip_pass = stream and clip and host_grads
-
-    P_dev = 0 if cand.params else P
-    O_dev = (O_all - O_move) if cand.opt_state else O_all
-    state = {"parameters": P_dev, "optimizer state": O_dev, "batch": tokens_bytes}
-
-    backward = dict(state)
-    backward["gradients"] = (G if not cand.params else 0) + accum_buf
-    backward["saved activations"] = saved_dev
-    backward["other residuals"] = other_bwd
-    backward["working buffers"] = int(layer_work + streamed + gather)
-
-    loss = dict(state)
-    loss["gradients"] = accum_buf + g.head_elems * p // fsdp
-    loss["saved activations"] = saved_dev
-    loss["other residuals"] = other
-    loss["logits"] = logsoftmax + mb * S * g.vocab * (4 + (c if c != 4 else 0))
-    # With weights in host memory the head's weight is fetched again for its gradient.
-    loss["working buffers"] = int(gather + (g.head_elems * p // fsdp if cand.params else 0))
-
-    update = dict(state)
-    largest = g.largest_leaf_bytes // fsdp
-    if not stream:
-        update["gradients"] = G + accum_buf
-        opt_stream = int(2 * opt.moments_per_param * largest) if cand.opt_state else 0
-        update["working buffers"] = (P if cand.params else 0) + 2 * largest + opt_stream
-    else:
-        # Stacks: per layer, the fetched copies (gradients if on host, weights if on host, state)
-        # for the current and the next layer, the layer's new weights and state on their way out,
-        # and the update's two largest weight-sized buffers. New weights kept on the device are a
-        # new stacked scan output (the old ones are read until the last layer). Leaves outside the
-        # stacks: as the plain update, leaf by leaf, with their weights and gradients moved in.
-        layer_in = (P_layer if host_grads else 0) + (P_layer if cand.params else 0) + O_stack // L
-        layer_out = (P_layer if cand.params else 0) + O_stack // L
-        layer_update = g.two_largest_layer_weights // fsdp
-        stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else P_stack)
-        largest_out = max(g.outside_largest_leaf_bytes // fsdp, 1)
-        rest_work = (P_out if cand.params else 0) + 2 * largest_out + int(2 * opt.moments_per_param * largest_out)
-        update["gradients"] = (P_out if host_grads else G) + accum_buf
-        update["working buffers"] = int(max(stack_work, rest_work))
-
-    phases = {"backward": backward, "loss": loss, "update": update}
-    for ph in phases.values():
-        transient = sum(v for n, v in ph.items() if n not in state)
-        ph["heap packing"] = heap_overhead * transient
-    phases = {k: {n: int(b) for n, b in v.items()} for k, v in phases.items()}
-
-    host = {
-        "parameters": P if cand.params else 0,
-        "gradients": G if cand.params else 0,
-        "optimizer state": O_move if cand.opt_state else 0,
-        "saved activations": L * mb * saved_host_ex,
-    }
-    if stream:
-        # The streamed update writes each stack's new state (and weights, if on host) as new scan
-        # outputs, in host memory, while the old ones are still read: a stack-sized host transient.
-        host["update outputs"] = O_stack + (P_stack if cand.params else 0)
-
-    # --- bytes moved per step -------------------------------------------------------------
-    h2d = d2h = 0
-    if cand.params and not stream:
-        h2d += accum_steps * (2 * P_stack + P_out + G) + P
-        d2h += accum_steps * G + P
-    h2d += saved_host
-    d2h += saved_host
-    if cand.opt_state and not stream:
-        h2d += O_move
-        d2h += O_move
-    upd_h2d = upd_d2h = clip_h2d = 0.0
-    if stream:
-        if cand.params:  # forward, recomputation and the outside weights; gradients out
-            h2d += accum_steps * (2 * P_stack + P_out) + (accum_steps * G if accum_steps > 1 else 0)
-            d2h += accum_steps * G
-            upd_h2d += fetches * P_stack + P_out
-            upd_d2h += P
-        if host_grads:
-            upd_h2d += fetches * P_stack + P_out
-        upd_h2d += fetches * O_stack + O_rest
-        upd_d2h += O_move
-        clip_h2d = fetches * P_stack if clip_pass else 0.0
-        h2d += round(upd_h2d + clip_h2d)
-        d2h += round(upd_d2h)
-
-    # --- time ---------------------------------------------------------------------------------
-    flops = g.layer_flops(S)
-    layer_fwd = sum(flops.values())
-    tokens = B * S
-    t_layer_fwd = tokens * layer_fwd / flops_per_s
-    recompute = 0.0
-    if mode == "names":
-        recompute = sum(flops[m] for m in recomputed_matmuls(g, policy))
-    t_layer_bwd = tokens * (2 * layer_fwd + recompute) / flops_per_s
-    compute = L * 3 * t_layer_fwd + tokens * 3 * g.head_flops / flops_per_s
-    recompute_s = L * tokens * recompute / flops_per_s
-
-    bw = link_bytes_per_s
-    w_layer = accum_steps * P_layer if cand.params else 0
-    act_layer = B * saved_host_ex
-    fwd_copy = max(w_layer, act_layer) / bw
-    bwd_copy = max(w_layer + act_layer, w_layer if cand.params else 0) / bw
-    exposed = L * (max(0.0, fwd_copy - t_layer_fwd) + max(0.0, bwd_copy - t_layer_bwd))
-    if not stream:
-        outside_h2d = (accum_steps * P_out + accum_steps * G + P if cand.params else 0) + (
-            O_move if cand.opt_state else 0
-        )
-        outside_d2h = (P + accum_steps * (G - P_stack) if cand.params else 0) + (O_move if cand.opt_state else 0)
-        exposed += max(outside_h2d, outside_d2h) / bw
-    else:
-        # The update's math is elementwise (no matmul time to hide copies behind): its copies are
-        # exposed, both directions concurrently; the clip pass runs before it, host -> device only.
-        outside_h2d = accum_steps * P_out + (accum_steps * G if accum_steps > 1 else 0) if cand.params else 0
-        outside_d2h = accum_steps * (G - P_stack) if cand.params else 0
-        exposed += (max(outside_h2d + upd_h2d, outside_d2h + upd_d2h) + clip_h2d) / bw
-
+    sh = shares(g, opt, cand, batch=batch, seq=seq, fsdp=fsdp, accum_steps=accum_steps, clip=clip)
+    saved = saved_per_layer(g, cand, seq)
+    activations = {name: {"per_layer": sh.mb * v, "where": w} for name, (v, w) in saved.items.items()}
+    if saved.const_dev:
+        activations["weight casts and norm scales"] = {"per_layer": saved.const_dev, "where": "device"}
+    moved = bytes_moved(cand, sh, saved)
+    compute, recompute_s, exposed = step_seconds(
+        g, cand, sh, saved, moved, link_bytes_per_s=link_bytes_per_s, flops_per_s=flops_per_s
+    )
+    layer_in, layer_out = stream_layer_bytes(cand, sh)
     return Estimate(
         candidate=cand,
-        phases=phases,
-        host=host,
+        phases=device_phases(g, opt, cand, sh, saved, heap_overhead),
+        host=host_resident(cand, sh, saved),
         activations=activations,
-        host_to_device=int(h2d),
-        device_to_host=int(d2h),
+        host_to_device=moved.host_to_device,
+        device_to_host=moved.device_to_host,
         compute_s=compute,
         recompute_s=recompute_s,
         exposed_transfer_s=exposed,
-        stream_layer={"to_device": layer_in, "to_host": layer_out} if stream else None,
+        stream_layer={"to_device": layer_in, "to_host": layer_out} if sh.stream else None,
     )

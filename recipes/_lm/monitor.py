@@ -33,14 +33,6 @@ def memory_in_use() -> tuple[str, int]:
     return "rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 class Progress:
     """A tqdm bar (on a terminal) plus a plain line every ``log_every`` steps (always)."""
 
@@ -82,7 +74,7 @@ class Progress:
             post["mfu"] = f"{100 * rates['mfu']:.1f}%"
         for key, value in rates.items():
             if key.endswith("_mem_bytes"):
-                post[key.split("_")[0]] = human_bytes(value)
+                post[key.split("_")[0]] = transforms.format_bytes(value)
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
         if step % self.log_every == 0 or step == self.start_step + 1:

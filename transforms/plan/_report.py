@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._plan_model import Estimate
-from ._report import format_bytes
+from .._report import format_bytes
+from ._bytes import PHASE_NAMES, Estimate
 
 COMPONENT_ORDER = (
     "parameters",
@@ -50,17 +50,30 @@ def _fit_text(plan, row) -> str:
 
 
 def render(plan) -> str:
-    from ._plan import PHASE_NAMES
+    """The plan as text: the inputs, the choice, its components, the candidates, the notes."""
+    lines = _header(plan)
+    lines += _choice(plan)
+    lines += _components(plan)
+    lines += _candidates(plan)
+    if plan.suggestions:
+        lines.append("What would fit:")
+        lines += [f"  - {s}" for s in plan.suggestions]
+        lines.append("")
+    if plan.env:
+        lines.append("Environment: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
+    lines.append("Notes:")
+    lines += [f"  - {n}" for n in plan.notes]
+    return "\n".join(lines)
 
-    cfg, dev = plan.config, plan.device
-    est: Estimate = plan._shown.estimate
-    n_params = cfg.n_params()
-    lines = [
+
+def _header(plan) -> list[str]:
+    spec, dev = plan.spec, plan.device
+    return [
         f"Memory plan: {plan.model} | batch {plan.batch} x seq {plan.seq} | {plan.optimizer}"
         + (f" | fsdp {plan.fsdp}" if plan.fsdp > 1 else "")
         + (f" | accum_steps {plan.accum_steps}" if plan.accum_steps > 1 else ""),
-        f"Model: {cfg.family}, {n_params / 1e9:.2f} B params ({cfg.param_dtype} params, {cfg.compute_dtype} compute), "
-        f"{cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}",
+        f"Model: {spec.name}, {plan.n_params / 1e9:.2f} B params ({spec.param_dtype} params, "
+        f"{spec.compute_dtype} compute), {spec.n_layers} layers, d_model {spec.d_model}, vocab {spec.vocab_size}",
         f"Device: {dev.description}: {format_bytes(dev.memory_bytes)}, {dev.link} "
         f"{dev.link_bytes_per_s / 1e9:.0f} GB/s per direction ({dev.link_peak_bytes_per_s / 1e9:.0f} peak), "
         f"{dev.flops_bf16 / 1e12:.0f} TFLOP/s bf16, {dev.flops_tf32 / 1e12:.0f} TFLOP/s tf32",
@@ -68,6 +81,11 @@ def render(plan) -> str:
         + ("" if plan.host_budget is None else f", {format_bytes(plan.host_budget)} host"),
         "",
     ]
+
+
+def _choice(plan) -> list[str]:
+    est: Estimate = plan._shown.estimate
+    lines = []
     if plan.fits:
         head = f"Plan: {plan.label}"
         if not plan.transforms:
@@ -90,7 +108,12 @@ def render(plan) -> str:
     if plan.activation_policy is not None:
         lines.append(f"  activation policy: {plan.activation_policy or 'recompute everything'}")
     lines.append("")
+    return lines
 
+
+def _components(plan) -> list[str]:
+    est: Estimate = plan._shown.estimate
+    lines = []
     comps = plan.components
     order = [c for c in COMPONENT_ORDER if c in comps] + [c for c in comps if c not in COMPONENT_ORDER]
     body = [[c, format_bytes(comps[c]["device"]), format_bytes(comps[c]["host"])] for c in order]
@@ -101,11 +124,15 @@ def render(plan) -> str:
     )
     lines.append("")
 
-    lines.append(f"Saved activations per layer ({cfg.n_layers} layers, per device):")
+    lines.append(f"Saved activations per layer ({plan.spec.n_layers} layers, per device):")
     acts = [[n, format_bytes(a["per_layer"]), a["where"]] for n, a in est.activations.items()]
     lines += ["  " + s for s in _table(["name", "bytes/layer", "where"], acts, {1})]
     lines.append("")
+    return lines
 
+
+def _candidates(plan) -> list[str]:
+    lines = []
     lines.append("Candidates (fastest fitting one chosen; ties go to fewer transforms):")
     cand_rows = []
     for r in sorted(plan.rows, key=lambda r: (not r.fits, r.estimate.step_s, r.estimate.device_bytes)):
@@ -125,15 +152,7 @@ def render(plan) -> str:
         "  " + s for s in _table(["transforms", "device", "host", "moved", "step", "fits"], cand_rows, {1, 2, 3, 4})
     ]
     lines.append("")
-    if plan.suggestions:
-        lines.append("What would fit:")
-        lines += [f"  - {s}" for s in plan.suggestions]
-        lines.append("")
-    if plan.env:
-        lines.append("Environment: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
-    lines.append("Notes:")
-    lines += [f"  - {n}" for n in plan.notes]
-    return "\n".join(lines)
+    return lines
 
 
 def save_chart(plan, path) -> None:

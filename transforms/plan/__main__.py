@@ -1,14 +1,12 @@
 """``python -m transforms.plan``: print a memory plan, optionally write it as PNG and JSON.
 
-``transforms.plan`` is also the planning function (exported by the package). Importing this module
-explicitly (``import transforms.plan``) makes Python bind the module to that attribute; the module
-is therefore callable and forwards to :func:`transforms._plan.plan`, so both spellings keep working.
+The planning function itself is ``transforms.plan(...)`` (:func:`transforms.plan._search.plan`).
 
 **Example:**
 
 ```bash
-python -m transforms.plan --model llama-8b --batch 1 --seq 8192 --device h200 --png plan.png --json plan.json
-python -m transforms.plan --model gpt2-124m --batch 8 --seq 1024 \\
+python -m transforms.plan --model llama:8b --batch 1 --seq 8192 --device h200 --png plan.png --json plan.json
+python -m transforms.plan --model gpt2:124m --batch 8 --seq 1024 \\
     --device custom --memory-gb 24 --link-gb-s 25 --tflops 165
 ```
 """
@@ -17,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 
-from ._plan import OPTIMIZERS, config_from_name, model_names
-from ._plan import plan as make_plan
-from ._plan_devices import ALIASES, DEVICES, custom_device
+from zoo import config_from_name, model_names
+
+from ._checks import OPTIMIZERS
+from ._devices import DEVICES, custom_device
+from ._search import plan as make_plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="What to offload for a model, batch and device: bytes per component, the cheapest set of "
         "transforms that fits, bytes moved per step and predicted step-time overhead.",
     )
-    p.add_argument("--model", required=True, help="FAMILY-PRESET, e.g. llama-8b, gpt2-124m, llama-mistral-7b")
+    p.add_argument("--model", required=True, help="FAMILY:PRESET, one of: " + ", ".join(model_names()))
     p.add_argument("--batch", type=int, required=True, help="global batch (examples per step)")
     p.add_argument("--seq", type=int, required=True, help="tokens per example")
     p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)} or 'custom'")
@@ -102,18 +101,6 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}")
     return 0
 
-
-__all__ = ["ALIASES", "build_parser", "main", "model_names"]
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as the planning function (see the module docstring)."""
-
-    def __call__(self, *args, **kwargs):
-        return make_plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,60 @@
+"""The JAX internals the project relies on (zoo/_jax_compat.py) are where we expect them.
+
+These tests fail loudly, never skip: a JAX release that moves one of them must be noticed here,
+not as a silently slower fallback somewhere else."""
+
+import jax
+import jax.numpy as jnp
+
+from zoo import _jax_compat as compat
+
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def test_memory_space_of_arrays_and_tracers():
+    x = jnp.ones(4)
+    h = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    assert compat.memory_space(x) == DEVICE and compat.memory_space(h) == HOST
+    seen = []
+    jax.jit(lambda a, b: seen.extend([compat.memory_space(a), compat.memory_space(b)]))(x, h)
+    assert seen == [DEVICE, HOST]
+    assert compat.memory_space(jax.ShapeDtypeStruct((2,), jnp.float32)) is None
+
+
+def test_var_memory_space_reads_jaxpr_variables():
+    def f(x):
+        return jax.device_put(x, HOST)
+
+    (eqn,) = jax.make_jaxpr(f)(jnp.ones(3)).jaxpr.eqns
+    assert eqn.primitive.name == "device_put"
+    assert compat.var_memory_space(eqn.invars[0]) == DEVICE
+    assert compat.var_memory_space(eqn.outvars[0]) == HOST
+
+
+def test_the_private_trace_context_exists():
+    from jax._src.core import trace_ctx  # noqa: F401  (imported for real: no fallback here)
+    from jax._src.interpreters.batching import BatchTrace  # noqa: F401
+
+
+def test_innermost_transform_is_vmap():
+    seen = []
+
+    def probe(x):
+        seen.append(compat.innermost_transform_is_vmap())
+        return x * 2.0
+
+    jax.vmap(probe)(jnp.ones(3))
+    jax.grad(lambda x: jax.vmap(probe)(x).sum())(jnp.ones(3))
+    jax.vmap(jax.grad(lambda x: probe(x).sum()))(jnp.ones((2, 3)))
+    probe(jnp.ones(3))
+    assert seen == [True, True, False, False]
+
+
+def test_saved_residuals_lists_what_the_backward_pass_keeps():
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    residuals = compat.saved_residuals(f, jnp.ones((4, 5)), jnp.ones((3, 4)))
+    shapes = sorted(tuple(aval.shape) for aval, _ in residuals)
+    assert (3, 5) in shapes  # tanh's output (or its input) is kept for the derivative
+    assert all(hasattr(aval, "dtype") for aval, _ in residuals)

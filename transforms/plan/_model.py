@@ -1,0 +1,284 @@
+"""The model as the planner sees it: a :class:`zoo.ModelSpec` and an abstract parameter tree.
+
+Nothing here knows a model family. The architecture comes from the model's ``describe()`` (see
+:func:`zoo.describe`); the bytes come from the parameter tree, split into the leaves under a
+:class:`zoo.nn.Stack` (the layers) and the leaves outside every stack (embeddings, head, final
+norm). :func:`optimizer_info` sizes the optimizer state with ``optax``'s own ``init``, as the
+train step builds it and as ``offload_opt_state(..., stream=True)`` lays it out per stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.nn import Stack
+
+from .._memory import is_arraylike, is_floating
+from .._report import nbytes
+
+
+def _is_stack(node) -> bool:
+    return isinstance(node, Stack)
+
+
+def stack_units(tree) -> tuple[Any, int]:
+    """``(units, n)``: ``tree``'s structure with each leaf replaced by its unit, ``k`` for a leaf of
+    the ``k``-th outermost :class:`zoo.nn.Stack` that has leaves, ``-1`` for a leaf outside every
+    stack; ``n`` is the number of such stacks (the layout of the streamed optimizer update)."""
+    counter = itertools.count()
+
+    def one(node):
+        if _is_stack(node) and jax.tree.leaves(node):
+            k = next(counter)
+            return jax.tree.map(lambda _: k, node)
+        return jax.tree.map(lambda _: -1, node)
+
+    units = jax.tree.map(one, tree, is_leaf=_is_stack)
+    return units, next(counter)
+
+
+def stack_view(tree, units, k: int):
+    """``tree`` with every leaf outside unit ``k`` (see :func:`stack_units`) replaced by ``None``."""
+    return jax.tree.map(lambda u, x: x if u == k else None, units, tree)
+
+
+def float_params(tree):
+    """The floating-point leaves of a model (concrete or abstract): what the train step updates."""
+
+    def keep(x):
+        return isinstance(x, jax.Array | jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.floating)
+
+    return eqx.filter(tree, keep)
+
+
+def _abstract(model):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, model)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedModel:
+    """What :func:`transforms.plan` plans for: a label, the spec, the abstract model, the config
+    (for a zoo config or model; ``None`` for a model of the user's own)."""
+
+    label: str
+    spec: Any  # zoo.ModelSpec
+    tree: Any  # the model with jax.ShapeDtypeStruct leaves
+    config: Any = None
+
+    def with_dtypes(self, param_dtype: str, compute_dtype: str) -> PlannedModel:
+        """The same model with its floating weights stored in `param_dtype`, computing in `compute_dtype`."""
+
+        def cast(x):
+            return jax.ShapeDtypeStruct(x.shape, param_dtype) if is_arraylike(x) and is_floating(x) else x
+
+        config = (
+            None if self.config is None else self.config.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        )
+        spec = self.spec.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        return dataclasses.replace(self, spec=spec, tree=jax.tree.map(cast, self.tree), config=config)
+
+
+def resolve_model(model_or_config) -> PlannedModel:
+    """A model name ``FAMILY:PRESET``, a zoo config, or any model with ``describe()``, as a :class:`PlannedModel`."""
+    import zoo
+
+    if isinstance(model_or_config, str):
+        config = zoo.config_from_name(model_or_config)
+        model = zoo.abstract_model(config)
+        return _checked(PlannedModel(model_or_config, zoo.describe(model), model, config))
+    if isinstance(model_or_config, zoo.DecoderConfig):
+        model = zoo.abstract_model(model_or_config)
+        spec = zoo.describe(model)
+        return _checked(PlannedModel(f"{spec.name} (custom config)", spec, model, model_or_config))
+    if isinstance(model_or_config, type) or not callable(getattr(model_or_config, "describe", None)):
+        raise TypeError(
+            "plan() takes a model name FAMILY:PRESET (see zoo.model_names()), a zoo config, or a model (concrete "
+            "or abstract) with describe() returning a zoo.ModelSpec (see zoo.describe and "
+            f"zoo.ModelSpec.from_stack); got {type(model_or_config).__name__}"
+        )
+    spec = zoo.describe(model_or_config)
+    config = getattr(model_or_config, "config", None)
+    config = config if isinstance(config, zoo.DecoderConfig) else None
+    label = f"{spec.name} ({type(model_or_config).__name__} model)"
+    return _checked(PlannedModel(label, spec, _abstract(model_or_config), config))
+
+
+def _checked(model: PlannedModel) -> PlannedModel:
+    """``model``, once its parameter tree is known to hold the layers its spec counts."""
+    stacks = [n for n in jax.tree.leaves(model.tree, is_leaf=_is_stack) if _is_stack(n)]
+    depth = sum(s.n_layers for s in stacks)
+    if depth != model.spec.n_layers:
+        found = f"stacks of {[s.n_layers for s in stacks]} layers" if stacks else "no zoo.nn.Stack"
+        raise ValueError(
+            f"plan: {model.label} describes {model.spec.n_layers} layers but its parameter tree has {found}; "
+            "the planner needs the layers in zoo.nn.Stack modules, counted by describe()"
+        )
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Shapes and sizes of a model, read from its :class:`zoo.ModelSpec` and its (abstract) parameter tree."""
+
+    name: str
+    n_layers: int
+    d: int
+    f: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    compute_dtype: str
+    param_dtype: str
+    n_mlp_in: int  # input matmuls of the MLP: 2 (gated: gate, up) or 1 (up)
+    tied_head: bool
+    widths: dict[str, int]  # named activation -> elements per token
+    n_params: int  # floating parameters
+    param_bytes: int  # floating parameter bytes (= gradient bytes)
+    stack_param_bytes: int
+    layer_matmul_elems: int  # weight elements of one layer's matmuls
+    two_largest_layer_weights: int  # bytes (param dtype) of a layer's two largest weights
+    largest_leaf_bytes: int
+    outside_largest_leaf_bytes: int  # the largest leaf outside the stacks (embedding or head)
+    head_elems: int  # V * d
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def c(self) -> int:
+        return np.dtype(self.compute_dtype).itemsize
+
+    @property
+    def p(self) -> int:
+        return np.dtype(self.param_dtype).itemsize
+
+    @property
+    def layer_param_bytes(self) -> int:
+        return self.stack_param_bytes // self.n_layers
+
+    @property
+    def outside_param_bytes(self) -> int:
+        return self.param_bytes - self.stack_param_bytes
+
+    def width(self, name: str) -> int:
+        """Elements per token of the named activation ``name``."""
+        return self.widths[name]
+
+    def layer_flops(self, seq: int) -> dict[str, float]:
+        """Forward matmul FLOPs per token of one layer, per matmul."""
+        d, q, kv, f = self.d, self.q, self.kv, self.f
+        out = {"q": 2.0 * d * q, "k": 2.0 * d * kv, "v": 2.0 * d * kv, "scores": 2.0 * seq * q}
+        out.update({"context": 2.0 * seq * q, "o": 2.0 * q * d})
+        if self.n_mlp_in == 2:
+            out.update({"gate": 2.0 * d * f, "up": 2.0 * d * f})
+        else:
+            out["up"] = 2.0 * d * f
+        out["down"] = 2.0 * f * d
+        return out
+
+    @property
+    def head_flops(self) -> float:
+        return 2.0 * self.d * self.vocab
+
+
+def geometry(spec, model) -> Geometry:
+    """Build a :class:`Geometry` from a :class:`zoo.ModelSpec` and the matching (abstract) model."""
+    tree = eqx.filter(model, is_arraylike)
+    units, _ = stack_units(tree)
+    leaves = list(zip(jax.tree.leaves(units), jax.tree.leaves(tree), strict=True))
+    params = [x for _, x in leaves if is_floating(x)]
+    stack = [x for u, x in leaves if u >= 0 and is_floating(x)]
+    outside = [x for u, x in leaves if u == -1 and is_floating(x)]
+    matrices = [x for x in stack if len(x.shape) == 3]
+    per_layer_matrix_bytes = sorted((nbytes(x) // x.shape[0] for x in matrices), reverse=True)
+    layer = spec.layer
+    return Geometry(
+        name=spec.name,
+        n_layers=spec.n_layers,
+        d=spec.d_model,
+        f=layer.d_ff,
+        heads=layer.n_heads,
+        kv_heads=layer.n_kv_heads,
+        head_dim=layer.head_dim,
+        vocab=spec.vocab_size,
+        compute_dtype=spec.compute_dtype,
+        param_dtype=spec.param_dtype,
+        n_mlp_in=layer.mlp_inputs,
+        tied_head=spec.tied_head,
+        widths=layer.widths,
+        n_params=sum(math.prod(x.shape) for x in params),
+        param_bytes=sum(nbytes(x) for x in params),
+        stack_param_bytes=sum(nbytes(x) for x in stack),
+        layer_matmul_elems=sum(math.prod(x.shape[1:]) for x in matrices),
+        two_largest_layer_weights=sum(per_layer_matrix_bytes[:2]),
+        largest_leaf_bytes=max(nbytes(x) for x in params),
+        outside_largest_leaf_bytes=max((nbytes(x) for x in outside), default=0),
+        head_elems=spec.vocab_size * spec.d_model,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerInfo:
+    """Optimizer-state sizes from ``optax``'s ``init`` under `jax.eval_shape`.
+
+    The ``stream_*`` fields size the state of ``offload_opt_state(optimizer, stream=True)``: the
+    wrapped optimizer's state built per layer for each :class:`zoo.nn.Stack` (every leaf, step
+    counters included, gets the stack's layer axis) plus its state for the other leaves.
+    """
+
+    name: str
+    state_bytes: int
+    offloadable_bytes: int  # floating leaves with >= 1 dimension (what offload_opt_state moves)
+    moments_per_param: float  # offloadable state bytes per parameter byte
+    stream_state_bytes: int = 0
+    stream_stack_bytes: int = 0  # offloadable bytes of the per-layer (stacked) state, all layers
+    stream_rest_bytes: int = 0  # offloadable bytes of the state of the leaves outside the stacks
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.state_bytes - self.offloadable_bytes
+
+    @property
+    def stream_resident_bytes(self) -> int:
+        return self.stream_state_bytes - self.stream_stack_bytes - self.stream_rest_bytes
+
+
+def _movable(tree) -> tuple[int, int]:
+    """(all bytes, bytes of the floating leaves with >= 1 dimension) of an abstract state."""
+    leaves = [x for x in jax.tree.leaves(tree) if is_arraylike(x)]
+    return sum(nbytes(x) for x in leaves), sum(nbytes(x) for x in leaves if is_floating(x) and len(x.shape) > 0)
+
+
+def optimizer_info(optimizer, params, name: str) -> OptimizerInfo:
+    """The sizes of ``optimizer``'s state for the floating parameters ``params`` (abstract)."""
+    state = jax.eval_shape(optimizer.init, params)
+    total, movable = _movable(state)
+    pbytes = sum(nbytes(x) for x in jax.tree.leaves(params) if is_arraylike(x) and is_floating(x))
+    # The streamed layout, as offload_opt_state(stream=True) builds it: per stack, the state of
+    # one layer vmapped over the layers; for the other leaves, the plain state.
+    units, n = stack_units(params)
+    stacked = [_movable(jax.eval_shape(jax.vmap(optimizer.init), stack_view(params, units, k))) for k in range(n)]
+    rest_total, rest_movable = _movable(jax.eval_shape(optimizer.init, stack_view(params, units, -1)))
+    return OptimizerInfo(
+        name,
+        total,
+        movable,
+        movable / pbytes if pbytes else 0.0,
+        stream_state_bytes=rest_total + sum(t for t, _ in stacked),
+        stream_stack_bytes=sum(m for _, m in stacked),
+        stream_rest_bytes=rest_movable,
+    )

@@ -1,0 +1,105 @@
+"""The attention computation itself: scores, mask, softmax, weighted values.
+
+One function, :func:`attend`, used by :class:`zoo.nn.Attention` for training (queries and keys are
+the same sequence) and for decoding with a KV cache (queries at some positions, keys at others,
+some cache slots empty). Which keys a query sees is decided from positions only: key ``j`` is
+visible to query ``i`` when ``k_pos[j] <= q_pos[i]``, ``q_pos[i] - k_pos[j] < window`` (with a
+sliding window) and ``k_pos[j] >= 0`` (a negative position marks an empty cache slot).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+#: Attention implementations a config may select.
+IMPLEMENTATIONS = ("xla",)
+
+
+def check_implementation(name: str) -> str:
+    """``name`` if it is a known attention implementation, else a `ValueError` listing them."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {name!r}; choose one of {list(IMPLEMENTATIONS)}")
+    return name
+
+
+def visible(q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], window: int | None) -> jax.Array:
+    """``(q, k)`` booleans: which keys each query attends to (causal, windowed, non-empty slots)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    ok = (diff >= 0) & (k_pos[None, :] >= 0)
+    if window is not None:
+        ok = ok & (diff < window)
+    return ok
+
+
+def attend(
+    q: Float[Array, "q heads dim"],
+    k: Float[Array, "k kv_heads dim"],
+    v: Float[Array, "k kv_heads dim"],
+    *,
+    q_pos: Int[Array, " q"] | None = None,
+    k_pos: Int[Array, " k"] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    implementation: str = "xla",
+) -> Float[Array, "q heads dim"]:
+    """Causal grouped-query attention of ``q`` over ``k``, ``v``.
+
+    Each key/value head serves ``heads // kv_heads`` consecutive query heads. Without positions,
+    queries and keys are the same sequence (position ``i`` at index ``i``).
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: queries ``(q, heads, dim)``, keys and values ``(k, kv_heads, dim)``.
+    - `q_pos`, `k_pos`: positions of the queries and keys (both or neither); a negative key
+      position is an empty slot that no query sees.
+    - `window`: sliding window: a query sees itself and the ``window - 1`` keys before it.
+    - `softcap`: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
+    - `scale`: score scale (default ``dim ** -0.5``).
+    - `implementation`: ``"xla"`` (see :data:`IMPLEMENTATIONS`).
+
+    **Returns:** ``(q, heads, dim)`` in the dtype of ``q``.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from zoo.nn import attend
+    q = jnp.ones((5, 4, 8)); kv = jnp.ones((5, 2, 8))
+    out = attend(q, kv, kv, window=3)    # (5, 4, 8)
+    ```
+    """
+    check_implementation(implementation)
+    if (q_pos is None) != (k_pos is None):
+        raise ValueError("attend: give both q_pos and k_pos, or neither")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"attend: {heads} query heads do not divide into {kv_heads} key/value heads")
+    dim = q.shape[-1]
+    scale = dim**-0.5 if scale is None else scale
+    if q_pos is None and softcap is None:
+        # Same sequence, no soft-capping: XLA's fused-pattern attention (the form every
+        # transform and the planner's byte model are calibrated against).
+        local = None if window is None else (window - 1, 0)
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=local)
+    if q_pos is None:
+        q_pos = k_pos = jnp.arange(q.shape[0], dtype=jnp.int32)
+    return _explicit(q, k, v, visible(q_pos, k_pos, window), softcap=softcap, scale=scale)
+
+
+def _explicit(q, k, v, mask, *, softcap, scale):
+    """Scores, mask and softmax written out (float32 scores), for masks the fused form cannot express."""
+    n_q, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    qg = q.reshape(n_q, kv_heads, group, dim)  # (q, kv, group, dim)
+    scores = jnp.einsum("qhgd,khd->hgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(mask[None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask.any(axis=-1)[None, None, :, None], probs, 0.0)  # a query that sees nothing
+    out = jnp.einsum("hgqk,khd->qhgd", probs.astype(v.dtype), v)
+    return out.reshape(n_q, heads, dim)
