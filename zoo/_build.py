@@ -6,13 +6,23 @@ import equinox as eqx
 import jax
 
 from ._config import DecoderConfig, GPT2Config, LlamaConfig
+from ._gemma import Gemma2, Gemma2Config, Gemma3, Gemma3Config
 from ._gpt2 import GPT2
 from ._llama import Llama
+from ._mixtral import Mixtral, MixtralConfig
+from ._qwen3 import Qwen3, Qwen3Config, Qwen3Moe, Qwen3MoeConfig
 
 #: The model families: name -> (config class, model class). Model names are ``FAMILY:PRESET``.
+#: Family names are those of the model cards (``qwen3-moe:30b-a3b`` is Qwen3-30B-A3B), lower case,
+#: with a hyphen where the card has a space or hyphen; ``gemma3`` is Gemma 3's text decoder.
 FAMILIES: dict[str, tuple[type[DecoderConfig], type[eqx.Module]]] = {
     "llama": (LlamaConfig, Llama),
     "gpt2": (GPT2Config, GPT2),
+    "qwen3": (Qwen3Config, Qwen3),
+    "qwen3-moe": (Qwen3MoeConfig, Qwen3Moe),
+    "mixtral": (MixtralConfig, Mixtral),
+    "gemma2": (Gemma2Config, Gemma2),
+    "gemma3": (Gemma3Config, Gemma3),
 }
 
 

@@ -1,10 +1,25 @@
-"""Next-token cross-entropy."""
+"""Next-token cross-entropy, whole or in chunks of tokens (so the full logits never exist)."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Num
+
+from .nn._placement import on_host
+
+
+def _nll(logits, targets):
+    """Per-position ``logsumexp(logits) - logits[target]`` in float32.
+
+    (Written with `logsumexp` rather than a full `log_softmax`: no second ``(..., vocab)`` array
+    is formed, in the forward pass or the backward one.)
+    """
+    logits = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def cross_entropy(
@@ -19,8 +34,7 @@ def cross_entropy(
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on leading dims")
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    nll = _nll(logits, targets)
     if mask is None:
         return jnp.mean(nll)
     if mask.shape != targets.shape:
@@ -33,10 +47,19 @@ def lm_loss(
     model,
     tokens: Int[Array, "batch seq_plus_one"],
     mask: Bool[Array, "batch seq"] | Num[Array, "batch seq"] | None = None,
+    *,
+    chunk: int | None = None,
 ) -> Float[Array, ""]:
     """Next-token loss of ``model`` on a batch: predict ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
 
     ``mask`` (optional) weights the ``seq = seq_plus_one - 1`` predicted positions.
+
+    ``chunk`` (tokens per chunk; default: the model config's ``loss_chunk``, if it has one) runs
+    the output head and the cross-entropy over ``chunk`` tokens of the flattened batch at a time
+    (see :func:`chunked_cross_entropy`): the ``(batch, seq, vocab)`` logits never exist, in the
+    forward or the backward pass. ``chunk=0`` computes the whole logits at once whatever the
+    config says. Chunking needs a model with ``hidden(tokens)`` and ``head(x)`` (every zoo
+    family has them); the value and the gradients are those of the whole computation.
 
     **Example:**
 
@@ -45,10 +68,164 @@ def lm_loss(
     model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
     loss = zoo.lm_loss(model, jnp.zeros((2, 17), jnp.int32))
     grads = jax.grad(zoo.lm_loss)(model, jnp.zeros((2, 17), jnp.int32))
+    same = zoo.lm_loss(model, jnp.zeros((2, 17), jnp.int32), chunk=8)   # 4 chunks of 8 tokens
     ```
     """
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"lm_loss needs tokens of shape (batch, seq + 1) with seq >= 1, got {tokens.shape}")
-    logits = jax.vmap(model)(tokens[:, :-1])
+    if chunk is None:
+        chunk = getattr(getattr(model, "config", None), "loss_chunk", None) or 0
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        raise ValueError(f"lm_loss: chunk must be a positive number of tokens (or 0 for none), got {chunk!r}")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if mask is not None and mask.shape != targets.shape:
+        raise ValueError(f"mask {mask.shape} must have the shape of targets {targets.shape}")
+    if not chunk or chunk >= targets.size:
+        logits = jax.vmap(model)(inputs)
+        with jax.named_scope("loss"):
+            return cross_entropy(logits, targets, mask)
+    for name in ("hidden", "head"):
+        if not callable(getattr(model, name, None)):
+            raise TypeError(
+                f"lm_loss(chunk={chunk}) needs a model with hidden(tokens) and head(x); "
+                f"{type(model).__name__} has no {name}(); use chunk=0"
+            )
+    x = jax.vmap(model.hidden)(inputs)  # (batch, seq, d)
     with jax.named_scope("loss"):
-        return cross_entropy(logits, tokens[:, 1:], mask)
+        return chunked_cross_entropy(model.head, x, targets, mask, chunk=chunk)
+
+
+def chunked_cross_entropy(
+    head,
+    x: Float[Array, "*batch seq embed"],
+    targets: Int[Array, "*batch seq"],
+    mask: Bool[Array, "*batch seq"] | Num[Array, "*batch seq"] | None = None,
+    *,
+    chunk: int,
+) -> Float[Array, ""]:
+    """``cross_entropy(head(x), targets, mask)`` computed ``chunk`` positions at a time.
+
+    The positions of ``x`` (all leading axes flattened, padded with masked-out rows to a multiple
+    of ``chunk``) are scanned in chunks: each chunk's logits ``head(x_chunk)`` are formed, reduced
+    to the loss, and dropped. Under differentiation each chunk's gradients (with respect to its
+    rows of ``x`` and to the arrays ``head`` uses) are computed in the same pass, from the chunk's
+    softmax, so the backward pass neither keeps nor recomputes any logits: memory grows with
+    ``chunk * vocab``, not with ``seq * vocab``, and the head's matmuls are done once each.
+
+    ``head`` maps ``(n, embed)`` to ``(n, vocab)`` for any ``n`` (a zoo model's ``head``); its
+    weights may live in host memory (they are moved to the device once for the whole loss).
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    w = jax.random.normal(jax.random.key(0), (16, 100))
+    x = jax.random.normal(jax.random.key(1), (3, 10, 16))
+    t = jnp.zeros((3, 10), jnp.int32)
+    whole = zoo.cross_entropy(x @ w, t)
+    parts = zoo.chunked_cross_entropy(lambda h: h @ w, x, t, chunk=8)   # 4 chunks, the last padded
+    ```
+    """
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunked_cross_entropy: chunk must be a positive int, got {chunk!r}")
+    if x.shape[:-1] != targets.shape:
+        raise ValueError(f"x {x.shape} and targets {targets.shape} disagree on leading dims")
+    if mask is not None and mask.shape != targets.shape:
+        raise ValueError(f"mask {mask.shape} must have the shape of targets {targets.shape}")
+    n = math.prod(targets.shape)
+    weights = jnp.ones((n,), jnp.float32) if mask is None else mask.reshape(n).astype(jnp.float32)
+    denominator = n if mask is None else jnp.maximum(jnp.sum(weights), 1.0)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+
+    def chunks(a):  # (n, ...) -> (n_chunks, chunk, ...), padded rows last
+        a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+        return a.reshape(n_chunks, chunk, *a.shape[1:])
+
+    xs = chunks(x.reshape(n, x.shape[-1]))
+    ts, ws = chunks(targets.reshape(n)), chunks(weights)
+    head = _head_on_device(head, xs[0])
+    fn, consts = jax.closure_convert(lambda h: head(h), xs[0])
+    return _chunked_nll_sum(fn)(xs, ts, ws, consts) / denominator
+
+
+def _head_on_device(head, example):
+    """``head`` with the host-resident arrays it uses copied to the device once (outside the loop
+    over chunks, and outside its custom gradient: automatic differentiation sends their gradients
+    back to host memory as for any weight used on the device).
+
+    ``head`` must then be a pytree holding those arrays (a zoo model's bound ``model.head`` is one).
+    """
+    _, consts = jax.closure_convert(lambda h: head(h), example)
+    moved = {id(c): jax.device_put(c, jax.memory.Space.Device) for c in consts if on_host(c)}
+    if not moved:
+        return head
+    swapped = jax.tree.map(lambda a: moved.get(id(a), a), head)
+    if sum(moved.get(id(a)) is not None for a in jax.tree.leaves(head)) < len(moved):
+        raise TypeError(
+            "chunked_cross_entropy: the head uses weights in host memory that it does not hold as pytree leaves; "
+            "pass a module's bound method (such as model.head) or move the weights to the device"
+        )
+    return swapped
+
+
+def _chunked_nll_sum(fn):
+    """``(xs, ts, ws, consts) -> sum(ws * nll(fn(xs, *consts), ts))`` over chunks, with a custom VJP
+    whose forward pass also computes the gradients, one chunk at a time."""
+
+    def logits_of(xc, floats, others):
+        return fn(xc, *_merge(floats, others))
+
+    @jax.custom_vjp
+    def nll_sum(xs, ts, ws, consts):
+        def body(total, c):
+            xc, tc, wc = c
+            return total + jnp.sum(wc * _nll(fn(xc, *consts), tc)), None
+
+        return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))[0]
+
+    def fwd(xs, ts, ws, consts):
+        floats, others = _split(consts)
+
+        def body(carry, c):
+            total, dfloats = carry
+            xc, tc, wc = c
+            logits, vjp = jax.vjp(lambda xc, fl: logits_of(xc, fl, others), xc, floats)
+            nll = _nll(logits, tc)
+            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+            onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
+            dxc, dfl = vjp(((probs - onehot) * wc[:, None]).astype(logits.dtype))
+            dfloats = jax.tree.map(jnp.add, dfloats, dfl)
+            return (total + jnp.sum(wc * nll), dfloats), (dxc, nll)
+
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), floats)
+        (total, dfloats), (dxs, nlls) = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (xs, ts, ws))
+        return total, (dxs, nlls, dfloats, others, ts)
+
+    def bwd(res, g):
+        dxs, nlls, dfloats, others, ts = res
+        scaled = jax.tree.map(lambda d: (d * g).astype(d.dtype), dfloats)
+        dconsts = _merge(scaled, [_float0(o) for o in others])
+        return (dxs * g).astype(dxs.dtype), _float0(ts), nlls * g, dconsts
+
+    nll_sum.defvjp(fwd, bwd)
+    return nll_sum
+
+
+def _split(consts):
+    """The floating consts (differentiated) and the others (``None`` where a float stands)."""
+    floats = [c if jnp.issubdtype(c.dtype, jnp.inexact) else None for c in consts]
+    others = [None if f is not None else c for f, c in zip(floats, consts, strict=True)]
+    return floats, others
+
+
+def _merge(floats, others):
+    return [f if f is not None else o for f, o in zip(floats, others, strict=True)]
+
+
+def _float0(x):
+    if x is None:
+        return None
+    import numpy as np
+
+    return np.zeros(x.shape, jax.dtypes.float0)

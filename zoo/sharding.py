@@ -49,6 +49,7 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "layers": None,
+    "experts": None,  # replicated; {"experts": "data"} shards MoE experts over the data axis (expert parallelism)
 }
 
 

@@ -1,7 +1,8 @@
 """``config.json`` <-> zoo config, for the Hugging Face model types the zoo represents exactly.
 
 ``gpt2`` maps to :class:`zoo.GPT2Config`; ``llama``, ``mistral`` and ``qwen2`` map to
-:class:`zoo.LlamaConfig`. Both layouts of the rotary settings are read: the one written by older
+:class:`zoo.LlamaConfig`; ``qwen3``, ``qwen3_moe``, ``mixtral``, ``gemma2`` and ``gemma3_text`` to
+their families' configs (``zoo.hf._families``). Both layouts of the rotary settings are read: the one written by older
 ``transformers`` releases (top-level ``rope_theta`` and ``rope_scaling``) and the current one
 (``rope_parameters``, possibly nested per layer type); when both are present the precedence is
 the one ``transformers`` applies (``rope_scaling``, then ``rope_parameters``, then top-level
@@ -15,10 +16,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._config import GPT2Config, LlamaConfig
+from .._decoder import RotaryDecoderConfig
 from ..nn import Llama3RopeScaling
+from . import _families
 
 #: The ``model_type`` values :func:`zoo.load_hf` reads.
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", *_families.CONFIGS)
 
 # `transformers` defaults for fields a config.json may leave out (the class defaults).
 _MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
@@ -68,7 +71,7 @@ def model_type_of(hf: Mapping[str, Any]) -> str:
     return model_type
 
 
-def zoo_config_from_hf(hf: Mapping[str, Any], **settings: Any) -> GPT2Config | LlamaConfig:
+def zoo_config_from_hf(hf: Mapping[str, Any], **settings: Any) -> GPT2Config | LlamaConfig | RotaryDecoderConfig:
     """The zoo config equivalent to a ``config.json`` dict.
 
     ``settings`` are zoo-only fields (``param_dtype``, ``compute_dtype``, ``scan_layers``).
@@ -76,6 +79,8 @@ def zoo_config_from_hf(hf: Mapping[str, Any], **settings: Any) -> GPT2Config | L
     """
     model_type = model_type_of(hf)
     _common_refusals(hf, model_type)
+    if model_type in _families.CONFIGS:
+        return _families.family_config_from_hf(hf, model_type, settings)
     if model_type == "gpt2":
         return _gpt2_from_hf(hf, settings)
     return _llama_from_hf(hf, model_type, settings)
@@ -238,11 +243,13 @@ def _llama_from_hf(hf: Mapping[str, Any], mt: str, settings: dict[str, Any]) -> 
 # ----------------------------------------------------------------------------- zoo -> config.json
 
 
-def default_model_type(config: GPT2Config | LlamaConfig) -> str:
+def default_model_type(config: GPT2Config | LlamaConfig | RotaryDecoderConfig) -> str:
     """The Hugging Face ``model_type`` that represents ``config``: ``gpt2`` for GPT-2; for the Llama
     family ``qwen2`` with q/k/v biases only, ``mistral`` with a sliding window, else ``llama``."""
     if isinstance(config, GPT2Config):
         return "gpt2"
+    if isinstance(config, RotaryDecoderConfig):
+        return _families.model_type_of_config(config)
     if config.qkv_bias and not config.o_bias and not config.mlp_bias:
         return "qwen2"
     if config.sliding_window is not None and not (config.qkv_bias or config.o_bias or config.mlp_bias):
@@ -273,13 +280,22 @@ def _check_representable(config: LlamaConfig, model_type: str) -> None:
                 raise no(field, "Qwen2 has no such bias")
 
 
-def hf_config_from_zoo(config: GPT2Config | LlamaConfig, model_type: str | None = None) -> dict[str, Any]:
+def hf_config_from_zoo(
+    config: GPT2Config | LlamaConfig | RotaryDecoderConfig, model_type: str | None = None
+) -> dict[str, Any]:
     """A ``config.json`` dict that ``transformers`` (current and older releases) reads as the
     same architecture. Raises `ValueError` naming the zoo field that the chosen (or inferred)
     ``model_type`` cannot express."""
     model_type = default_model_type(config) if model_type is None else model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if isinstance(config, RotaryDecoderConfig):
+        if model_type != default_model_type(config):
+            raise ValueError(
+                f"a {type(config).__name__} can only be saved as model_type {default_model_type(config)!r}, "
+                f"not {model_type!r}"
+            )
+        return _families.hf_config_from_family(config)
     dtype = config.param_dtype
     if isinstance(config, GPT2Config):
         if model_type != "gpt2":

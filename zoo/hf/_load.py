@@ -16,6 +16,7 @@ from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 from .. import sharding as _sharding
 from .._build import abstract_model
 from .._config import DTYPES
+from .._decoder import RotaryDecoder
 from .._gpt2 import GPT2
 from .._llama import Llama
 from ..nn._placement import is_arraylike
@@ -121,8 +122,9 @@ def load_hf(
     rules: Mapping | None = None,
     sharding: Sharding | None = None,
     memory_kind: str | None = None,
-) -> GPT2 | Llama:
-    """Load a local Hugging Face checkpoint (GPT-2, Llama, Mistral or Qwen2) as a zoo model.
+) -> GPT2 | Llama | RotaryDecoder:
+    """Load a local Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
+    Gemma 2 or Gemma 3 text) as a zoo model.
 
     Reads ``config.json`` (written by older or current ``transformers`` releases) and
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``. The architecture must be
@@ -173,8 +175,9 @@ def load_hf(
     config = zoo_config_from_hf(hf, **settings)
     prefix = "transformer." if any(n.startswith("transformer.") for n in tensors) else ""
     entries = _weights.table(config, prefix)
+    derived = _weights.derived(config)  # leaves rebuilt from the config (per-layer attention kinds)
     leaves = _weights.leaf_paths(abstract_model(config))
-    _weights.check_table(entries, leaves, config.n_layers)
+    _weights.check_table(entries, {p: x for p, x in leaves.items() if p not in derived}, config.n_layers)
     tied = _weights.tied_head_name(config, prefix)
     _weights.validate(
         tensors,
@@ -209,6 +212,9 @@ def load_hf(
         loader = _weights.LeafLoader(reader, entries, leaves)
         loaded = []
         for path, leaf in leaves.items():
+            if path in derived:
+                loaded.append(jax.device_put(derived[path].astype(leaf.dtype), targets[path]))
+                continue
             loaded.append(loader.load(path, leaf.dtype, targets[path]))
             reader.close()  # unmap after each weight: the pages read stay in the page cache, not in this process
     finally:

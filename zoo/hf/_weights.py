@@ -9,6 +9,11 @@ zoo leaves it holds, and the one transformation between the two:
 - several leaves: the checkpoint tensor is their concatenation along ``axis`` (checkpoint
   coordinates). Only GPT-2's fused ``c_attn`` is like this: its output dimension (axis 1 of the
   ``(d, 3d)`` weight, axis 0 of the ``(3d,)`` bias) is ``q | k | v``, each ``d`` wide.
+- ``{j}`` in the name as well: one tensor per expert of a mixture-of-experts layer, expert ``j``
+  at index ``j`` of the leaf's expert axis (the axis after the layer axis).
+
+Leaves that no tensor holds are rebuilt from the config (:func:`derived`): each layer's attention
+kind in models whose layers differ (an int32 per layer).
 
 Nothing is matched by order or reshaped to fit: a tensor must have exactly the shape the table
 derives from the zoo leaf, or the load fails listing every missing, unexpected and mis-shaped
@@ -18,6 +23,7 @@ tensor at once.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,25 +32,47 @@ import jax
 import numpy as np
 
 from .._config import GPT2Config, LlamaConfig
+from .._decoder import RotaryDecoderConfig
+from . import _families
 from ._safetensors import Reader, TensorInfo
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One checkpoint tensor and the zoo leaves (paths like ``"stack.layers.attn.q_proj.weight"``)
-    it holds. ``{i}`` in ``name`` marks a per-layer tensor of a stacked leaf."""
+    it holds. ``{i}`` in ``name`` marks a per-layer tensor of a stacked leaf; ``{j}`` one per
+    expert, of ``experts`` experts."""
 
     name: str
     leaves: tuple[str, ...]
     transpose: bool = False
     axis: int = 0
+    experts: int = 0
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.name
 
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.name
+
+    @property
+    def index_dims(self) -> int:
+        """Leading leaf axes indexed by the tensor names (layer, expert)."""
+        return int(self.per_layer) + int(self.per_expert)
+
+    def positions(self, n_layers: int) -> list[tuple[int, ...]]:
+        """``(layer[, expert])`` of each tensor, in name order (``()`` for a single tensor)."""
+        ranges = [range(n_layers)] * self.per_layer + [range(self.experts)] * self.per_expert
+        return list(itertools.product(*ranges))
+
+    def format(self, position: tuple[int, ...]) -> str:
+        keys = ("i", "j") if self.per_layer else ("j",)
+        return self.name.format(**dict(zip(keys, position, strict=False)))
+
     def names(self, n_layers: int) -> list[str]:
-        return [self.name.format(i=i) for i in range(n_layers)] if self.per_layer else [self.name]
+        return [self.format(p) for p in self.positions(n_layers)]
 
 
 # Non-parameter buffers some checkpoints carry; they hold nothing the zoo needs.
@@ -62,12 +90,14 @@ def ignored(model_type: str) -> tuple[re.Pattern, ...]:
     return tuple(re.compile(p) for p in _IGNORED[family])
 
 
-def table(config: GPT2Config | LlamaConfig, prefix: str = "") -> list[Entry]:
+def table(config: GPT2Config | LlamaConfig | RotaryDecoderConfig, prefix: str = "") -> list[Entry]:
     """The entries of every checkpoint tensor of the model ``config`` describes.
 
     ``prefix`` goes before GPT-2 names (``"transformer."`` for ``GPT2LMHeadModel`` checkpoints,
     ``""`` for those saved from ``GPT2Model``).
     """
+    if isinstance(config, RotaryDecoderConfig):
+        return _families.family_table(config, Entry)
     if isinstance(config, GPT2Config):
         p, L = prefix, "stack.layers."
         h = p + "h.{i}."
@@ -111,7 +141,12 @@ def table(config: GPT2Config | LlamaConfig, prefix: str = "") -> list[Entry]:
     return out
 
 
-def tied_head_name(config: GPT2Config | LlamaConfig, prefix: str = "") -> tuple[str, str] | None:
+def derived(config) -> dict[str, np.ndarray]:
+    """Leaf path -> value of the leaves rebuilt from the config instead of read (see the module docstring)."""
+    return _families.derived_leaves(config) if isinstance(config, RotaryDecoderConfig) else {}
+
+
+def tied_head_name(config: GPT2Config | LlamaConfig | RotaryDecoderConfig, prefix: str = "") -> tuple[str, str] | None:
     """``(head, embedding)`` checkpoint names when the output head is tied to the embedding: a
     checkpoint may then carry a copy of the table as ``lm_head.weight``, which must equal it."""
     if isinstance(config, GPT2Config):
@@ -136,10 +171,12 @@ def check_table(entries: list[Entry], leaves: Mapping[str, Any], n_layers: int) 
         for leaf in e.leaves:
             if e.per_layer != (leaves[leaf].shape[:1] == (n_layers,) and leaf.startswith("stack.")):
                 raise AssertionError(f"zoo.hf name table: {e.name} and the leaf {leaf} disagree on the layer axis")
+            if e.per_expert and leaves[leaf].shape[int(e.per_layer)] != e.experts:
+                raise AssertionError(f"zoo.hf name table: {e.name} and the leaf {leaf} disagree on the expert axis")
 
 
 def _layer_shape(e: Entry, leaf: Any) -> tuple[int, ...]:
-    shape = tuple(leaf.shape[1:] if e.per_layer else leaf.shape)
+    shape = tuple(leaf.shape[e.index_dims :])
     return shape[::-1] if e.transpose else shape
 
 
@@ -260,12 +297,11 @@ class LeafLoader:
             bounds = _bounds(index, shape)
             if bounds not in cache:
                 out = np.empty([b - a for a, b in bounds], dtype)
-                if e.per_layer:
-                    (l0, l1), rest = bounds[0], bounds[1:]
-                    for j, layer in enumerate(range(l0, l1)):
-                        self._fill(out[j], e, e.name.format(i=layer), offset, rest)
-                else:
-                    self._fill(out, e, e.name, offset, bounds)
+                n = e.index_dims  # leading (layer, expert) axes: one tensor per index
+                starts = tuple(a for a, _ in bounds[:n])
+                for position in itertools.product(*(range(a, b) for a, b in bounds[:n])):
+                    local = tuple(p - s for p, s in zip(position, starts, strict=True))
+                    self._fill(out[local], e, e.format(position), offset, bounds[n:])
                 cache[bounds] = out
             return cache[bounds]
 
@@ -283,15 +319,14 @@ def checkpoint_tensors(
     loading."""
     out = []
     for e in entries:
-        for i, name in enumerate(e.names(n_layers)):
+        for position in e.positions(n_layers):
 
-            def produce(e=e, i=i):
+            def produce(e=e, position=position):
                 parts = []
                 for leaf in e.leaves:
-                    x = get_leaf(leaf)
-                    x = x[i] if e.per_layer else x
+                    x = get_leaf(leaf)[position]
                     parts.append(x.T if e.transpose else x)
                 return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=e.axis)
 
-            out.append((e, name, produce))
+            out.append((e, e.format(position), produce))
     return out

@@ -80,3 +80,50 @@ class RMSNorm(AxisNamed):
 
     def logical_axes(self) -> RMSNorm:
         return eqx.tree_at(lambda m: m.weight, self, P("embed"))
+
+
+class OffsetRMSNorm(AxisNamed):
+    """RMSNorm whose scale is ``offset + weight``, with the weight initialised to ``1 - offset``.
+
+    ``offset=1.0`` is Gemma's norm (``x / rms(x) * (1 + w)``, ``w`` starting at 0); ``offset=0.0``
+    is :class:`RMSNorm`. ``axis`` is the logical axis of the weight: ``"embed"`` for a norm over the
+    residual stream, ``None`` (replicated) for one over each head's ``head_dim`` (query/key norms).
+
+    **Arguments:**
+
+    - `dim`: size of the normalised dimension.
+    - `eps`: added to the mean square.
+    - `offset`: added to the weight to form the scale.
+    - `axis`: logical axis name of the weight, or ``None``.
+    - `dtype`: parameter dtype.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from zoo import nn
+    norm = nn.OffsetRMSNorm(8, eps=1e-6)          # weight zeros: scale 1
+    y = norm(jnp.arange(16.0).reshape(2, 8))
+    ```
+    """
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+    offset: float = eqx.field(static=True)
+    axis: str | None = eqx.field(static=True)
+
+    def __init__(
+        self, dim: int, *, eps: float = 1e-6, offset: float = 1.0, axis: str | None = "embed", dtype=jnp.float32
+    ):
+        self.weight = jnp.full((dim,), 1.0 - offset, dtype)
+        self.eps = eps
+        self.offset = float(offset)
+        self.axis = axis
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        h = _upcast(x)
+        h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
+        return (h * (self.offset + _param(self.weight, h))).astype(x.dtype)
+
+    def logical_axes(self) -> OffsetRMSNorm:
+        return eqx.tree_at(lambda m: m.weight, self, P(self.axis))

@@ -66,6 +66,9 @@ class LayerSpec:
       names with `jax.ad_checkpoint.checkpoint_name`, in the order it names them; a
       :class:`zoo.nn.Stack` adds its ``block_input``. A mapping is accepted and kept as pairs.
     - `sliding_window`: the attention window, or ``None``.
+    - `n_experts`, `experts_per_token`: a mixture-of-experts MLP (:class:`zoo.nn.MoE`) of
+      ``n_experts`` experts, each ``d_ff`` wide with ``mlp_inputs`` input matmuls, of which each
+      token uses ``experts_per_token``; both ``0`` for a dense MLP.
 
     **Example:**
 
@@ -90,6 +93,8 @@ class LayerSpec:
     mlp_inputs: int
     activations: tuple[tuple[str, int], ...] = ()
     sliding_window: int | None = None
+    n_experts: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -106,6 +111,12 @@ class LayerSpec:
             raise ValueError(f"{owner}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.sliding_window is not None:
             _check_positive(owner, sliding_window=self.sliding_window)
+        if (self.n_experts, self.experts_per_token) != (0, 0):
+            _check_positive(owner, n_experts=self.n_experts, experts_per_token=self.experts_per_token)
+            if self.experts_per_token > self.n_experts:
+                raise ValueError(
+                    f"{owner}: experts_per_token ({self.experts_per_token}) exceeds n_experts ({self.n_experts})"
+                )
         object.__setattr__(self, "activations", _pairs(owner, self.activations))
 
     @property

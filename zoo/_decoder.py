@@ -1,0 +1,381 @@
+"""What the Qwen3, Mixtral, Qwen3-MoE and Gemma families share: a config base and a model base.
+
+A family is a config class (its fields and presets, and class-level traits: query/key norms, the
+``1 + w`` norm, post-norms, GeGLU, embedding scaling) and a model class that only names it; the
+layers are :class:`zoo._blocks.DecoderLayer` s in one :class:`zoo.nn.Stack`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from . import nn
+from ._blocks import AttentionKind, DecoderLayer, SelfAttention, pack_stats, unpack_stats, zero_stats
+from ._common import check_tokens
+from ._config import DecoderConfig, _positive
+from ._jax_compat import innermost_transform_is_vmap
+from .nn._spec import ModelSpec
+
+#: Values of a config's ``layer_types`` (the spelling of ``transformers``' ``layer_types``).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RotaryDecoderConfig(DecoderConfig):
+    """Settings shared by the Qwen3, Mixtral, Qwen3-MoE and Gemma families (see each family's config).
+
+    ``layer_types`` gives each layer ``"full_attention"`` or ``"sliding_attention"`` (windowed by
+    ``sliding_window``), repeating cyclically over depth: ``("sliding_attention",) * 5 +
+    ("full_attention",)`` is Gemma 3's five local layers per global one at any depth. ``None``
+    windows every layer when ``sliding_window`` is set, none otherwise. Sliding layers use
+    ``local_rope_theta`` (without scaling) when it is set; otherwise every layer uses
+    ``rope_theta`` and ``rope_scaling_factor`` (linear scaling: positions divided by it).
+    """
+
+    n_kv_heads: int
+    head_dim: int | None = None  # None (also stored for an explicit d_model // n_heads): d_model // n_heads
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float | None = None
+    local_rope_theta: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # biases on the q, k, v and o projections
+
+    # Traits of the family, not settings.
+    QK_NORM: ClassVar[bool] = False  # RMSNorm over each query and key head
+    NORM_OFFSET: ClassVar[float] = 0.0  # 1.0: norms scale by (1 + w) (Gemma)
+    POST_NORMS: ClassVar[bool] = False  # norms after the attention and the MLP too (Gemma)
+    GELU: ClassVar[bool] = False  # GeGLU instead of SwiGLU (Gemma)
+    EMBED_SCALE: ClassVar[bool] = False  # embeddings multiplied by sqrt(d_model) (Gemma)
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = type(self).__name__
+        _positive(self, "n_kv_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{name}.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"{name}.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                "unless head_dim is given"
+            )
+        if self.head_dim is not None:
+            _positive(self, "head_dim")
+            if self.d_model % self.n_heads == 0 and self.head_dim == self.d_model // self.n_heads:
+                object.__setattr__(self, "head_dim", None)  # the default, spelled one way: configs compare equal
+        if self.head_size % 2:
+            raise ValueError(f"{name} head_dim must be even for rotary embeddings, got {self.head_size}")
+        for field in ("rope_theta", "local_rope_theta", "rope_scaling_factor"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(
+                    f"{name}.{field} must be a positive number{'' if field == 'rope_theta' else ' or None'}"
+                )
+        if self.sliding_window is not None:
+            _positive(self, "sliding_window")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if not self.layer_types or bad:
+                raise ValueError(
+                    f"{name}.layer_types must be a non-empty tuple of {LAYER_TYPES}, got {self.layer_types}"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError(f"{name}.layer_types has sliding layers but sliding_window is None")
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    def types_per_layer(self) -> list[str]:
+        """Each layer's type, ``"full_attention"`` or ``"sliding_attention"``."""
+        if self.layer_types is None:
+            return [LAYER_TYPES[self.sliding_window is not None]] * self.n_layers
+        return [self.layer_types[i % len(self.layer_types)] for i in range(self.n_layers)]
+
+    def attention_kinds(self) -> tuple[tuple[AttentionKind, ...], list[int] | None]:
+        """The distinct :class:`zoo._blocks.AttentionKind` s and each layer's index among them
+        (``None`` when every layer is alike)."""
+        factor = 1.0 if self.rope_scaling_factor is None else float(self.rope_scaling_factor)
+        full = AttentionKind(None, float(self.rope_theta), factor)
+        if self.local_rope_theta is None:
+            sliding = AttentionKind(self.sliding_window, float(self.rope_theta), factor)
+        else:
+            sliding = AttentionKind(self.sliding_window, float(self.local_rope_theta), 1.0)
+        per_layer = [full if t == "full_attention" else sliding for t in self.types_per_layer()]
+        kinds = tuple(dict.fromkeys(per_layer))
+        return kinds, None if len(kinds) == 1 else [kinds.index(k) for k in per_layer]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        data = dict(data)
+        if data.get("layer_types") is not None:
+            data["layer_types"] = tuple(data["layer_types"])
+        return super().from_dict(data)
+
+    def _layer_params(self, experts: int) -> int:
+        d, hd = self.d_model, self.head_size
+        q, kv = self.n_heads * hd, self.n_kv_heads * hd
+        attn = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if self.attention_bias else 0)
+        attn += 2 * hd if self.QK_NORM else 0
+        norms = (4 if self.POST_NORMS else 2) * d
+        return attn + norms + experts * 3 * d * self.d_ff
+
+    def n_params(self, *, embeddings: bool = True) -> int:
+        """Number of parameters (``embeddings=False`` leaves out the token table and an untied head)."""
+        total = self.n_layers * self._layer_params(1) + self.d_model
+        if embeddings:
+            total += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return total
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(RotaryDecoderConfig):
+    """A :class:`RotaryDecoderConfig` whose every layer's MLP is a mixture of ``n_experts`` experts
+    (``d_ff`` wide each), ``experts_per_token`` per token; ``normalize_router_weights`` divides the
+    chosen routing weights by their sum; the router losses are added to the training loss with
+    weights ``router_aux_loss_coef`` (load balancing) and ``router_z_loss_coef``."""
+
+    n_experts: int
+    experts_per_token: int
+    normalize_router_weights: bool = True
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _positive(self, "n_experts", "experts_per_token")
+        name = type(self).__name__
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(
+                f"{name}.experts_per_token ({self.experts_per_token}) exceeds n_experts ({self.n_experts})"
+            )
+        for field in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, field)
+            if not (isinstance(value, int | float) and value >= 0):
+                raise ValueError(f"{name}.{field} must be a number >= 0, got {value!r}")
+
+    def n_params(self, *, embeddings: bool = True) -> int:
+        """Number of parameters, every expert counted (see :meth:`n_active_params`)."""
+        total = self.n_layers * (self._layer_params(self.n_experts) + self.d_model * self.n_experts)
+        total += self.d_model
+        if embeddings:
+            total += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return total
+
+    def n_active_params(self, *, embeddings: bool = True) -> int:
+        """Parameters one token is computed with: ``experts_per_token`` experts per layer."""
+        return (
+            self.n_params(embeddings=embeddings)
+            - self.n_layers * (self.n_experts - self.experts_per_token) * 3 * self.d_model * self.d_ff
+        )
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """As :meth:`DecoderConfig.flops_per_token`, with the parameters a token uses
+        (:meth:`n_active_params`) in place of all of them."""
+        seq_len = self.max_seq_len if seq_len is None else seq_len
+        matmul = self.n_active_params(embeddings=False) + self.vocab_size * self.d_model
+        return 6.0 * matmul + 12.0 * self.n_layers * self._attn_width() * seq_len
+
+
+class RotaryDecoder(eqx.Module):
+    """The model of the families above: token embedding, :class:`zoo._blocks.DecoderLayer` s
+    scanned over depth, final norm, output head (tied or separate), optional final-logit soft-cap.
+
+    Subclasses name their config class (``CONFIG``); everything else follows from the config.
+    """
+
+    embed: nn.Embedding
+    stack: nn.Stack
+    norm: eqx.Module
+    lm_head: nn.Linear | None
+    config: RotaryDecoderConfig = eqx.field(static=True)
+
+    CONFIG: ClassVar[type] = RotaryDecoderConfig
+
+    def __init__(self, config: RotaryDecoderConfig, *, key: PRNGKeyArray):
+        if type(config) is not self.CONFIG:
+            raise TypeError(f"{type(self).__name__} needs a {self.CONFIG.__name__}, got {type(config).__name__}")
+        c = config
+        dtype = c.param_jnp_dtype
+        k_emb, k_stack, k_head = jax.random.split(key, 3)
+        kinds, per_layer = c.attention_kinds()
+        make = _layer_factory(c, kinds)
+        keys = jax.random.split(k_stack, c.n_layers)
+        if per_layer is None:
+            layers = eqx.filter_vmap(lambda k: make(k, None))(keys)
+        else:
+            layers = eqx.filter_vmap(make)(keys, jnp.asarray(per_layer, jnp.int32))
+        self.embed = nn.Embedding(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype, key=k_emb)
+        self.stack = nn.Stack(layers=layers, n_layers=c.n_layers, scan=c.scan_layers)
+        self.norm = _norm(c, c.d_model)
+        self.lm_head = (
+            None
+            if c.tie_embeddings
+            else nn.Linear(
+                c.d_model, c.vocab_size, axes=("embed", "vocab"), init_std=c.init_std, dtype=dtype, key=k_head
+            )
+        )
+        self.config = c
+
+    @property
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
+        return self.stack.checkpoint_names
+
+    def describe(self) -> ModelSpec:
+        """The :class:`zoo.ModelSpec` the memory planner reads."""
+        c = self.config
+        return ModelSpec.from_stack(
+            self.stack,
+            name=c.family,
+            vocab_size=c.vocab_size,
+            tied_head=c.tie_embeddings,
+            compute_dtype=c.compute_dtype,
+            param_dtype=c.param_dtype,
+            max_seq_len=c.max_seq_len,
+        )
+
+    def _run(self, tokens, positions):
+        """``(hidden, router statistics or None)``: the final hidden states and, for an MoE model,
+        the router statistics summed over its layers."""
+        c = self.config
+        check_tokens(tokens, c.max_seq_len, type(self).__name__)
+        if positions is None:
+            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        x = self.embed(tokens)
+        if c.EMBED_SCALE:  # sqrt(d_model), rounded to the parameter dtype as the reference does
+            x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+        x = x.astype(c.compute_jnp_dtype)
+        if not isinstance(c, MoEConfig):
+            return self.norm(self.stack(x, positions=positions)), None
+        # Decided here, outside the scan: whether this call is vmapped (see zoo.nn.MoE).
+        batched = innermost_transform_is_vmap()
+        out = self.stack(pack_stats(x, zero_stats(c.n_experts)), positions=positions, batched=batched)
+        x, stats = unpack_stats(out, c.n_experts)
+        return self.norm(x), {**stats, "layers": jnp.asarray(float(c.n_layers), jnp.float32)}
+
+    def hidden(
+        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq embed"]:
+        """The final hidden states (after the last norm), before the output head."""
+        return self._run(tokens, positions)[0]
+
+    def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
+        """The output head: hidden states to logits (any number of positions), soft-capped to
+        ``final_softcap * tanh(logits / final_softcap)`` when the config has a ``final_softcap``."""
+        with jax.named_scope("lm_head"):
+            logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+            cap = getattr(self.config, "final_softcap", None)
+            if cap is not None:
+                h = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+                logits = (cap * jnp.tanh(h / cap)).astype(logits.dtype)
+            return logits
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq vocab"]:
+        return self.head(self.hidden(tokens, positions=positions))
+
+
+class MoEDecoder(RotaryDecoder):
+    """A :class:`RotaryDecoder` of mixture-of-experts layers, which also returns router statistics.
+
+    Batch it with `jax.vmap` applied directly to the model (as :func:`zoo.lm_loss` does): the model
+    sees that it is vmapped and computes the whole batch's experts as one grouped matmul (see
+    :class:`zoo.nn.MoE`). A `jax.checkpoint`, `lax.scan` or `jit` between the `vmap` and the model
+    hides that, and `jax.lax.ragged_dot` then fails to batch; so does ``vmap(grad(model))``.
+    """
+
+    CONFIG: ClassVar[type] = MoEConfig
+
+    def hidden_and_router_stats(
+        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+    ) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
+        """The final hidden states and the router statistics of one sequence, summed over the
+        layers (see :func:`zoo.nn.router_losses`, which turns those of a batch into the auxiliary
+        losses)."""
+        return self._run(tokens, positions)
+
+    def logits_and_router_stats(
+        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+    ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
+        """The logits and the router statistics of one sequence (see :meth:`hidden_and_router_stats`)."""
+        x, stats = self._run(tokens, positions)
+        return self.head(x), stats
+
+    @property
+    def aux_loss_weights(self) -> dict[str, float]:
+        """Weights of the router losses in the training loss (from the config)."""
+        c = self.config
+        return {"load_balancing_loss": c.router_aux_loss_coef, "router_z_loss": c.router_z_loss_coef}
+
+
+def _norm(c: RotaryDecoderConfig, dim: int, axis: str | None = "embed"):
+    if c.NORM_OFFSET == 0.0 and axis == "embed":
+        return nn.RMSNorm(dim, eps=c.norm_eps, dtype=c.param_jnp_dtype)
+    return nn.OffsetRMSNorm(dim, eps=c.norm_eps, offset=c.NORM_OFFSET, axis=axis, dtype=c.param_jnp_dtype)
+
+
+def _layer_factory(c: RotaryDecoderConfig, kinds):
+    """``(key, kind index or None) -> DecoderLayer`` for config ``c``."""
+    dtype = c.param_jnp_dtype
+    out_std = c.init_std / math.sqrt(2 * c.n_layers)
+    scalar = getattr(c, "query_pre_attn_scalar", None)
+
+    def make(key, kind):
+        ka, km = jax.random.split(key)
+        attn = SelfAttention(
+            c.d_model,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_size,
+            kinds=kinds,
+            kind=kind,
+            bias=c.attention_bias,
+            head_norm=(lambda dim: _norm(c, dim, axis=None)) if c.QK_NORM else None,
+            softcap=getattr(c, "attn_softcap", None),
+            scale=None if scalar is None else scalar**-0.5,
+            implementation=c.attention,
+            init_std=c.init_std,
+            out_init_std=out_std,
+            dtype=dtype,
+            key=ka,
+        )
+        common = dict(init_std=c.init_std, out_init_std=out_std, dtype=dtype, key=km)
+        if isinstance(c, MoEConfig):
+            mlp = nn.MoE(
+                c.d_model,
+                c.d_ff,
+                n_experts=c.n_experts,
+                experts_per_token=c.experts_per_token,
+                normalize_weights=c.normalize_router_weights,
+                **common,
+            )
+        else:
+            mlp = (nn.GeGLU if c.GELU else nn.SwiGLU)(c.d_model, c.d_ff, **common)
+        post = (lambda: _norm(c, c.d_model)) if c.POST_NORMS else (lambda: None)
+        return DecoderLayer(
+            attn_norm=_norm(c, c.d_model),
+            attn=attn,
+            attn_post_norm=post(),
+            mlp_norm=_norm(c, c.d_model),
+            mlp=mlp,
+            mlp_post_norm=post(),
+        )
+
+    return make

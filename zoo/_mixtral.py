@@ -1,0 +1,78 @@
+"""Mixtral: a Mistral-shaped decoder whose every MLP is a mixture of experts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from ._decoder import MoEConfig, MoEDecoder
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtralConfig(MoEConfig):
+    """Mixtral: Mistral's attention (grouped-query, rotary, optional sliding window) with a
+    mixture-of-experts MLP in every layer: softmax over ``n_experts`` router logits, the top
+    ``experts_per_token`` experts, their weights renormalised to sum to one
+    (``normalize_router_weights``, always so in Mixtral checkpoints).
+
+    Defaults are Mixtral-8x7B. Presets: ``tiny`` (tests), ``8x7b``, ``8x22b``; model names
+    ``mixtral:PRESET``.
+
+    **Example:**
+
+    ```python
+    import zoo
+    cfg = zoo.config_from_name("mixtral:8x7b")
+    round(cfg.n_params() / 1e9, 1), round(cfg.n_active_params() / 1e9, 1)   # (46.7, 12.9)
+    ```
+    """
+
+    vocab_size: int = 32000
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    d_ff: int = 14336
+    n_experts: int = 8
+    experts_per_token: int = 2
+    max_seq_len: int = 32768
+    norm_eps: float = 1e-5
+    rope_theta: float = 1_000_000.0
+    router_aux_loss_coef: float = 0.02
+
+    family: ClassVar[str] = "mixtral"
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(
+            vocab_size=256,
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=96,
+            n_experts=4,
+            experts_per_token=2,
+            max_seq_len=128,
+            rope_theta=10000.0,
+        ),
+        "8x7b": dict(),
+        "8x22b": dict(vocab_size=32768, d_model=6144, n_layers=56, n_heads=48, d_ff=16384, max_seq_len=65536),
+    }
+
+
+class Mixtral(MoEDecoder):
+    """A Mixtral decoder (see :class:`MixtralConfig`). Besides the logits it gives the router
+    statistics for the auxiliary losses (:meth:`logits_and_router_stats`).
+
+    **Arguments:** `config` (a :class:`MixtralConfig`), `key`.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    model = zoo.Mixtral(zoo.MixtralConfig.preset("tiny"), key=jax.random.key(0))
+    logits = jax.vmap(model)(jnp.zeros((2, 16), jnp.int32))     # (2, 16, vocab)
+    ```
+    """
+
+    CONFIG: ClassVar[type] = MixtralConfig

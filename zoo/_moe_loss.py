@@ -1,0 +1,71 @@
+"""The next-token loss of a mixture-of-experts model with its router losses added.
+
+A model that returns router statistics (``hidden_and_router_stats``, as :class:`zoo.Mixtral` and
+:class:`zoo.Qwen3Moe`) is run per example under `jax.vmap`; the statistics of the batch are
+summed and turned into the load-balancing and z losses (:func:`zoo.nn.router_losses`), which are
+added to the cross-entropy with the model's weights (``aux_loss_weights``, from its config) or
+the ones given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+from jaxtyping import Array, Bool, Float, Int, Num
+
+from ._loss import cross_entropy
+from .nn._moe import router_losses
+
+
+def has_router_losses(model) -> bool:
+    """Whether ``model`` gives router statistics (a mixture-of-experts model)."""
+    return callable(getattr(model, "hidden_and_router_stats", None))
+
+
+def router_loss_terms(
+    model, stats: dict[str, Array], aux_weights: Mapping[str, float] | None = None
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """``(weighted sum, terms)`` of the router losses of a batch's statistics ``stats`` (as
+    ``jax.vmap(model.hidden_and_router_stats)`` returns them): ``aux_weights`` maps loss names to
+    weights (default: ``model.aux_loss_weights``); a name it leaves out is reported, not added."""
+    weights = dict(model.aux_loss_weights if aux_weights is None else aux_weights)
+    terms = router_losses(stats)
+    unknown = sorted(set(weights) - set(terms))
+    if unknown:
+        raise ValueError(f"unknown auxiliary losses {unknown}; the model has {sorted(terms)}")
+    return sum(weights.get(name, 0.0) * value for name, value in terms.items()), terms
+
+
+def lm_loss_and_metrics(
+    model,
+    tokens: Int[Array, "batch seq_plus_one"],
+    mask: Bool[Array, "batch seq"] | Num[Array, "batch seq"] | None = None,
+    *,
+    aux_weights: Mapping[str, float] | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """``(loss, metrics)``: cross-entropy of predicting ``tokens[:, 1:]`` plus the weighted router
+    losses (:func:`router_loss_terms`), and each term (``cross_entropy``, ``load_balancing_loss``,
+    ``router_z_loss``). The router losses ignore ``mask`` (they count every token, as
+    ``transformers`` does without an attention mask).
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    from zoo._moe_loss import lm_loss_and_metrics
+    model = zoo.Mixtral(zoo.MixtralConfig.preset("tiny"), key=jax.random.key(0))
+    loss, metrics = lm_loss_and_metrics(model, jnp.zeros((2, 17), jnp.int32))
+    sorted(metrics)   # ['cross_entropy', 'load_balancing_loss', 'router_z_loss']
+    ```
+    """
+    if not has_router_losses(model):
+        raise TypeError(f"{type(model).__name__} has no router statistics (hidden_and_router_stats)")
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"the loss needs tokens of shape (batch, seq + 1) with seq >= 1, got {tokens.shape}")
+    x, stats = jax.vmap(model.hidden_and_router_stats)(tokens[:, :-1])
+    logits = jax.vmap(model.head)(x)
+    with jax.named_scope("loss"):
+        ce = cross_entropy(logits, tokens[:, 1:], mask)
+        aux, terms = router_loss_terms(model, stats, aux_weights)
+    return ce + aux, {"cross_entropy": ce, **terms}
