@@ -1,44 +1,148 @@
-"""Fine-tune a Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2) on local text.
+"""Fine-tune a Hugging Face checkpoint (any model type zoo.load_hf reads) on your own text, fully or with LoRA.
 
-    python -m recipes.finetune_hf path/to/hf_checkpoint --data notes/ --steps 200
-    python -m recipes.finetune_hf path/to/hf_checkpoint --offload params,opt_state --export out/hf
+    python -m recipes.finetune_hf path/to/hf_checkpoint --data notes/ --steps 200 --export out/hf
+    python -m recipes.finetune_hf path/to/hf_checkpoint --data chat.jsonl --lora-rank 16 \\
+        --lora-targets q_proj,k_proj,v_proj,o_proj --offload params --export out/adapter --export-merged out/merged
 
-The directory holds ``config.json`` and ``model.safetensors`` (or a sharded index), and
-``tokenizer.json`` if the model has a tokenizer (without one, text is fed as bytes, which needs a
-vocabulary of at least 256). Every flag of ``recipes.train_lm`` applies (offload, mesh, checkpoints,
-``--resume``); the defaults suit fine-tuning: a small learning rate, short warmup, no weight
-decay. ``--export DIR`` writes the result back in Hugging Face format.
+The directory holds ``config.json``, ``model.safetensors`` (or a sharded index) and, if the model has
+one, ``tokenizer.json`` (without it, text is fed as bytes, which needs a vocabulary of at least 256).
+``--data`` is a text file, a directory of them, a ``.jsonl`` with a ``text`` field, or a pre-tokenized
+``.bin`` (``--data-dtype uint16``); documents are joined with the tokenizer's end-of-sequence token.
+Every flag of ``recipes.train_lm`` applies (offload, mesh, checkpoints, ``--resume``); the defaults suit
+fine-tuning: a small learning rate, short warmup, no weight decay, float32 master weights
+(``--param-dtype``), samples before and after.
+
+- Full fine-tuning: ``--export DIR`` writes the model in Hugging Face format, in the checkpoint's own
+  dtype (``--export-dtype`` to change it).
+- LoRA (``--lora-rank R``, ``--lora-alpha A``, ``--lora-targets``, ``--lora-dropout``): the base stays
+  frozen in ``--base-dtype`` (default: the checkpoint's own), and with ``--offload params`` in host
+  memory, streamed per layer, while the adapters and their optimizer state stay on the device;
+  checkpoints hold the adapters only. ``--export DIR`` writes a PEFT adapter directory
+  (``peft.PeftModel.from_pretrained(base, DIR)``), ``--export-merged DIR`` the merged full model.
+
+Each export also holds the tokenizer files and ``generation_config.json`` the checkpoint had, so
+``transformers`` loads it with its tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import shutil
 
+import jax
+
+import transforms
 import zoo
 from recipes._lm.run_setup import is_hf_dir
 from recipes.train_lm import main as train_main
+from zoo.nn import LoRALinear
 
-DEFAULTS = {"lr": 1e-4, "warmup": 10, "steps": 100, "weight_decay": 0.0, "eval_every": 50, "save_every": 50}
+DEFAULTS = {
+    "lr": 1e-4,
+    "warmup": 10,
+    "steps": 100,
+    "weight_decay": 0.0,
+    "eval_every": 50,
+    "save_every": 50,
+    "sample_before": True,
+    "prompt": "The",
+}
+
+#: Files besides the weights that make a model directory usable: tokenizers, generation defaults.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+#: config.json fields carried over to an export (token ids the weights do not hold).
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def source_dtype(directory: pathlib.Path) -> str | None:
+    """The dtype the checkpoint stores its weights in (``None`` if mixed)."""
+    tensors = zoo.hf._load.read_tensors(directory)
+    stored = {info.dtype for info in tensors.values()}
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    return names.get(stored.pop()) if len(stored) == 1 else None
+
+
+def copy_side_files(source: pathlib.Path, target: pathlib.Path) -> list[str]:
+    copied = []
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, target / name)
+            copied.append(name)
+    return copied
+
+
+def token_fields(source: pathlib.Path, vocab_size: int) -> dict:
+    """The special-token ids of the source ``config.json`` that fit the vocabulary."""
+    config = json.loads((source / "config.json").read_text())
+
+    def fits(v):
+        ids = v if isinstance(v, list) else [v]
+        return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)
+
+    return {k: config[k] for k in TOKEN_FIELDS if config.get(k) is not None and fits(config[k])}
+
+
+def has_adapters(model) -> bool:
+    return any(isinstance(n, LoRALinear) for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoRALinear)))
+
+
+def export(model, source: pathlib.Path, *, full: str | None, merged: str | None, dtype: str | None) -> None:
+    """Write ``model`` as asked: the full model (or, with adapters, the PEFT adapter) to ``full``,
+    the merged model to ``merged``; each with the checkpoint's tokenizer files."""
+    lora = has_adapters(model)
+    if merged and not lora:
+        raise SystemExit("--export-merged needs a LoRA run (--lora-rank); --export writes the full model")
+    dtype = dtype or source_dtype(source)
+    extra = token_fields(source, model.config.vocab_size)
+    if full:
+        if lora:
+            zoo.hf.save_peft_adapter(model, full, base_model_name_or_path=str(source.resolve()))
+            what = "PEFT adapter"
+        else:
+            zoo.save_hf(model, full, dtype=dtype, extra_config=extra)
+            what = f"model ({dtype or 'float32'})"
+        copied = copy_side_files(source, pathlib.Path(full))
+        print(f"exported the {what} to {full} (with {', '.join(copied) or 'no tokenizer files'})")
+    if merged:
+        zoo.save_hf(transforms.merge_lora(model), merged, dtype=dtype, extra_config=extra)
+        copied = copy_side_files(source, pathlib.Path(merged))
+        print(f"exported the merged model to {merged} (with {', '.join(copied) or 'no tokenizer files'})")
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="Hugging Face checkpoint directory")
-    p.add_argument("--export", default=None, help="write the fine-tuned model here in Hugging Face format")
+    p.add_argument("--export", default=None, help="write the result here (the full model, or the LoRA adapter)")
+    p.add_argument("--export-merged", default=None, help="with --lora-rank: write the merged full model here")
+    p.add_argument("--export-dtype", default=None, help="dtype of exported weights (default: the checkpoint's)")
     args, rest = p.parse_known_args(argv)
+    source = pathlib.Path(args.checkpoint)
+    if not is_hf_dir(args.checkpoint):
+        raise SystemExit(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json)")
+    if args.export_merged and "--lora-rank" not in " ".join(rest) and "--resume" not in rest:
+        raise SystemExit("--export-merged needs --lora-rank (a LoRA run); --export writes the full model")
+    if args.export_dtype not in (None, *zoo._config.DTYPES):
+        raise SystemExit(f"--export-dtype {args.export_dtype!r}: choose one of {', '.join(zoo._config.DTYPES)}")
     if "--resume" not in rest:
-        if not is_hf_dir(args.checkpoint):
-            raise SystemExit(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json)")
         rest = ["--model", args.checkpoint, *rest]
     summary = train_main(rest, defaults=DEFAULTS)
-    if args.export and summary.get("model") is not None:
-        zoo.save_hf(summary["model"], args.export)
-        tokenizer = pathlib.Path(args.checkpoint) / "tokenizer.json"
-        if tokenizer.is_file():
-            shutil.copy(tokenizer, pathlib.Path(args.export) / "tokenizer.json")
-        print(f"exported to {args.export}")
+    if (args.export or args.export_merged) and not summary.get("finished", True):
+        print("not exported yet: the run stopped before its last step (export when it is resumed to the end)")
+        return summary
+    if (args.export or args.export_merged) and summary.get("model") is not None:
+        export(summary["model"], source, full=args.export, merged=args.export_merged, dtype=args.export_dtype)
     return summary
 
 

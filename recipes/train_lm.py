@@ -34,7 +34,7 @@ import numpy as np
 import checkpointing
 import transforms
 import zoo
-from recipes._lm.data import ByteTokenizer, Corpus, HFTokenizer, batch_at
+from recipes._lm.data import ByteTokenizer, HFTokenizer, batch_at, open_corpus
 from recipes._lm.monitor import (
     MetricsLog,
     Progress,
@@ -45,10 +45,15 @@ from recipes._lm.monitor import (
     read_jsonl,
 )
 from recipes._lm.run_setup import (
+    apply_lora,
     apply_offload,
     build_model,
+    check_seq,
+    decay_mask,
+    hf_config,
     init_distributed,
     is_hf_dir,
+    lr_schedule,
     make_config,
     make_optimizer,
     parse_mesh,
@@ -71,8 +76,19 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
         default="llama:tiny",
         help="FAMILY:PRESET (llama:tiny, gpt2:124m, ...) or a Hugging Face checkpoint dir",
     )
-    a("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
-    a("--data-bytes", type=int, default=2_000_000, help="read at most this many bytes of text")
+    a(
+        "--data",
+        default=None,
+        help="text file, directory of text files, .jsonl (a 'text' field per line) or pre-tokenized .bin "
+        "(default: the Python standard library's sources)",
+    )
+    a(
+        "--data-bytes",
+        type=int,
+        default=None,
+        help="read at most this many bytes of text (default: all of --data; 2,000,000 of the standard library)",
+    )
+    a("--data-dtype", default=None, help="token dtype of a pre-tokenized .bin file: uint16 or uint32")
     a("--steps", type=int, default=300, help="total optimizer steps (the learning-rate schedule's length)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--seq", type=int, default=128, help="tokens per sequence")
@@ -81,7 +97,12 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     a("--warmup", type=int, default=40)
     a("--weight-decay", type=float, default=0.1)
     a("--clip", type=float, default=1.0, help="global gradient-norm clip")
-    a("--param-dtype", default="float32")
+    a("--param-dtype", default="float32", help="dtype of the trained weights (a checkpoint's too, unless --lora-rank)")
+    a("--base-dtype", default=None, help="with --lora-rank: dtype of the frozen base (default: the checkpoint's own)")
+    a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base (0: train all)")
+    a("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default: twice the rank)")
+    a("--lora-targets", default="q_proj,v_proj", help="projections to adapt (q_proj,k_proj,v_proj,o_proj,gate,up,down)")
+    a("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     a("--compute-dtype", default="float32", help="e.g. bfloat16 on a GPU")
     a("--seed", type=int, default=0)
     a("--mesh", default=None, help="device mesh sizes, e.g. data=2,fsdp=4,tensor=1 (default: no mesh)")
@@ -113,6 +134,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     a("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this many steps in this invocation")
     a("--prompt", default="def main(", help="prompt for the samples printed at the end")
     a("--quiet-samples", action="store_true", help="skip sampling at the end")
+    a("--sample-before", action="store_true", help="also sample before the first step")
     a("--coordinator", default=None, help="HOST:PORT of process 0, for a multi-process run")
     a("--num-processes", type=int, default=None)
     a("--process-id", type=int, default=None)
@@ -141,6 +163,12 @@ def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespa
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.save_every < 0:
         parser.error(f"--save-every must be >= 0, got {args.save_every}")
+    if args.lora_rank < 0 or not 0 <= args.lora_dropout < 1:
+        parser.error(
+            f"--lora-rank must be >= 0 and --lora-dropout in [0, 1), got {args.lora_rank}, {args.lora_dropout}"
+        )
+    if args.data_bytes is not None and args.data_bytes < 1:
+        parser.error(f"--data-bytes must be >= 1, got {args.data_bytes}")
     if args.batch % args.accum:
         parser.error(f"--batch {args.batch} must be a multiple of --accum {args.accum}")
     if args.plan and args.offload:
@@ -173,17 +201,20 @@ class Run:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         hf = is_hf_dir(args.model)
+        # Every check that reads only files comes first: a bad flag is one line, before any load or compile.
+        if hf:
+            self.config = hf_config(args.model)
+            check_seq(args.seq, self.config.max_seq_len, args.model)
         if hf and (pathlib.Path(args.model) / "tokenizer.json").is_file():
             self.tokenizer = HFTokenizer(args.model)
         else:
             self.tokenizer = ByteTokenizer()
-        self.corpus = Corpus(args.data, self.tokenizer, limit=args.data_bytes, seed=args.seed)
-        self.corpus.check(args.seq)
-        self.mesh = parse_mesh(args.mesh)
-        if hf:
-            self.model = build_model(args.model, None, self.mesh, seed=args.seed, compute_dtype=args.compute_dtype)
-            self.config = self.model.config
-        else:
+        if hf and self.config.vocab_size < self.tokenizer.vocab_size:
+            raise SystemExit(
+                f"the tokenizer of {args.model} has {self.tokenizer.vocab_size} tokens, more than the "
+                f"{self.config.vocab_size} rows of the model's embedding"
+            )
+        if not hf:
             self.config = make_config(
                 args.model,
                 vocab_size=self.tokenizer.vocab_size,
@@ -191,12 +222,38 @@ class Run:
                 param_dtype=args.param_dtype,
                 compute_dtype=args.compute_dtype,
             )
+        self.corpus = open_corpus(
+            args.data, self.tokenizer, limit=args.data_bytes, seed=args.seed, dtype=getattr(args, "data_dtype", None)
+        )
+        self.corpus.check(args.seq)
+        self.mesh = parse_mesh(args.mesh)
+        self.lora = getattr(args, "lora_rank", 0) > 0
+        if hf:
+            # Full fine-tuning trains --param-dtype master weights; a LoRA base stays frozen in --base-dtype.
+            dtype = getattr(args, "base_dtype", None) if self.lora else args.param_dtype
+            self.model = build_model(
+                args.model, None, self.mesh, seed=args.seed, compute_dtype=args.compute_dtype, dtype=dtype
+            )
+            self.config = self.model.config
+        else:
             self.model = build_model(args.model, self.config, self.mesh, seed=args.seed)
         if self.config.vocab_size < self.tokenizer.vocab_size:
             raise SystemExit(
                 f"{args.model} has {self.config.vocab_size} tokens, the tokenizer {self.tokenizer.vocab_size}"
             )
+        if self.lora:
+            self.model = apply_lora(
+                self.model,
+                rank=args.lora_rank,
+                alpha=args.lora_alpha,
+                targets=args.lora_targets,
+                dropout=args.lora_dropout,
+                dtype=args.param_dtype,
+                seed=args.seed,
+            )
         hyper = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "weight_decay": args.weight_decay}
+        self.schedule = lr_schedule(lr=args.lr, warmup=args.warmup, steps=args.steps)
+        hyper["mask"] = decay_mask(self.model)  # no decay on norms, biases, scalars
         self.plan = None
         if args.plan:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
             self.plan = transforms.plan(
@@ -217,12 +274,26 @@ class Run:
         self.rng = [int(x) for x in np.asarray(jax.random.key_data(jax.random.key(args.seed + 1)))]
         self.rows = process_rows(args.batch)
         self.eval_loss = eqx.filter_jit(zoo.lm_loss)
+        self.dropout_key = jax.random.key(args.seed + 4) if getattr(args, "lora_dropout", 0) > 0 else None
+
+    def step_key(self, step: int):
+        """The dropout key of ``step`` (``None`` without dropout): a function of the seed and the step."""
+        return None if self.dropout_key is None else jax.random.fold_in(self.dropout_key, step)
 
     def state(self) -> dict:
+        """What a checkpoint holds: the model and optimizer state; with LoRA, the adapters only
+        (the frozen base is the checkpoint directory's, loaded again on resume)."""
+        if self.lora:
+            adapters = eqx.filter(self.model, transforms.trainable_mask(self.model))
+            return {"adapters": adapters, "opt_state": self.opt_state}
         return {"model": self.model, "opt_state": self.opt_state}
 
     def set_state(self, state: dict, metadata: dict) -> None:
-        self.model, self.opt_state = state["model"], state["opt_state"]
+        if self.lora:
+            self.model = eqx.combine(state["adapters"], self.model)
+        else:
+            self.model = state["model"]
+        self.opt_state = state["opt_state"]
         self.rng = metadata["rng"]
 
     def batch(self, tokens: np.ndarray, step: int, seed: int):
@@ -317,11 +388,19 @@ def announce(run: Run, out: pathlib.Path, start: int, say) -> float:
         f"val {len(run.corpus.val):,} | {jax.device_count()} x {jax.devices()[0].device_kind} | "
         f"{jax.process_count()} process(es) | run dir {out}"
     )
+    for note in run.corpus.notes:
+        say(note)
+    if run.lora:
+        trained = sum(x.size for x in jax.tree.leaves(eqx.filter(run.model, transforms.trainable_mask(run.model))))
+        say(
+            f"LoRA rank {args.lora_rank} on {args.lora_targets}: {trained:,} trained parameters, "
+            f"{cfg.n_params():,} frozen"
+        )
     if start:
         say(f"resumed at step {start} from {out}")
     if run.plan is not None:
         say(run.plan)
-    if args.offload or args.plan:
+    if args.offload or args.plan or run.lora:
         say(transforms.memory_report(params=run.model, opt_state=run.opt_state))
     baseline = run.corpus.unigram_bits_per_byte()
     say(f"unigram baseline: {baseline:.3f} bits/byte")
@@ -343,7 +422,8 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
     """Steps ``start + 1 .. last``: train, log, validate, checkpoint."""
     args = run.args
     for step in range(start + 1, last + 1):
-        model, opt_state, metrics = run.step_fn(run.model, run.opt_state, run.batch(run.corpus.train, step, args.seed))
+        batch = run.batch(run.corpus.train, step, args.seed)
+        model, opt_state, metrics = run.step_fn(run.model, run.opt_state, batch, key=run.step_key(step))
         loss = float(metrics["loss"])
         saving = (args.save_every and step % args.save_every == 0) or step == last
         if not math.isfinite(loss) or (saving and not bool(all_finite(model))):
@@ -358,6 +438,7 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
                 loss=loss,
                 train_bits_per_byte=run.bits_per_byte(loss),
                 grad_norm=float(metrics["grad_norm"]),
+                lr=float(run.schedule(step - 1)),  # the rate this step's update used (optax counts from 0)
                 time=time.time(),
                 **rates,
             )
@@ -393,6 +474,16 @@ def finish(run: Run, out: pathlib.Path, baseline: float, say) -> None:
             say("sample:", repr(args.prompt + run.tokenizer.decode(row)))
 
 
+def samples_before(run: Run, say) -> None:
+    """Continuations of ``--prompt`` from the model as it starts (to compare with those at the end)."""
+    args = run.args
+    if args.quiet_samples or jax.process_count() > 1:
+        return
+    prompt = run.tokenizer.encode(args.prompt.encode())
+    for row in sample(run.model, prompt, 100, jax.random.wrap_key_data(jnp.asarray(run.rng, jnp.uint32))):
+        say("sample before training:", repr(args.prompt + run.tokenizer.decode(row)))
+
+
 def main(argv=None, *, defaults: dict | None = None) -> dict:
     """Run the recipe; returns a summary (final step, losses, paths)."""
     args = parse(argv, defaults, distributed=True)
@@ -400,6 +491,8 @@ def main(argv=None, *, defaults: dict | None = None) -> dict:
     say = print if lead else (lambda *a, **k: None)
     run, out, ckpt, start = open_run(args)
     baseline = announce(run, out, start, say)
+    if args.sample_before and start == 0:
+        samples_before(run, say)
     if lead:
         (out / "args.json").write_text(json.dumps(vars(args), indent=2))
     log = MetricsLog(out / "metrics.jsonl", truncate_after=start) if lead else None
@@ -424,6 +517,7 @@ def main(argv=None, *, defaults: dict | None = None) -> dict:
         if log:
             log.close()
     summary["final_step"] = last
+    summary["finished"] = last == args.steps
     summary["model"] = run.model
     if last < args.steps:
         say(f"stopped after step {last} of {args.steps}; continue with: --resume {out}")

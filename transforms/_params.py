@@ -8,13 +8,16 @@ import jax
 
 from zoo import nn
 
+from ._lora import adapter_mask
 from ._memory import HOST, is_arraylike, is_floating, memory_kind, place, require_host_memory
 
 
 def _selected(model, where: Callable | None):
-    """Boolean pytree (over array leaves) of what ``where`` selects; default: floating leaves."""
+    """Boolean pytree (over array leaves) of what ``where`` selects; default: floating leaves
+    except LoRA adapters (small, trained every step: they stay on the device)."""
     if where is None:
-        return jax.tree.map(lambda x: is_arraylike(x) and is_floating(x), model)
+        adapters = adapter_mask(model)
+        return jax.tree.map(lambda x, a: is_arraylike(x) and is_floating(x) and not a, model, adapters)
     if not callable(where):
         raise TypeError(f"where must be a callable filter (leaf -> bool) or None, got {type(where).__name__}")
     return jax.tree.map(lambda x: bool(is_arraylike(x) and where(x)), model)
@@ -46,7 +49,9 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
 
     - `model`: an Equinox model (concrete, or abstract from `eqx.filter_eval_shape`).
     - `where`: optional filter ``leaf -> bool`` choosing the leaves to offload; it may only
-      select floating-point arrays.
+      select floating-point arrays. Default: every floating-point weight except the adapters
+      of :func:`transforms.lora` (a few MiB, read and written every step), which stay on the
+      device (a `where` that selects them offloads them as well).
     - `prefetch`: use the explicit one-layer-ahead schedule described above.
 
     **Returns:** the model with the selected leaves in ``pinned_host``.

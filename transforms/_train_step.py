@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import optax
 
 from zoo.nn import Stack
+from zoo.nn._frozen import trainable_mask, trainable_params
 from zoo.nn._placement import any_on_host
 
+from ._lora import needs_key, with_step_keys
 from ._memory import mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
 from ._opt_stream import StreamedOptimizer
 from ._tree import global_norm
@@ -63,6 +65,11 @@ class TrainStep:
       micro-batches whose gradients are averaged (a `lax.scan`, one compiled body; with weights
       or activations offloaded, an unrolled loop, since host offload inside nested loops does
       not compile everywhere).
+    - Frozen modules (:func:`transforms.freeze`, the base of :func:`transforms.lora`) are
+      constants of the step: no gradient is computed for them and the optimizer never sees them.
+    - Dropout (:func:`transforms.lora` with ``dropout > 0``) draws its masks from the ``key``
+      given to each call (and folds in the micro-batch index); a model with dropout needs one:
+      pass ``key=jax.random.fold_in(run_key, step)`` so that a resumed run draws the same masks.
     - ``metrics`` holds ``loss`` (mean over micro-batches) and ``grad_norm``.
     - One trace per model structure and placement: :attr:`trace_count` counts them.
 
@@ -70,8 +77,8 @@ class TrainStep:
 
     - `loss_fn`: ``loss_fn(model, batch) -> scalar``, e.g. :func:`zoo.lm_loss`.
     - `optimizer`: an optax `GradientTransformation` (offloaded or not). It updates the
-      floating-point leaves of the model (``eqx.filter(model, eqx.is_inexact_array)``); create
-      its state with :meth:`init`.
+      trained leaves of the model, the floating-point ones outside frozen modules
+      (``transforms.trainable_mask``); create its state with :meth:`init`.
     - `accum_steps`: number of micro-batches per step.
     - `donate`: donate the model and optimizer state buffers.
 
@@ -109,51 +116,73 @@ class TrainStep:
         self.trace_count = 0
         self._compiled: dict[Any, Callable] = {}
 
-    def _grads(self, model, batch, *, keep_placement: bool = False):
-        value_and_grad = eqx.filter_value_and_grad(self.loss_fn)
+    def _grads(self, trainable, rest, batch, key, *, keep_placement: bool = False):
+        """Loss and gradients with respect to ``trainable`` only; ``rest`` (frozen weights, integer
+        leaves, static parts) is a constant of the differentiated function."""
+
+        def loss_of(t, mb, k):
+            model = eqx.combine(t, rest)
+            return self.loss_fn(model if k is None else with_step_keys(model, k), mb)
+
+        value_and_grad = jax.value_and_grad(loss_of)
         if self.accum_steps == 1:
-            loss, grads = value_and_grad(model, batch)
+            loss, grads = value_and_grad(trainable, batch, key)
             return loss, grads if keep_placement else tree_to_device(grads)
 
         micro = _split_microbatches(batch, self.accum_steps)
 
-        def body(carry, mb):
+        def body(carry, xs):
+            i, mb = xs
             loss_sum, grad_sum = carry
-            loss, grads = value_and_grad(model, mb)
+            loss, grads = value_and_grad(trainable, mb, None if key is None else jax.random.fold_in(key, i))
             grads = tree_to_device(grads)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), eqx.filter(model, eqx.is_inexact_array))
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), trainable)
         carry = (jnp.zeros((), jnp.float32), zeros)
-        if _offloads_inside_layer_loops(model):
+        if _offloads_inside_layer_loops(eqx.combine(trainable, rest)):
             # Host offload inside a loop nested in another loop fails to compile on some
             # backends (seen as maxtext#4995): the micro-batches run one after the other,
             # unrolled, around the layer loops.
             for i in range(self.accum_steps):
-                carry, _ = body(carry, jax.tree.map(lambda x, i=i: x[i], micro))
+                carry, _ = body(carry, (jnp.int32(i), jax.tree.map(lambda x, i=i: x[i], micro)))
         else:
-            carry, _ = jax.lax.scan(body, carry, micro)
+            carry, _ = jax.lax.scan(body, carry, (jnp.arange(self.accum_steps, dtype=jnp.int32), micro))
         loss_sum, grad_sum = carry
         scale = 1.0 / self.accum_steps
         return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
 
     def _build(self, static):
+        """The step program, as :meth:`__call__` runs it: ``step(trainable, frozen, opt_state, batch,
+        key) -> (trainable, opt_state, metrics)``, the trained leaves in and out, the frozen ones
+        read only. Also callable as ``step(params, opt_state, batch)`` with the whole parameter
+        tree in and out (the form :func:`transforms.compiled_memory` lowers)."""
+        split = self._build_split(static)
+
+        def step(*args):
+            if len(args) == 5:
+                return split(*args)
+            params, opt_state, batch = args
+            trainable, frozen = eqx.partition(params, trainable_mask(eqx.combine(params, static)))
+            trainable, opt_state, metrics = split(trainable, frozen, opt_state, batch, None)
+            return eqx.combine(trainable, frozen), opt_state, metrics
+
+        return step
+
+    def _build_split(self, static):
         streamed = isinstance(self.optimizer, StreamedOptimizer)
 
-        def step(params, opt_state, batch):
+        def step(trainable, frozen, opt_state, batch, key):
             self.trace_count += 1
-            model = eqx.combine(params, static)
-            loss, grads = self._grads(model, batch, keep_placement=streamed)
-            # The optimizer sees the floating-point leaves, as `eqx.filter_value_and_grad` does.
-            trainable, frozen = eqx.partition(params, eqx.is_inexact_array)
+            loss, grads = self._grads(trainable, eqx.combine(frozen, static), batch, key, keep_placement=streamed)
             if streamed:  # layer by layer; every leaf comes back where it was
                 trainable, opt_state, grad_norm = self.optimizer.apply(grads, opt_state, trainable)
-                return eqx.combine(trainable, frozen), opt_state, {"loss": loss, "grad_norm": grad_norm}
+                return trainable, opt_state, {"loss": loss, "grad_norm": grad_norm}
             kinds = jax.tree.map(traced_kind, trainable)
             trainable = tree_to_device(trainable)
             updates, opt_state = self.optimizer.update(grads, opt_state, trainable)
             trainable = restore_kinds(optax.apply_updates(trainable, updates), kinds)
-            return eqx.combine(trainable, frozen), opt_state, {"loss": loss, "grad_norm": global_norm(grads)}
+            return trainable, opt_state, {"loss": loss, "grad_norm": global_norm(grads)}
 
         return step
 
@@ -164,7 +193,7 @@ class TrainStep:
         eager ``zeros_like`` on a ``pinned_host`` array fails inside JAX. An optimizer wrapped by
         :func:`transforms.offload_opt_state` puts its state in host memory itself.
         """
-        params = eqx.filter(model, eqx.is_inexact_array)
+        params = trainable_params(model)
         if isinstance(getattr(self.optimizer, "_offload_inner", None), optax.GradientTransformation):
             return self.optimizer.init(params)
 
@@ -179,25 +208,35 @@ class TrainStep:
         # Moments sharded like their parameters (XLA would replicate them), the rest replicated.
         return jax.jit(build, out_shardings=state_shardings(abstract, chosen, params, mesh))(params)
 
-    def __call__(self, model, opt_state, batch):
+    def __call__(self, model, opt_state, batch, *, key=None):
+        if needs_key(model) and key is None:
+            raise ValueError(
+                "train_step: the model has dropout (e.g. transforms.lora(..., dropout=...)): pass a fresh "
+                "key=jax.random.fold_in(key, step) to each step"
+            )
         # Arrays built eagerly are uncommitted; the step's outputs are committed, and jit compiles
         # again when that changes. Committing them first keeps it to one compile.
         model, opt_state = _commit(model), _commit(opt_state)
         params, static = eqx.partition(model, eqx.is_array)
-        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        # Only the trained leaves go through the step and are donated; frozen weights (a LoRA base)
+        # and integer leaves are read-only inputs, never copied or donated.
+        trainable, frozen = eqx.partition(params, trainable_mask(model))
+        if not jax.tree.leaves(trainable):
+            raise ValueError("train_step: the model has nothing to train (every floating-point weight is frozen)")
+        shardings = jax.tree.map(lambda x: x.sharding, trainable)
         state_shardings = jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else None, opt_state)
-        key = (jax.tree.structure(params), static, jax.tree.structure(opt_state))
-        key = (key, tuple(jax.tree.leaves(param_shardings)), tuple(jax.tree.leaves(state_shardings)))
-        fn = self._compiled.get(key)
+        cache_key = (jax.tree.structure(trainable), jax.tree.structure(frozen), static, jax.tree.structure(opt_state))
+        cache_key = (cache_key, tuple(jax.tree.leaves(shardings)), tuple(jax.tree.leaves(state_shardings)))
+        fn = self._compiled.get(cache_key)
         if fn is None:
             fn = jax.jit(
                 self._build(static),
-                out_shardings=(param_shardings, state_shardings, None),
-                donate_argnums=(0, 1) if self.donate else (),
+                out_shardings=(shardings, state_shardings, None),
+                donate_argnums=(0, 2) if self.donate else (),
             )
-            self._compiled[key] = fn
-        new_params, new_state, metrics = fn(params, opt_state, batch)
-        return eqx.combine(new_params, static), new_state, metrics
+            self._compiled[cache_key] = fn
+        new_trainable, new_state, metrics = fn(trainable, frozen, opt_state, batch, key)
+        return eqx.combine(new_trainable, frozen, static), new_state, metrics
 
 
 def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True) -> TrainStep:

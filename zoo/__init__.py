@@ -23,10 +23,21 @@ from ._config import LlamaConfig as LlamaConfig
 from ._describe import LayerSpec as LayerSpec
 from ._describe import ModelSpec as ModelSpec
 from ._describe import describe as describe
+from ._gemma import Gemma2 as Gemma2
+from ._gemma import Gemma2Config as Gemma2Config
+from ._gemma import Gemma3 as Gemma3
+from ._gemma import Gemma3Config as Gemma3Config
 from ._gpt2 import GPT2 as GPT2
 from ._llama import Llama as Llama
+from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._loss import cross_entropy as cross_entropy
 from ._loss import lm_loss as lm_loss
+from ._mixtral import Mixtral as Mixtral
+from ._mixtral import MixtralConfig as MixtralConfig
+from ._qwen3 import Qwen3 as Qwen3
+from ._qwen3 import Qwen3Config as Qwen3Config
+from ._qwen3 import Qwen3Moe as Qwen3Moe
+from ._qwen3 import Qwen3MoeConfig as Qwen3MoeConfig
 from .hf import load_hf as load_hf
 from .hf import save_hf as save_hf
 

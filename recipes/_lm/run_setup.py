@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 import transforms
 import zoo
@@ -52,35 +53,108 @@ def is_hf_dir(spec: str) -> bool:
 
 
 def make_config(spec: str, *, vocab_size: int, seq: int, param_dtype: str, compute_dtype: str):
-    """The config of ``--model FAMILY:PRESET`` sized for the tokenizer and the sequence length."""
+    """The config of ``--model FAMILY:PRESET`` sized for the tokenizer and the sequence length.
+
+    Raises `SystemExit` for an unknown model and for a ``seq`` beyond the preset's positions."""
     try:
-        return zoo.config_from_name(
-            spec,
-            vocab_size=vocab_size,
-            max_seq_len=max(seq, 128),
-            param_dtype=param_dtype,
-            compute_dtype=compute_dtype,
-        )
+        preset = zoo.config_from_name(spec)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"--model: {err} (or give a Hugging Face checkpoint directory)") from None
+    check_seq(seq, preset.max_seq_len, spec)
+    return zoo.config_from_name(
+        spec,
+        vocab_size=vocab_size,
+        max_seq_len=max(seq, 128),
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+    )
 
 
-def build_model(spec: str, cfg, mesh, *, seed: int, compute_dtype: str | None = None):
-    """A fresh model (preset), or the weights of a Hugging Face directory; sharded over ``mesh``."""
+def check_seq(seq: int, positions: int, model: str) -> None:
+    if seq > positions:
+        raise SystemExit(
+            f"--seq {seq} is longer than the {positions} positions of {model}; use at most --seq {positions}"
+        )
+
+
+def hf_config(directory: str):
+    """The zoo config of a Hugging Face directory, read from ``config.json`` alone (no weights):
+    an unsupported ``model_type`` or setting is one line, before anything is loaded."""
+    try:
+        return zoo.hf._config_map.zoo_config_from_hf(zoo.hf._load.read_config(pathlib.Path(directory)))
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"--model {directory}: {err}") from None
+
+
+def build_model(spec: str, cfg, mesh, *, seed: int, compute_dtype: str | None = None, dtype: str | None = None):
+    """A fresh model (preset), or the weights of a Hugging Face directory in ``dtype`` (default:
+    the checkpoint's own); sharded over ``mesh``."""
     if is_hf_dir(spec):
-        return zoo.load_hf(spec, mesh=mesh, compute_dtype=compute_dtype)
+        try:
+            return zoo.load_hf(spec, mesh=mesh, dtype=dtype, compute_dtype=compute_dtype)
+        except (ValueError, FileNotFoundError) as err:
+            raise SystemExit(f"--model {spec}: {err}") from None
     key = jax.random.key(seed)
     if mesh is None:
         return zoo.build_model(cfg, key=key)
     return sharding.init_sharded(lambda k: zoo.build_model(cfg, key=k), mesh, key=key)
 
 
-def make_optimizer(*, lr: float, warmup: int, steps: int, weight_decay: float, clip: float | None):
-    """AdamW with warmup and cosine decay, after a global-norm clip (``clip=None``: no clip, for
-    callers that clip elsewhere, e.g. a streamed update's ``clip_norm``)."""
+def parse_targets(spec: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in spec.split(",") if t.strip())
+
+
+def apply_lora(model, *, rank: int, alpha: float | None, targets: str, dropout: float, dtype: str, seed: int):
+    """``transforms.lora`` with the recipe's flags (alpha defaults to twice the rank)."""
+    try:
+        return transforms.lora(
+            model,
+            rank=rank,
+            alpha=2.0 * rank if alpha is None else alpha,
+            targets=parse_targets(targets),
+            dropout=dropout,
+            dtype=jnp.dtype(dtype),
+            key=jax.random.key(seed + 3),
+        )
+    except ValueError as err:
+        raise SystemExit(f"--lora-*: {err}") from None
+
+
+def lr_schedule(*, lr: float, warmup: int, steps: int):
+    """Linear warmup to ``lr``, then cosine decay to ``lr / 10`` at ``steps``."""
     warmup = min(warmup, steps - 1)  # a short run warms up for less than its length
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
-    adamw = optax.adamw(schedule, weight_decay=weight_decay)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
+
+
+def decay_mask(model):
+    """Which weights get weight decay: the matrices, read from their logical axes
+    (``zoo.nn.logical_axes``): two or more axes besides a stack's ``layers`` axis. Norm scales,
+    biases and scalars are not decayed; embeddings, projections and LoRA adapters are (decaying
+    an adapter pulls the model back toward its base, as Hugging Face's Trainer does).
+
+    Returns a function of the parameter tree, matched by tree path, so it gives the same answer
+    on the whole tree and on one layer of it (``offload_opt_state(stream=True)``)."""
+    specs = zoo.nn.logical_axes(model)
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]
+    table = {
+        jax.tree_util.keystr(path): sum(axis != "layers" for axis in spec) >= 2
+        for path, spec in flat
+        if isinstance(spec, P)
+    }
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: table[jax.tree_util.keystr(path)], params)
+
+    return mask
+
+
+def make_optimizer(
+    *, lr: float, warmup: int, steps: int, weight_decay: float, clip: float | None, mask=None
+) -> optax.GradientTransformation:
+    """AdamW with warmup and cosine decay (:func:`lr_schedule`), after a global-norm clip
+    (``clip=None``: no clip, for callers that clip elsewhere, e.g. a streamed update's
+    ``clip_norm``); weight decay only where ``mask`` says (:func:`decay_mask`; ``None``: all)."""
+    adamw = optax.adamw(lr_schedule(lr=lr, warmup=warmup, steps=steps), weight_decay=weight_decay, mask=mask)
     return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)
 
 

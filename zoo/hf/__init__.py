@@ -5,6 +5,8 @@
   sharding and memory kind.
 - :func:`save_hf` writes a zoo model as such a directory, loadable by ``transformers``.
 - :func:`load_hf_tokenizer` reads ``tokenizer.json`` with the optional `tokenizers` package.
+- :func:`save_peft_adapter` / :func:`load_peft_adapter` write and read the LoRA adapters of
+  :func:`transforms.lora` as PEFT adapter directories.
 
 Configurations are mapped field by field (``zoo.hf._config_map``) and tensors by an explicit
 name table (``zoo.hf._weights``); whatever the zoo cannot represent exactly is refused with an
@@ -24,7 +26,16 @@ assert jnp.array_equal(again.embed.weight, model.embed.weight)
 
 from ._config_map import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from ._load import load_hf as load_hf
+from ._peft import load_peft_adapter as load_peft_adapter
+from ._peft import save_peft_adapter as save_peft_adapter
 from ._save import save_hf as save_hf
 from ._tokenizer import load_hf_tokenizer as load_hf_tokenizer
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf", "load_hf_tokenizer", "save_hf"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "load_hf",
+    "load_hf_tokenizer",
+    "load_peft_adapter",
+    "save_hf",
+    "save_peft_adapter",
+]

@@ -15,8 +15,10 @@ import jax
 import numpy as np
 
 from .._build import abstract_model
+from .._decoder import RotaryDecoder
 from .._gpt2 import GPT2
 from .._llama import Llama
+from ..nn._lora import LoRALinear
 from . import _weights
 from ._config_map import hf_config_from_zoo
 from ._load import INDEX_FILE, SINGLE_FILE, param_dtype_name
@@ -41,7 +43,7 @@ def shard_bytes(size: int | str) -> int:
 
 
 def save_hf(
-    model: GPT2 | Llama,
+    model: GPT2 | Llama | RotaryDecoder,
     directory: str | os.PathLike,
     *,
     model_type: str | None = None,
@@ -60,11 +62,14 @@ def save_hf(
 
     **Arguments:**
 
-    - `model`: a :class:`zoo.GPT2` or :class:`zoo.Llama`.
+    - `model`: a :class:`zoo.GPT2`, :class:`zoo.Llama`, :class:`zoo.Qwen3`, :class:`zoo.Qwen3Moe`,
+      :class:`zoo.Mixtral`, :class:`zoo.Gemma2` or :class:`zoo.Gemma3`.
     - `directory`: created if needed.
     - `model_type`: ``"gpt2"``, ``"llama"``, ``"mistral"`` or ``"qwen2"``; default: inferred from
       the config (``qwen2`` with q/k/v biases only, ``mistral`` with a sliding window, else
-      ``llama``). Raises `ValueError` naming the zoo field the type cannot express.
+      ``llama``). The other families have one model type each (``qwen3``, ``qwen3_moe``,
+      ``mixtral``, ``gemma2``, ``gemma3_text``). Raises `ValueError` naming the zoo field the type
+      cannot express.
     - `dtype`: dtype of the stored tensors; default: each weight's own dtype.
     - `max_shard_size`: bytes, or a string such as ``"5GB"``.
     - `extra_config`: more ``config.json`` fields (e.g. ``bos_token_id``); may not change the
@@ -80,8 +85,13 @@ def save_hf(
         reloaded = zoo.load_hf(d)
     ```
     """
-    if not isinstance(model, GPT2 | Llama):
-        raise TypeError(f"save_hf saves a zoo.GPT2 or zoo.Llama, got {type(model).__name__}")
+    if not isinstance(model, GPT2 | Llama | RotaryDecoder):
+        raise TypeError(f"save_hf saves a zoo model of a family zoo.load_hf reads, got {type(model).__name__}")
+    if any(isinstance(n, LoRALinear) for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoRALinear))):
+        raise ValueError(
+            "save_hf: the model has LoRA adapters; fold them in first (transforms.merge_lora) for a full model, "
+            "or write them alone with zoo.hf.save_peft_adapter"
+        )
     config = model.config
     hf = hf_config_from_zoo(config, model_type)
     for key, value in (extra_config or {}).items():
@@ -91,12 +101,18 @@ def save_hf(
     entries = _weights.table(config, "transformer." if hf["model_type"] == "gpt2" else "")
     leaves = _weights.leaf_paths(eqx.filter(model, eqx.is_array))
     expected = _weights.leaf_paths(abstract_model(config))
-    _weights.check_table(entries, expected, config.n_layers)
+    derived = _weights.derived(config)  # rebuilt from config.json on load: must agree with it
+    _weights.check_table(entries, {p: x for p, x in expected.items() if p not in derived}, config.n_layers)
     mismatched = [
         f"{p}: {tuple(leaves[p].shape) if p in leaves else 'absent'}, config says "
         f"{tuple(expected[p].shape) if p in expected else 'absent'}"
         for p in sorted(set(leaves) | set(expected))
         if p not in leaves or p not in expected or tuple(leaves[p].shape) != tuple(expected[p].shape)
+    ]
+    mismatched += [
+        f"{p}: {np.asarray(jax.device_get(leaves[p])).tolist()}, config says {value.tolist()}"
+        for p, value in derived.items()
+        if p in leaves and not np.array_equal(np.asarray(jax.device_get(leaves[p])), value)
     ]
     if mismatched:
         raise ValueError("the model's arrays do not match its config:\n  " + "\n  ".join(mismatched))

@@ -8,9 +8,16 @@ from ._axes import logical_axes as logical_axes
 from ._block import Block as Block
 from ._linear import Embedding as Embedding
 from ._linear import Linear as Linear
+from ._lora import LoRALinear as LoRALinear
+from ._mlp import GeGLU as GeGLU
 from ._mlp import GeluMLP as GeluMLP
 from ._mlp import SwiGLU as SwiGLU
+from ._moe import Experts as Experts
+from ._moe import MoE as MoE
+from ._moe import route as route
+from ._moe import router_losses as router_losses
 from ._norm import LayerNorm as LayerNorm
+from ._norm import OffsetRMSNorm as OffsetRMSNorm
 from ._norm import RMSNorm as RMSNorm
 from ._remat import Remat as Remat
 from ._rotary import Llama3RopeScaling as Llama3RopeScaling
