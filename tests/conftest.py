@@ -1,16 +1,33 @@
 """Test configuration: 8 virtual CPU devices (for mesh tests), strict numerics settings."""
 
+import importlib.util
+import mmap
 import os
+import pathlib
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether the installed jaxlib's XLA defines ``flag`` (an unknown flag in XLA_FLAGS aborts
+    the process, so a flag that a later XLA drops must not be passed)."""
+    name = flag.split("=")[0].lstrip("-").encode()
+    for lib in pathlib.Path(importlib.util.find_spec("jaxlib").origin).parent.glob("*.so"):
+        with lib.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m.find(name) >= 0:
+                return True
+    return False
+
 
 # Must happen before jax initialises its backends. The suite is dominated by XLA compile time
-# of tiny programs, so the CPU backend's expensive optimisation passes are switched off (about
-# 40% faster overall; the numbers do not change at the tolerances the tests use).
+# of tiny programs, so the CPU backend's expensive optimisation passes are switched off, and
+# its older fusion emitters are used where this XLA still has them (they compile these programs
+# about three times faster). The numbers agree with the default backend's to float32 rounding.
 _FLAGS = (
     "--xla_force_host_platform_device_count=8",
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
 )
-for _flag in _FLAGS:
+_OPTIONAL_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+for _flag in _FLAGS + tuple(f for f in _OPTIONAL_FLAGS if _xla_knows(f)):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

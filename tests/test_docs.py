@@ -6,8 +6,10 @@ import textwrap
 
 import pytest
 
+import checkpointing
 import transforms
 import zoo
+import zoo.hf
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -37,13 +39,16 @@ PUBLIC = [
     zoo.abstract_model,
     zoo.load_hf,
     zoo.save_hf,
+    zoo.hf,
+    zoo.hf.load_hf_tokenizer,
     zoo.nn.Stack,
     zoo.nn.Remat,
     zoo.nn.logical_axes,
     zoo.sharding,
     transforms,
     transforms.offload_params,
-    transforms.Checkpointer,
+    checkpointing.Checkpointer,
+    zoo.config_from_name,
     transforms.offload_activations,
     transforms.offload_opt_state,
     transforms.TrainStep,
@@ -54,6 +59,33 @@ PUBLIC = [
     transforms.Plan.predict,
     transforms.custom_device,
     transforms.compiled_memory,
+    zoo.describe,
+    zoo.ModelSpec,
+    zoo.ModelSpec.from_stack,
+    zoo.LayerSpec,
+    zoo.Qwen3,
+    zoo.Qwen3Config,
+    zoo.Qwen3Moe,
+    zoo.Qwen3MoeConfig,
+    zoo.Mixtral,
+    zoo.MixtralConfig,
+    zoo.Gemma2,
+    zoo.Gemma2Config,
+    zoo.Gemma3,
+    zoo.Gemma3Config,
+    zoo.nn.MoE,
+    zoo.nn.router_losses,
+    zoo.nn.GeGLU,
+    zoo.nn.OffsetRMSNorm,
+    transforms.lora,
+    transforms.merge_lora,
+    transforms.freeze,
+    transforms.unfreeze,
+    transforms.is_frozen,
+    transforms.trainable_mask,
+    zoo.nn.LoRALinear,
+    zoo.hf.save_peft_adapter,
+    zoo.hf.load_peft_adapter,
 ]
 
 
@@ -68,7 +100,7 @@ def test_docstring_examples_run(obj):
 
 
 def test_every_public_name_has_a_docstring():
-    for module in (zoo, zoo.nn, zoo.sharding, transforms):
+    for module in (zoo, zoo.nn, zoo.sharding, transforms, checkpointing):
         for name in getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]:
             obj = getattr(module, name)
             if callable(obj) or isinstance(obj, type):

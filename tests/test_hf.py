@@ -11,7 +11,6 @@ import json
 import pathlib
 import re
 import shutil
-import textwrap
 import tracemalloc
 
 import equinox as eqx
@@ -571,7 +570,8 @@ def test_save_refuses_what_the_model_type_cannot_express(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-# ----------------------------------------------------------------------------- tokenizer and docs
+# ----------------------------------------------------------------------------- tokenizer
+# (The docstring examples of zoo.hf run in test_docs.py.)
 
 
 def test_tokenizer(tmp_path):
@@ -583,11 +583,3 @@ def test_tokenizer(tmp_path):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     assert zoo.hf.load_hf_tokenizer(tmp_path).encode("b a c").ids == [2, 1, 0]
-
-
-@pytest.mark.parametrize("obj", [zoo.hf, zoo.load_hf, zoo.save_hf, zoo.hf.load_hf_tokenizer], ids=lambda o: o.__name__)
-def test_docstring_examples_run(obj):
-    blocks = re.findall(r"```python\n(.*?)```", obj.__doc__, flags=re.S)
-    assert blocks
-    for block in blocks:
-        exec(compile(textwrap.dedent(block), f"{obj.__name__} docstring", "exec"), {})

@@ -5,8 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import TOKENS as _TOKENS
 from _models import build as _build
 from _models import fast_jit as _fast_jit
+from _models import logits_loss_grads as _logits_loss_grads
 
 import zoo
 from zoo import nn
@@ -115,15 +117,6 @@ def _tokens(seed, shape, vocab=256):
 
 
 TINY = {"gpt2": zoo.GPT2Config.preset("tiny"), "llama": zoo.LlamaConfig.preset("tiny")}
-
-
-@_fast_jit
-def _logits_loss_grads(model, tokens):
-    loss, grads = jax.value_and_grad(zoo.lm_loss)(model, tokens)
-    return jax.vmap(model)(tokens[:, :-1]), loss, grads
-
-
-_TOKENS = _tokens(4, (2, 13))
 
 
 # ----------------------------------------------------------------------------- Linear, Embedding
@@ -312,7 +305,7 @@ def test_changing_future_tokens_leaves_earlier_logits_unchanged(name):
     tokens[1, cut:] = (tokens[0, cut:] + 17) % cfg.vocab_size
     # Same function and shapes as the scan/remat tests below: compiled once per model.
     logits, _, _ = _logits_loss_grads(_build(cfg), jnp.asarray(tokens))
-    a, b = np.asarray(logits)
+    a, b = np.asarray(logits)[:2]
     np.testing.assert_allclose(a[:cut], b[:cut], rtol=1e-6, atol=1e-6)
     assert np.abs(a[cut:] - b[cut:]).max() > 1e-4  # later logits do see the change
 
@@ -419,7 +412,7 @@ def test_scan_and_loop_give_same_logits_and_gradients(family_model):
     logits_l, loss_l, grads_l = _logits_loss_grads(looped, _TOKENS)
     np.testing.assert_allclose(np.asarray(logits_s), np.asarray(logits_l), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(float(loss_s), float(loss_l), rtol=1e-6)
-    _assert_trees_close(grads_s, grads_l, rtol=1e-5, atol=1e-8)
+    _assert_trees_close(grads_s, grads_l, rtol=1e-5, atol=1e-7)
     # A scan_layers=False config builds a looped stack with the same parameter tree.
     abstract = zoo.abstract_model(cfg.replace(scan_layers=False))
     assert not abstract.stack.scan
@@ -430,7 +423,7 @@ def test_scan_and_loop_give_same_logits_and_gradients(family_model):
         _assert_trees_close(scanned, built_looped, rtol=0, atol=0)
         logits_b, _, grads_b = _logits_loss_grads(built_looped, _TOKENS)
         np.testing.assert_allclose(np.asarray(logits_s), np.asarray(logits_b), rtol=1e-6, atol=1e-6)
-        _assert_trees_close(grads_s, grads_b, rtol=1e-5, atol=1e-8)
+        _assert_trees_close(grads_s, grads_b, rtol=1e-5, atol=1e-7)
 
 
 def test_stack_layer_i_equals_running_layers_by_hand(family_model):
@@ -468,16 +461,13 @@ def test_stack_of_plain_layers():
     assert stack.checkpoint_names == ("block_input",)
 
 
-REMATS = {
-    "recompute-all": nn.Remat(),
-    "save-q_proj": nn.Remat(save=("q_proj",)),
-    "offload-block_input": nn.Remat(offload=("block_input",)),
-}
+# (Offloading block_input, for both families, is compared with no offload in test_transforms.py.)
+REMATS = {"recompute-all": nn.Remat(), "save-q_proj": nn.Remat(save=("q_proj",))}
 
 
-@pytest.mark.parametrize(("family", "remat"), [("llama", name) for name in REMATS] + [("gpt2", "offload-block_input")])
-def test_remat_policies_give_same_loss_and_gradients(family, remat):
-    model = _build(TINY[family])
+@pytest.mark.parametrize("remat", sorted(REMATS))
+def test_remat_policies_give_same_loss_and_gradients(remat):
+    model = _build(TINY["llama"])
     rematted = nn.with_remat(model, REMATS[remat])
     assert rematted.stack.remat == REMATS[remat] and model.stack.remat is None
     assert "remat" in str(jax.make_jaxpr(zoo.lm_loss)(rematted, _TOKENS))
@@ -486,7 +476,7 @@ def test_remat_policies_give_same_loss_and_gradients(family, remat):
     logits_r, loss_r, grads_r = _logits_loss_grads(rematted, _TOKENS)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_r), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(float(loss), float(loss_r), rtol=1e-6)
-    _assert_trees_close(grads, grads_r, rtol=1e-5, atol=1e-8)
+    _assert_trees_close(grads, grads_r, rtol=1e-5, atol=1e-7)
 
 
 def test_offload_policy_moves_block_input_to_pinned_host():

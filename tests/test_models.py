@@ -1,5 +1,7 @@
 """Whole models: shapes, dtypes, parameter counts, abstract building, input checks and the loss."""
 
+import re
+
 import beartype
 import equinox as eqx
 import jax
@@ -7,6 +9,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from _models import TOKENS, logits_loss_grads
 from _models import build as _build
 from _models import fast_jit as _fast_jit
 
@@ -30,19 +33,7 @@ def _n_elements(tree):
     return sum(int(np.prod(leaf.shape)) for leaf in leaves)
 
 
-TOKENS = _tokens(1, (2, 10))
-
-
-@_fast_jit
-def _run(model, tokens):
-    """Logits of a batch (via `jax.vmap`), the next-token loss and its gradients."""
-
-    def loss_fn(m):
-        logits = jax.vmap(m)(tokens[:, :-1])
-        return zoo.cross_entropy(logits, tokens[:, 1:]), logits
-
-    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
-    return logits, loss, grads
+_run = logits_loss_grads  # (the same program as test_layers.py's: compiled once per model)
 
 
 _lm_loss = _fast_jit(zoo.lm_loss)
@@ -58,9 +49,9 @@ def test_float32_model_logits_shape_dtype_and_vmap(family):
     assert type(model) is {"gpt2": zoo.GPT2, "llama": zoo.Llama}[family]
     assert all(a.dtype == jnp.float32 for a in _arrays(model))
     batched, loss, _ = _run(model, TOKENS)
-    assert batched.shape == (2, 9, cfg.vocab_size) and batched.dtype == jnp.float32
+    assert batched.shape == (4, 12, cfg.vocab_size) and batched.dtype == jnp.float32
     single = _fast_jit(lambda m, t: m(t))(model, TOKENS[1, :-1])
-    assert single.shape == (9, cfg.vocab_size) and single.dtype == jnp.float32
+    assert single.shape == (12, cfg.vocab_size) and single.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(single), rtol=1e-5, atol=1e-6)
     # Rows are independent: changing row 0 changes only row 0 (same shapes: no recompile).
     changed = np.array(TOKENS)
@@ -80,7 +71,7 @@ def test_float32_params_with_bf16_compute(family):
     assert all(a.dtype == jnp.float32 for a in _arrays(model))
     logits, loss, grads = _run(model, TOKENS)
     assert logits.dtype == jnp.bfloat16
-    assert logits.shape == (2, 9, cfg.vocab_size)
+    assert logits.shape == (4, 12, cfg.vocab_size)
     assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
     grad_leaves = _arrays(grads)
     assert len(grad_leaves) == len(_arrays(model))
@@ -100,7 +91,7 @@ def test_bf16_params_and_compute(family):
     model = _build(cfg)
     assert all(a.dtype == jnp.bfloat16 for a in _arrays(model))
     logits, loss, grads = _run(model, TOKENS)
-    assert logits.dtype == jnp.bfloat16 and logits.shape == (2, 9, cfg.vocab_size)
+    assert logits.dtype == jnp.bfloat16 and logits.shape == (4, 12, cfg.vocab_size)
     assert np.isfinite(float(loss))
     for g in _arrays(grads):
         assert g.dtype == jnp.bfloat16
@@ -443,3 +434,16 @@ def test_cross_entropy_rejects_mismatched_shapes(loss_setup):
         zoo.cross_entropy(jnp.asarray(logits), targets[:, :-1])
     with pytest.raises((TypeError, ValueError)):
         zoo.cross_entropy(jnp.asarray(logits), targets, jnp.asarray(mask)[:, :-1])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_blocks_head_and_loss_run_under_named_scopes(family):
+    """Profiles and HLO dumps name the code a user wrote: layer/attn, layer/mlp, lm_head, loss."""
+    params, static = eqx.partition(_build(TINY[family]), eqx.is_array)
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    step = lambda p, t: eqx.filter_value_and_grad(zoo.lm_loss)(eqx.combine(p, static), t)
+    text = jax.jit(step).lower(params, tokens).as_text(debug_info=True)
+    names = set(re.findall(r'loc\("([^"]+)"', text))
+    for scope in ("layer/attn", "layer/mlp", "lm_head", "loss"):  # transforms wrap them: jvp(vmap(lm_head))/
+        pattern = re.compile(rf"(^|[(/]){scope}[)/]")
+        assert any(pattern.search(n) for n in names), (scope, sorted(n for n in names if "/" in n)[:20])

@@ -1,16 +1,20 @@
 """Offload transforms on a user's own model, and clear errors for bad input."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import build, fresh, step_program
 from jax.ad_checkpoint import checkpoint_name
 
 import transforms
 import zoo
-from zoo import nn
+from zoo import _jax_compat as compat
+from zoo import nn, sharding
 
 
 class GatedBlock(eqx.Module):
@@ -89,24 +93,64 @@ def test_all_transforms_on_a_custom_model_match_plain_training(n_layers):
     assert zoo.nn.checkpoint_names(offloaded) == ("block_input", "gated")
 
 
-def test_train_step_accumulation_equals_one_big_batch():
-    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 256)
-    results = []
-    for accum in (1, 4):
-        model = transforms.offload_params(zoo.GPT2(zoo.GPT2Config.preset("tiny"), key=jax.random.key(0)))
-        step = transforms.train_step(zoo.lm_loss, optax.sgd(0.1), accum_steps=accum)
-        model, _, metrics = step(model, step.init(model), tokens)
-        results.append((model, metrics))
-    (m1, met1), (m4, met4) = results
-    np.testing.assert_allclose(met4["loss"], met1["loss"], rtol=1e-6)
-    np.testing.assert_allclose(met4["grad_norm"], met1["grad_norm"], rtol=1e-5)
-    w1, w4 = np.asarray(m1.stack.layers.mlp.up.weight), np.asarray(m4.stack.layers.mlp.up.weight)
-    np.testing.assert_allclose(w4, w1, rtol=1e-5, atol=1e-7)
-    assert m4.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
+def _host_transfer_loop_depths(jaxpr, depth=0):
+    """The loop depths (scans and while loops around them) of every host <-> device copy in ``jaxpr``."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            spaces = {
+                (compat.var_memory_space(a), compat.var_memory_space(b))
+                for a, b in zip(eqn.invars, eqn.outvars, strict=True)
+            }
+            if any(a != b for a, b in spaces):
+                out.append(depth)
+        inner = depth + (eqn.primitive.name in ("scan", "while"))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    out += _host_transfer_loop_depths(sub, inner)
+    return out
+
+
+GPT2 = zoo.GPT2Config.preset("tiny")
+ACCUM_TOKENS = jnp.asarray(np.random.default_rng(1).integers(0, 256, (8, 17), dtype=np.int32))
+
+
+@functools.cache
+def one_big_batch():
+    """One SGD step on the whole batch, without offload: loss, gradient norm, updated weight."""
+    step = transforms.train_step(zoo.lm_loss, optax.sgd(0.1))
+    model = fresh(build(GPT2))
+    model, _, metrics = step(model, step.init(model), ACCUM_TOKENS)
+    return float(metrics["loss"]), float(metrics["grad_norm"]), np.asarray(model.stack.layers.mlp.up.weight)
+
+
+@pytest.mark.parametrize("offload", ["params", "activations"])
+def test_train_step_accumulation_with_offload_equals_one_big_batch_without_nested_loops(offload):
+    model = fresh(build(GPT2))
+    if offload == "params":
+        model = transforms.offload_params(model)
+    else:
+        model = transforms.offload_activations(model, names=("block_input",))
+    step = transforms.train_step(zoo.lm_loss, optax.sgd(0.1), accum_steps=2)
+    state = step.init(model)
+    # Host copies sit inside the layer loops only, never in a loop nested in another.
+    fn, args = step_program(step, model, state, ACCUM_TOKENS)
+    depths = _host_transfer_loop_depths(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert depths and max(depths) == 1, depths
+    model, _, metrics = step(model, state, ACCUM_TOKENS)
+    loss, grad_norm, weight = one_big_batch()
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+    np.testing.assert_allclose(metrics["grad_norm"], grad_norm, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.stack.layers.mlp.up.weight), weight, rtol=1e-5, atol=1e-7)
+    if offload == "params":
+        assert model.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
 
 
 def test_train_step_traces_once_and_rejects_bad_accumulation(caplog):
-    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))  # eager: uncommitted arrays
+    model = tiny()  # uncommitted arrays, as an eagerly built model has
+    assert not any(x.committed for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     step = transforms.train_step(zoo.lm_loss, optax.adam(1e-3), accum_steps=3)
     state = step.init(model)
     with pytest.raises(ValueError, match="accum_steps=3"):
@@ -125,7 +169,7 @@ def test_train_step_traces_once_and_rejects_bad_accumulation(caplog):
 
 
 def test_offload_opt_state_works_with_schedules_injected_hyperparams_and_multi_transform():
-    model = transforms.offload_params(zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0)))
+    model = transforms.offload_params(tiny())
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)
     # (a function: a model is itself callable, so optax would call a labels *tree* like one)
     labels = lambda params: jax.tree.map(lambda x: "decay" if x.ndim > 1 else "no_decay", params)
@@ -144,9 +188,13 @@ def test_offload_opt_state_works_with_schedules_injected_hyperparams_and_multi_t
 
 # ---- bad input ---------------------------------------------------------------------------
 
+LLAMA = zoo.LlamaConfig.preset("tiny")
+
 
 def tiny():
-    return zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    """A copy of the tiny Llama in new, uncommitted arrays (what an eager build gives), made
+    without compiling its initialisation again."""
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)) if eqx.is_array(x) else x, build(LLAMA))
 
 
 def test_unknown_activation_name_lists_the_valid_ones():
@@ -220,11 +268,8 @@ def test_backend_without_pinned_host_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("wrap", ["plain", "offload", "stream"])
 def test_optimizer_state_on_a_mesh_is_sharded_like_the_parameters(wrap):
     # XLA replicates state made with zeros_like; a replicated moment is a full copy per device.
-    from zoo import sharding
-
     mesh = sharding.make_mesh(data=2, fsdp=4)
-    cfg = zoo.LlamaConfig.preset("tiny")
-    model = sharding.init_sharded(lambda k: zoo.Llama(cfg, key=k), mesh, key=jax.random.key(0))
+    model = fresh(build(LLAMA), mesh)
     opt = optax.adamw(1e-3)
     if wrap != "plain":
         opt = transforms.offload_opt_state(opt, stream=wrap == "stream")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import all_outvars, build
+from _models import all_outvars, build, step_program
 
 import transforms
 import zoo
@@ -316,10 +316,8 @@ def moves(jaxpr, in_scan=False):
 def traced_step():
     model = transforms.offload_params(build(FAMILIES["llama"]))
     step = transforms.train_step(zoo.lm_loss, transforms.offload_opt_state(optax.adamw(1e-3), stream=True))
-    state = step.init(model)
-    params, static = eqx.partition(model, eqx.is_array)
-    batch = jnp.zeros((4, 17), jnp.int32)
-    return model, step._build(static), (params, state, batch)
+    fn, args = step_program(step, model, step.init(model), jnp.zeros((4, 17), jnp.int32))
+    return model, fn, args
 
 
 def test_the_update_moves_one_layer_of_state_weights_and_gradients_inside_the_scan_body():

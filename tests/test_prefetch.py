@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import all_outvars
+from _models import all_outvars, build
 
 import transforms
 import zoo
@@ -21,7 +21,7 @@ B, S = 2, 16  # B != n_layers, so per-example and per-layer shapes cannot be con
 
 
 def llama(**kw):
-    return transforms.offload_params(zoo.Llama(CFG, key=jax.random.key(0)), **kw)
+    return transforms.offload_params(build(CFG), **kw)
 
 
 def grad_jaxpr(model):

@@ -1,9 +1,13 @@
 """The recipes from the command line: resume equality, kill-and-resume, corruption, NaN stop,
-multi-process training, plots, fine-tuning a Hugging Face checkpoint, evaluation."""
+multi-process training, plots, fine-tuning a Hugging Face checkpoint, evaluation.
 
+One uninterrupted run (the `straight` fixture) is the reference of every other run: they share
+its flags, so they also share its compiled programs (the session's compilation cache)."""
+
+import importlib.util
 import os
 import pathlib
-import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,20 +19,26 @@ import jax
 import numpy as np
 import pytest
 
-import transforms
+import checkpointing
 import zoo
+from recipes import evaluate, finetune_hf, train_lm
+from recipes._lm import monitor
 
-RECIPES = pathlib.Path(__file__).parents[1] / "recipes"
-SMALL = ["--data-bytes", "200000", "--batch", "8", "--seq", "32", "--eval-every", "10", "--eval-batches", "2"]
-SMALL += ["--log-every", "5", "--quiet-samples"]
+ROOT = pathlib.Path(__file__).parents[1]
+STEPS = 10
+# A few standard-library modules as the text (finding the default, every .py file of the standard
+# library, takes a second per run; test_train.py trains on that).
+TEXT = ["argparse", "dataclasses", "functools", "inspect", "json.decoder", "textwrap", "typing"]
 
 
-def recipe(name):
-    return runpy.run_path(str(RECIPES / f"{name}.py"), run_name=f"recipe_{name}")
-
-
-def train(argv):
-    return recipe("train_lm")["main"](argv)
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """The flags every run here shares (so they share compiled programs too)."""
+    corpus = tmp_path_factory.mktemp("text")
+    for name in TEXT:
+        shutil.copy(importlib.util.find_spec(name).origin, corpus / f"{name}.py")
+    flags = ["--data", str(corpus), "--data-bytes", "200000", "--batch", "8", "--seq", "32", "--eval-every", "5"]
+    return [*flags, "--eval-batches", "2", "--log-every", "5", "--quiet-samples", "--steps", str(STEPS)]
 
 
 def env(devices: int = 8) -> dict:
@@ -37,7 +47,7 @@ def env(devices: int = 8) -> dict:
     flags = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     e["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     e["JAX_PLATFORMS"] = "cpu"
-    e["PYTHONPATH"] = str(RECIPES.parent)
+    e["PYTHONPATH"] = str(ROOT)
     return e
 
 
@@ -45,38 +55,55 @@ def leaves(model):
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
 
 
+def assert_same_params(a, b):
+    for x, y in zip(leaves(a), leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """20 uninterrupted steps: the reference for every resume test."""
+def straight(tmp_path_factory, small):
+    """`STEPS` uninterrupted steps: the reference for every resume test."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    return train([*SMALL, "--steps", "20", "--save-every", "10", "--out", str(out)])
+    return train_lm.main([*small, "--save-every", "5", "--out", str(out)])
 
 
-def test_resume_gives_the_same_losses_and_params_as_an_uninterrupted_run(tmp_path, straight):
-    out = tmp_path / "run"
-    first = train([*SMALL, "--steps", "20", "--stop-after", "10", "--save-every", "100", "--out", str(out)])
-    assert first["final_step"] == 10 and sorted(first["losses"]) == list(range(1, 11))
-    second = train(["--resume", str(out)])  # no other flag: everything comes from the checkpoint
-    assert second["start_step"] == 10 and second["final_step"] == 20
-    resumed = {**first["losses"], **second["losses"]}
-    assert resumed == straight["losses"]  # bit-equal, step by step
-    for a, b in zip(leaves(second["model"]), leaves(straight["model"]), strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
-def test_plots_and_metrics_log_are_written(straight):
+def test_straight_run_writes_its_log_and_plots(straight):
     out = pathlib.Path(straight["out"])
-    lm_logging = recipe("lm_logging")
-    records = lm_logging["read_jsonl"](out / "metrics.jsonl")
-    steps = [r["step"] for r in records if r["kind"] == "train"]
-    assert steps == list(range(1, 21))
-    assert [r["step"] for r in records if r["kind"] == "val"] == [10, 20]
+    records = monitor.read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records if r["kind"] == "val"] == [5, 10]
+    assert sorted(straight["losses"]) == list(range(1, STEPS + 1)) and sorted(straight["val"]) == [5, 10]
     import matplotlib.pyplot as plt
 
     for name in ("loss.png", "placement.png"):
         image = plt.imread(out / name)
         assert image.shape[0] > 200 and image.shape[1] > 300
         assert image.std() > 0.05  # not a blank canvas
+
+
+def test_resume_matches_the_uninterrupted_run_and_a_corrupted_checkpoint_falls_back(tmp_path, straight, small):
+    out = tmp_path / "run"
+    first = train_lm.main([*small, "--stop-after", "6", "--save-every", "3", "--out", str(out)])
+    assert first["final_step"] == 6 and sorted(first["losses"]) == list(range(1, 7))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+
+    second = train_lm.main(["--resume", str(out), "--quiet-samples"])  # everything else comes from the checkpoint
+    assert second["start_step"] == 6 and second["final_step"] == STEPS
+    assert {**first["losses"], **second["losses"]} == straight["losses"]  # bit-equal, step by step
+    assert_same_params(second["model"], straight["model"])
+
+    # The latest checkpoint truncated: reported, and the run resumes from the one before.
+    latest = damaged / "checkpoints" / "6"
+    data = sorted(
+        (p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 1000), key=lambda p: -p.stat().st_size
+    )
+    assert data, "no data file in the checkpoint"
+    data[0].write_bytes(data[0].read_bytes()[: data[0].stat().st_size // 2])  # truncate the biggest file
+    with pytest.warns(UserWarning, match="6"):
+        resumed = train_lm.main(["--resume", str(damaged), "--stop-after", "3", "--quiet-samples"])
+    assert resumed["start_step"] == 3 and resumed["final_step"] == 6
+    assert resumed["losses"] == {s: straight["losses"][s] for s in range(4, 7)}
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -88,17 +115,20 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigkill_at_any_moment_then_resume_matches_the_uninterrupted_run(tmp_path, straight):
+def test_sigkill_at_any_moment_then_resume_matches_the_uninterrupted_run(tmp_path, straight, small):
     out = tmp_path / "run"
-    argv = [sys.executable, str(RECIPES / "train_lm.py"), *SMALL, "--steps", "20", "--save-every", "1"]
-    argv += ["--out", str(out)]
+    argv = [sys.executable, "-m", "recipes.train_lm", *small, "--save-every", "1", "--out", str(out)]
     ckpts = out / "checkpoints"
     rng = np.random.default_rng(0)
     # Kill twice, each at a random moment after the run has started saving (so kills can land in
     # the middle of a save), resuming in between.
     for attempt in range(2):
-        cmd = argv if attempt == 0 else [sys.executable, str(RECIPES / "train_lm.py"), "--resume", str(out)]
-        before = transforms.Checkpointer(ckpts).latest_step() if ckpts.exists() else None
+        cmd = (
+            argv
+            if attempt == 0
+            else [sys.executable, "-m", "recipes.train_lm", "--resume", str(out), "--quiet-samples"]
+        )
+        before = checkpointing.Checkpointer(ckpts).latest_step() if ckpts.exists() else None
         proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         def saved_more(before=before):
@@ -110,53 +140,37 @@ def test_sigkill_at_any_moment_then_resume_matches_the_uninterrupted_run(tmp_pat
         time.sleep(float(rng.uniform(0.0, 0.4)))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    final = train(["--resume", str(out)])
-    assert final["final_step"] == 20
+    final = train_lm.main(["--resume", str(out), "--quiet-samples"])
+    assert final["final_step"] == STEPS
     for step, loss in final["losses"].items():
         assert loss == straight["losses"][step], step
-    for a, b in zip(leaves(final["model"]), leaves(straight["model"]), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_same_params(final["model"], straight["model"])
 
 
-def test_a_corrupted_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, straight, capsys):
-    out = tmp_path / "run"
-    train([*SMALL, "--steps", "20", "--stop-after", "12", "--save-every", "4", "--out", str(out)])
-    latest = out / "checkpoints" / "12"
-    data = sorted(
-        (p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 1000), key=lambda p: -p.stat().st_size
-    )
-    assert data, "no data file in the checkpoint"
-    data[0].write_bytes(data[0].read_bytes()[: data[0].stat().st_size // 2])  # truncate the biggest file
-    with pytest.warns(UserWarning, match="12"):
-        resumed = train(["--resume", str(out)])
-    assert resumed["start_step"] == 8
-    assert resumed["losses"] == {s: straight["losses"][s] for s in range(9, 21)}
-
-
-def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, small):
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"loss is (nan|inf)|parameters are not finite") as err:
-        train([*SMALL, "--steps", "20", "--lr", "1e30", "--warmup", "1", "--save-every", "1", "--out", str(out)])
+        train_lm.main([*small, "--lr", "1e30", "--warmup", "1", "--save-every", "1", "--out", str(out)])
     assert "last good checkpoint is step" in str(err.value)
-    ckpt = transforms.Checkpointer(out / "checkpoints")
+    ckpt = checkpointing.Checkpointer(out / "checkpoints")
     assert ckpt.latest_step() is not None
-    like = recipe("train_lm")["Run"](recipe("train_lm")["parse"](["--resume", str(out)]))
+    like = train_lm.Run(train_lm.parse(["--resume", str(out)]))
     _, state, _ = ckpt.restore(like.state())
     assert all(np.isfinite(x).all() for x in leaves(state["model"]))
     ckpt.close()
 
 
-def test_bad_flags_give_clear_errors(tmp_path, straight):
+def test_bad_flags_give_clear_errors(tmp_path, straight, small):
     with pytest.raises(SystemExit, match="--mesh"):
-        train([*SMALL, "--mesh", "fsdp=3", "--out", str(tmp_path / "a")])
+        train_lm.main([*small, "--mesh", "fsdp=3", "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="unknown"):
-        train([*SMALL, "--offload", "weights", "--out", str(tmp_path / "b")])
+        train_lm.main([*small, "--offload", "weights", "--out", str(tmp_path / "b")])
     with pytest.raises(SystemExit, match="--prefetch needs --offload params"):
-        train([*SMALL, "--prefetch", "--offload", "opt_state", "--out", str(tmp_path / "c")])
+        train_lm.main([*small, "--prefetch", "--offload", "opt_state", "--out", str(tmp_path / "c")])
     with pytest.raises(SystemExit, match="no checkpoints"):
-        train(["--resume", str(tmp_path / "nothing")])
+        train_lm.main(["--resume", str(tmp_path / "nothing")])
     with pytest.raises(SystemExit, match="already holds checkpoints"):
-        train([*SMALL, "--steps", "20", "--out", straight["out"]])
+        train_lm.main([*small, "--out", straight["out"]])
 
 
 def _free_port() -> int:
@@ -165,7 +179,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_with_fsdp_and_all_offloads_checkpoint_resume_and_agree(tmp_path):
+def test_two_processes_train_with_fsdp_and_all_offloads_checkpoint_resume_and_agree(tmp_path, straight, small):
     out = tmp_path / "run"
     common = ["--mesh", "fsdp=4", "--offload", "params,opt_state,activations", "--prefetch", "--out", str(out)]
 
@@ -173,7 +187,7 @@ def test_two_processes_train_with_fsdp_and_all_offloads_checkpoint_resume_and_ag
         port = _free_port()
         procs = []
         for pid in range(2):
-            cmd = [sys.executable, str(RECIPES / "train_lm.py"), *extra, "--coordinator", f"127.0.0.1:{port}"]
+            cmd = [sys.executable, "-m", "recipes.train_lm", *extra, "--coordinator", f"127.0.0.1:{port}"]
             cmd += ["--num-processes", "2", "--process-id", str(pid)]
             log = (tmp_path / f"p{pid}.log").open("w")
             procs.append((subprocess.Popen(cmd, env=env(devices=2), stdout=log, stderr=subprocess.STDOUT), log))
@@ -182,25 +196,31 @@ def test_two_processes_train_with_fsdp_and_all_offloads_checkpoint_resume_and_ag
             p.wait(timeout=300)
             log.close()
             outs.append(pathlib.Path(log.name).read_text())
-        procs = [p for p, _ in procs]
-        for p, text in zip(procs, outs, strict=True):
+        for (p, _), text in zip(procs, outs, strict=True):
             assert p.returncode == 0, text[-3000:]
         return outs
 
-    launch([*SMALL, "--steps", "6", "--stop-after", "3", "--save-every", "3", *common])
-    outs = launch(["--resume", str(out)])
-    assert "resumed at step 3" in outs[0]
+    # save-every 0: a checkpoint at the stop and at the end only
+    outs = launch([*small, "--stop-after", "4", "--save-every", "0", *common])
+    # The memory report: no parameter byte left on the device.
+    params_row = [line.split() for line in outs[0].splitlines() if line.startswith("params ")]
+    assert params_row and params_row[0][1:3] == ["0", "B"] and "pinned_host" in outs[0], outs[0]
+    outs = launch(["--resume", str(out), "--quiet-samples"])
+    assert "resumed at step 4" in outs[0]
     prints = [[line for line in text.splitlines() if "params sha256" in line] for text in outs]
     assert len(prints[0]) == 1 and len(prints[1]) == 1, outs
     assert prints[0][0].split()[-1] == prints[1][0].split()[-1]  # identical parameters on both processes
-    # The same model trained in this one process (8 devices, the batch also split over data=2) gets
-    # the same losses, to reduction order.
-    flags = [*SMALL, "--steps", "6", "--mesh", "data=2,fsdp=4", *common[2:5]]
-    single = train([*flags, "--out", str(tmp_path / "single")])
-    log = recipe("lm_logging")["read_jsonl"](out / "metrics.jsonl")
+    # The same losses and validation losses as the one-process run without mesh or offload, to
+    # reduction order.
+    log = monitor.read_jsonl(out / "metrics.jsonl")
     multi = {r["step"]: r["loss"] for r in log if r["kind"] == "train"}
-    assert sorted(multi) == list(range(1, 7))
-    np.testing.assert_allclose([multi[s] for s in range(1, 7)], [single["losses"][s] for s in range(1, 7)], rtol=2e-5)
+    assert sorted(multi) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(
+        [multi[s] for s in sorted(multi)], [straight["losses"][s] for s in sorted(multi)], rtol=1e-5
+    )
+    val = {r["step"]: r["val_bits_per_byte"] for r in log if r["kind"] == "val"}
+    assert sorted(val) == sorted(straight["val"])
+    np.testing.assert_allclose([val[s] for s in sorted(val)], [straight["val"][s] for s in sorted(val)], rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -218,25 +238,24 @@ def hf_checkpoint(tmp_path_factory):
     )
     tok.save(str(d / "tokenizer.json"))
     cfg = zoo.LlamaConfig.preset("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=128)
-    zoo.save_hf(zoo.build_model(cfg, key=jax.random.key(3)), d)
+    zoo.save_hf(jax.jit(lambda k: zoo.build_model(cfg, key=k))(jax.random.key(3)), d)
     return d
 
 
-def test_finetune_hf_trains_a_checkpoint_and_exports_it(tmp_path, hf_checkpoint, capsys):
+def test_finetune_hf_trains_a_checkpoint_and_exports_it(tmp_path, hf_checkpoint, small):
     export = tmp_path / "export"
-    flags = [str(hf_checkpoint), *SMALL, "--steps", "12", "--lr", "3e-3", "--out", str(tmp_path / "run")]
-    summary = recipe("finetune_hf")["main"]([*flags, "--export", str(export)])
+    flags = [str(hf_checkpoint), *small, "--steps", "12", "--lr", "3e-3", "--out", str(tmp_path / "run")]
+    summary = finetune_hf.main([*flags, "--export", str(export)])
     losses = summary["losses"]
     assert np.mean([losses[s] for s in range(10, 13)]) < np.mean([losses[s] for s in range(1, 4)])
     before, after = zoo.load_hf(hf_checkpoint), zoo.load_hf(export)
     assert (export / "tokenizer.json").is_file()
-    for a, b in zip(leaves(after), leaves(summary["model"]), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_same_params(after, summary["model"])
     assert any(not np.array_equal(a, b) for a, b in zip(leaves(before), leaves(after), strict=True))
 
 
-def test_evaluate_reproduces_the_runs_validation_loss(straight, capsys):
-    result = recipe("evaluate")["main"]([straight["out"], "--eval-batches", "2", "--samples", "2", "--tokens", "5"])
-    assert result["step"] == 20
-    assert result["val_bits_per_byte"] == pytest.approx(straight["val"][20], rel=1e-6)
+def test_evaluate_reproduces_the_runs_validation_loss(straight):
+    result = evaluate.main([straight["out"], "--eval-batches", "2", "--samples", "2", "--tokens", "5"])
+    assert result["step"] == STEPS
+    assert result["val_bits_per_byte"] == pytest.approx(straight["val"][STEPS], rel=1e-6)
     assert len(result["samples"]) == 2 and all(s.startswith("def main(") for s in result["samples"])

@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from _models import TOKENS, build, logits_loss_grads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -16,10 +17,6 @@ CONFIGS = {
 }
 
 
-def _tokens(batch=8, seq=17):
-    return jax.random.randint(jax.random.key(1), (batch, seq), 0, 256)
-
-
 @pytest.fixture(scope="module")
 def mesh():
     assert jax.device_count() == 8, "conftest should provide 8 virtual CPU devices"
@@ -27,7 +24,7 @@ def mesh():
 
 
 def test_logical_axes_cover_every_weight_with_a_name():
-    model = zoo.Llama(CONFIGS["llama"], key=jax.random.key(0))
+    model = build(CONFIGS["llama"])
     specs = jax.tree.leaves(zoo.nn.logical_axes(model), is_leaf=lambda s: isinstance(s, P))
     arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
     assert len(specs) == len(arrays)
@@ -41,12 +38,10 @@ def test_logical_axes_cover_every_weight_with_a_name():
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_sharded_model_matches_unsharded_logits_and_grads(family, mesh):
     cfg = CONFIGS[family]
-    make = lambda k: zoo.build_model(cfg, key=k)
-    plain = make(jax.random.key(0))
-    sharded = sharding.init_sharded(make, mesh, key=jax.random.key(0))
+    plain = build(cfg)  # built under jit on one device
+    sharded = sharding.init_sharded(lambda k: zoo.build_model(cfg, key=k), mesh, key=jax.random.key(0))
 
-    # Weights are born with their shardings, and hold the same values (up to the last ulp: the
-    # sharded init runs under jit, where XLA may fuse the scale into the random draw).
+    # Weights are born with their shardings, and hold the same values.
     w = sharded.stack.layers.mlp.up.weight
     assert w.sharding == NamedSharding(mesh, P(None, "fsdp", "tensor"))
     assert w.addressable_shards[0].data.shape == (cfg.n_layers, cfg.d_model // 2, cfg.d_ff // 2)
@@ -54,23 +49,18 @@ def test_sharded_model_matches_unsharded_logits_and_grads(family, mesh):
     for a, b in zip(leaves(plain), leaves(sharded), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
 
-    tokens = _tokens()
-    tokens_sharded = jax.device_put(tokens, sharding.batch_sharding(mesh))
-    grad_fn = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))
-    loss_p, grads_p = grad_fn(plain, tokens)
-    loss_s, grads_s = grad_fn(sharded, tokens_sharded)
+    # (the unsharded program is the one test_models.py and test_layers.py run: compiled once)
+    tokens_sharded = jax.device_put(TOKENS, sharding.batch_sharding(mesh))
+    logits_p, loss_p, grads_p = logits_loss_grads(plain, TOKENS)
+    logits_s, loss_s, grads_s = logits_loss_grads(sharded, tokens_sharded)
     np.testing.assert_allclose(loss_s, loss_p, rtol=1e-5)
     for gp, gs in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads_s), strict=True):
         np.testing.assert_allclose(np.asarray(gs), np.asarray(gp), rtol=1e-4, atol=1e-6)
-
-    logits_fn = eqx.filter_jit(lambda m, t: jax.vmap(m)(t))
-    logits_p = logits_fn(plain, tokens[:, :-1])
-    logits_s = logits_fn(sharded, tokens_sharded[:, :-1])
     np.testing.assert_allclose(np.asarray(logits_s), np.asarray(logits_p), rtol=1e-4, atol=1e-5)
 
 
 def test_shard_moves_an_existing_model(mesh):
-    model = zoo.GPT2(CONFIGS["gpt2"], key=jax.random.key(0))
+    model = build(CONFIGS["gpt2"])
     moved = sharding.shard(model, mesh)
     assert moved.wte.weight.sharding.spec == P("tensor", "fsdp")
     np.testing.assert_array_equal(np.asarray(moved.wte.weight), np.asarray(model.wte.weight))
