@@ -70,7 +70,9 @@ class TrainStep:
     - Dropout (:func:`transforms.lora` with ``dropout > 0``) draws its masks from the ``key``
       given to each call (and folds in the micro-batch index); a model with dropout needs one:
       pass ``key=jax.random.fold_in(run_key, step)`` so that a resumed run draws the same masks.
-    - ``metrics`` holds ``loss`` (mean over micro-batches) and ``grad_norm``.
+    - ``metrics`` holds ``loss`` (mean over micro-batches) and ``grad_norm``; with ``has_aux`` the
+      loss function returns ``(loss, metrics)`` and its metrics (means over micro-batches) are
+      reported too, e.g. :func:`zoo.lm_loss_and_metrics`' router losses of a mixture of experts.
     - One trace per model structure and placement: :attr:`trace_count` counts them.
 
     **Arguments:**
@@ -81,6 +83,7 @@ class TrainStep:
       (``transforms.trainable_mask``); create its state with :meth:`init`.
     - `accum_steps`: number of micro-batches per step.
     - `donate`: donate the model and optimizer state buffers.
+    - `has_aux`: ``loss_fn`` returns ``(loss, metrics)`` (a dict of scalars to report).
 
     **Example:**
 
@@ -102,6 +105,7 @@ class TrainStep:
         *,
         accum_steps: int = 1,
         donate: bool = True,
+        has_aux: bool = False,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -113,6 +117,7 @@ class TrainStep:
         self.optimizer = optimizer
         self.accum_steps = accum_steps
         self.donate = donate
+        self.has_aux = bool(has_aux)
         self.trace_count = 0
         self._compiled: dict[Any, Callable] = {}
 
@@ -122,24 +127,29 @@ class TrainStep:
 
         def loss_of(t, mb, k):
             model = eqx.combine(t, rest)
-            return self.loss_fn(model if k is None else with_step_keys(model, k), mb)
+            out = self.loss_fn(model if k is None else with_step_keys(model, k), mb)
+            return _loss_and_aux(out, self.has_aux)
 
-        value_and_grad = jax.value_and_grad(loss_of)
+        value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
         if self.accum_steps == 1:
-            loss, grads = value_and_grad(trainable, batch, key)
-            return loss, grads if keep_placement else tree_to_device(grads)
+            (loss, aux), grads = value_and_grad(trainable, batch, key)
+            return loss, aux, grads if keep_placement else tree_to_device(grads)
 
         micro = _split_microbatches(batch, self.accum_steps)
 
         def body(carry, xs):
             i, mb = xs
-            loss_sum, grad_sum = carry
-            loss, grads = value_and_grad(trainable, mb, None if key is None else jax.random.fold_in(key, i))
+            loss_sum, aux_sum, grad_sum = carry
+            (loss, aux), grads = value_and_grad(trainable, mb, None if key is None else jax.random.fold_in(key, i))
             grads = tree_to_device(grads)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            return (loss_sum + loss, add(aux_sum, aux), add(grad_sum, grads)), None
 
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), trainable)
-        carry = (jnp.zeros((), jnp.float32), zeros)
+        first = jax.tree.map(lambda x: x[0], micro)
+        aux_shape = jax.eval_shape(lambda t, mb: loss_of(t, mb, key)[1], trainable, first)
+        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
+        carry = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
         if _offloads_inside_layer_loops(eqx.combine(trainable, rest)):
             # Host offload inside a loop nested in another loop fails to compile on some
             # backends (seen as maxtext#4995): the micro-batches run one after the other,
@@ -148,9 +158,10 @@ class TrainStep:
                 carry, _ = body(carry, (jnp.int32(i), jax.tree.map(lambda x, i=i: x[i], micro)))
         else:
             carry, _ = jax.lax.scan(body, carry, (jnp.arange(self.accum_steps, dtype=jnp.int32), micro))
-        loss_sum, grad_sum = carry
+        loss_sum, aux_sum, grad_sum = carry
         scale = 1.0 / self.accum_steps
-        return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
+        mean = lambda tree: jax.tree.map(lambda g: g * scale, tree)
+        return loss_sum * scale, mean(aux_sum), mean(grad_sum)
 
     def _build(self, static):
         """The step program, as :meth:`__call__` runs it: ``step(trainable, frozen, opt_state, batch,
@@ -174,15 +185,15 @@ class TrainStep:
 
         def step(trainable, frozen, opt_state, batch, key):
             self.trace_count += 1
-            loss, grads = self._grads(trainable, eqx.combine(frozen, static), batch, key, keep_placement=streamed)
+            loss, aux, grads = self._grads(trainable, eqx.combine(frozen, static), batch, key, keep_placement=streamed)
             if streamed:  # layer by layer; every leaf comes back where it was
                 trainable, opt_state, grad_norm = self.optimizer.apply(grads, opt_state, trainable)
-                return trainable, opt_state, {"loss": loss, "grad_norm": grad_norm}
+                return trainable, opt_state, {**aux, "loss": loss, "grad_norm": grad_norm}
             kinds = jax.tree.map(traced_kind, trainable)
             trainable = tree_to_device(trainable)
             updates, opt_state = self.optimizer.update(grads, opt_state, trainable)
             trainable = restore_kinds(optax.apply_updates(trainable, updates), kinds)
-            return trainable, opt_state, {"loss": loss, "grad_norm": global_norm(grads)}
+            return trainable, opt_state, {**aux, "loss": loss, "grad_norm": global_norm(grads)}
 
         return step
 
@@ -239,6 +250,21 @@ class TrainStep:
         return eqx.combine(new_trainable, frozen, static), new_state, metrics
 
 
-def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True) -> TrainStep:
+def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True, has_aux: bool = False) -> TrainStep:
     """Make a :class:`TrainStep` (see there)."""
-    return TrainStep(loss_fn, optimizer, accum_steps=accum_steps, donate=donate)
+    return TrainStep(loss_fn, optimizer, accum_steps=accum_steps, donate=donate, has_aux=has_aux)
+
+
+def _loss_and_aux(out, has_aux: bool):
+    """``(loss, metrics)`` from a loss function's output (``metrics`` is ``{}`` without ``has_aux``)."""
+    if not has_aux:
+        return out, {}
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        raise TypeError(
+            "train_step(..., has_aux=True): loss_fn must return (loss, metrics) with metrics a dict of scalars, "
+            f"got {type(out).__name__}"
+        )
+    reserved = {"loss", "grad_norm"} & set(out[1])
+    if reserved:
+        raise ValueError(f"train_step: loss_fn's metrics may not be named {sorted(reserved)} (the step reports them)")
+    return out
