@@ -170,10 +170,6 @@ class Geometry:
     def layer_param_bytes(self) -> int:
         return self.stack_param_bytes // self.n_layers
 
-    @property
-    def outside_param_bytes(self) -> int:
-        return self.param_bytes - self.stack_param_bytes
-
     def width(self, name: str) -> int:
         """Elements per token of the named activation ``name``."""
         return self.widths[name]
@@ -247,14 +243,6 @@ class OptimizerInfo:
     stream_state_bytes: int = 0
     stream_stack_bytes: int = 0  # offloadable bytes of the per-layer (stacked) state, all layers
     stream_rest_bytes: int = 0  # offloadable bytes of the state of the leaves outside the stacks
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.state_bytes - self.offloadable_bytes
-
-    @property
-    def stream_resident_bytes(self) -> int:
-        return self.stream_state_bytes - self.stream_stack_bytes - self.stream_rest_bytes
 
 
 def _movable(tree) -> tuple[int, int]:
