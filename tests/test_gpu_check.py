@@ -1,4 +1,4 @@
-"""The GPU check recipe (recipes/gpu_check.py, its modules in recipes/gpucheck/) in its CPU form:
+"""The GPU check recipe (python -m benchmarks.gpu_check) in its CPU form:
 every configuration runs in its own process, gradients are compared with the no-offload run, a
 wrong gradient is flagged and its speed withheld, a crashing or hung worker is recorded without
 stopping the run, and the deadline skips what no longer fits. The parent runs in this process; its
@@ -18,12 +18,10 @@ import time
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).parents[1]
-SCRIPT = ROOT / "recipes" / "gpu_check.py"
-sys.path.append(str(SCRIPT.parent))
+from benchmarks.gpu_check import cli, configs, goals, grads, hlo, orchestrate, report, results
+from benchmarks.gpu_check.worker import worker_bandwidth
 
-from gpucheck import cli, configs, goals, grads, hlo, orchestrate, report, results  # noqa: E402
-from gpucheck.worker import worker_bandwidth  # noqa: E402
+ROOT = pathlib.Path(__file__).parents[1]
 
 
 @functools.cache
@@ -62,7 +60,8 @@ def reduced(tmp_path_factory):
 
 
 def test_the_script_is_the_entry_point():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--help"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "GPU validation and benchmark" in done.stdout and "--reduced" in done.stdout
 

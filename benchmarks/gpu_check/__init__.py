@@ -1,1 +1,1 @@
-"""The modules of the GPU check recipe; ``recipes/gpu_check.py`` is its entry point."""
+"""The GPU check of the offload transforms; ``python -m benchmarks.gpu_check`` runs it (see ``__main__``)."""

@@ -45,7 +45,7 @@ params, opt_state, then the other presets of ``transforms.ACTIVATION_PRESETS``
 (``act_block_input_and_projections``). Every configuration uses the same effective optimizer,
 AdamW with global-norm clipping at 1.0.
 
-The code is in ``recipes/gpucheck/``: ``orchestrate`` (the parent: configurations' processes under the
+The code is in ``benchmarks/gpu_check/``: ``orchestrate`` (the parent: configurations' processes under the
 deadline), ``worker`` (what runs in each process), ``measure``, ``grads`` (gradient summaries and
 their comparison), ``hlo`` (host transfers in the dumped program), ``results``, ``goals``, ``report``
 (JSON, markdown, table), ``environment``, ``configs`` and ``cli`` (the flags); this file is the entry
@@ -53,9 +53,9 @@ point of the run and of each worker.
 
 Usage (from the repository root)::
 
-    PYTHONPATH=. python recipes/gpu_check.py                  # the GPU run, about 7.5 minutes
-    PYTHONPATH=. python recipes/gpu_check.py --configs none,act_block_input --deadline 200
-    JAX_PLATFORMS=cpu PYTHONPATH=. python recipes/gpu_check.py --reduced --out /tmp/x   # CPU smoke test
+    python -m benchmarks.gpu_check                  # the GPU run, about 7.5 minutes
+    python -m benchmarks.gpu_check --configs none,act_block_input --deadline 200
+    JAX_PLATFORMS=cpu python -m benchmarks.gpu_check --reduced --out /tmp/x   # CPU smoke test
 
 Results: ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (``gpu_check_reduced.*`` with
 ``--reduced``), rewritten after every configuration so that a killed run still leaves them.
@@ -63,12 +63,10 @@ Results: ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (``gpu_check_reduce
 
 import sys
 import time
-from pathlib import Path
 
 STARTED = time.monotonic()  # the deadline counts from here (the parent's imports included)
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the gpucheck package beside this file
 
-from gpucheck.cli import main  # noqa: E402
+from benchmarks.gpu_check.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(started=STARTED, description=__doc__.split("\n\n")[0]))

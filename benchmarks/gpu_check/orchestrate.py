@@ -24,8 +24,7 @@ from .hlo import summarize_dump
 from .report import print_table, write_json, write_results
 from .results import finish_config, refresh
 
-SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"  # the entry point, which also runs the workers
-ROOT = SCRIPT.parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root, where the workers run
 
 
 def _tail(path: Path, n: int) -> str:
@@ -61,7 +60,7 @@ def run_worker(
     env = dict(env)
     if hlo_dump:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text".strip()
-    cmd = [sys.executable, str(SCRIPT), "--worker", name, "--spec", str(spec_path)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--worker", name, "--spec", str(spec_path)]
     cmd += ["--out", str(out_path)]
     started = time.perf_counter()
     timed_out = False
