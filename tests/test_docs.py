@@ -36,6 +36,7 @@ PUBLIC = [
     zoo.GPT2Config,
     zoo.LlamaConfig,
     zoo.lm_loss,
+    zoo.lm_loss_and_metrics,
     zoo.abstract_model,
     zoo.load_hf,
     zoo.save_hf,

@@ -12,7 +12,7 @@ import pytest
 
 import transforms
 import zoo
-from zoo._moe_loss import lm_loss_and_metrics
+from zoo import lm_loss_and_metrics
 
 OFFLOADED = ("block_input", "router_logits", "expert_hidden")
 

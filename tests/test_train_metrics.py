@@ -9,7 +9,7 @@ import pytest
 
 import transforms
 import zoo
-from zoo._moe_loss import lm_loss_and_metrics
+from zoo import lm_loss_and_metrics
 
 
 def _model():
@@ -40,3 +40,13 @@ def test_a_loss_without_metrics_is_a_clear_error_with_has_aux():
     step = transforms.train_step(zoo.lm_loss, optax.sgd(0.1), has_aux=True)
     with pytest.raises(TypeError, match=r"must return \(loss, metrics\)"):
         step(model, step.init(model), jnp.zeros((2, 9), jnp.int32))
+
+
+def test_a_dense_model_reports_its_cross_entropy():
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 9)), jnp.int32)
+    loss, metrics = zoo.lm_loss_and_metrics(model, tokens)
+    np.testing.assert_allclose(loss, zoo.lm_loss(model, tokens), rtol=1e-6)
+    assert set(metrics) == {"cross_entropy"}
+    with pytest.raises(ValueError, match="no router losses"):
+        zoo.lm_loss_and_metrics(model, tokens, aux_weights={"router_z_loss": 1.0})

@@ -32,6 +32,7 @@ from ._llama import Llama as Llama
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._loss import cross_entropy as cross_entropy
 from ._loss import lm_loss as lm_loss
+from ._loss_metrics import lm_loss_and_metrics as lm_loss_and_metrics
 from ._mixtral import Mixtral as Mixtral
 from ._mixtral import MixtralConfig as MixtralConfig
 from ._qwen3 import Qwen3 as Qwen3

@@ -1,10 +1,11 @@
-"""The next-token loss of a mixture-of-experts model with its router losses added.
+"""The next-token loss with its parts reported: :func:`lm_loss_and_metrics` (for
+``transforms.train_step(..., has_aux=True)``).
 
-A model that returns router statistics (``hidden_and_router_stats``, as :class:`zoo.Mixtral` and
-:class:`zoo.Qwen3Moe`) is run per example under `jax.vmap`; the statistics of the batch are
-summed and turned into the load-balancing and z losses (:func:`zoo.nn.router_losses`), which are
-added to the cross-entropy with the model's weights (``aux_loss_weights``, from its config) or
-the ones given.
+For a dense model the only part is the cross-entropy. A model that returns router statistics
+(``hidden_and_router_stats``, as :class:`zoo.Mixtral` and :class:`zoo.Qwen3Moe`) is run per example
+under `jax.vmap`; the statistics of the batch are summed and turned into the load-balancing and z
+losses (:func:`zoo.nn.router_losses`), which are added to the cross-entropy with the model's weights
+(``aux_loss_weights``, from its config) or the ones given.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 import jax
 from jaxtyping import Array, Bool, Float, Int, Num
 
-from ._loss import cross_entropy
+from ._loss import cross_entropy, lm_loss
 from .nn._moe import router_losses
 
 
@@ -44,25 +45,29 @@ def lm_loss_and_metrics(
     *,
     aux_weights: Mapping[str, float] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """``(loss, metrics)``: cross-entropy of predicting ``tokens[:, 1:]`` plus the weighted router
-    losses (:func:`router_loss_terms`), and each term (``cross_entropy``, ``load_balancing_loss``,
-    ``router_z_loss``). The router losses ignore ``mask`` (they count every token, as
-    ``transformers`` does without an attention mask).
+    """``(loss, metrics)``: the cross-entropy of predicting ``tokens[:, 1:]``, plus, for a
+    mixture-of-experts model, the weighted router losses (:func:`router_loss_terms`), and each term
+    as a metric (``cross_entropy``; ``load_balancing_loss`` and ``router_z_loss`` for MoE models).
+    For a dense model the loss equals :func:`zoo.lm_loss`'s. The router losses ignore ``mask``
+    (they count every token, as ``transformers`` does without an attention mask).
 
     **Example:**
 
     ```python
-    import jax, jax.numpy as jnp, zoo
-    from zoo._moe_loss import lm_loss_and_metrics
+    import jax, jax.numpy as jnp, optax, zoo, transforms
     model = zoo.Mixtral(zoo.MixtralConfig.preset("tiny"), key=jax.random.key(0))
-    loss, metrics = lm_loss_and_metrics(model, jnp.zeros((2, 17), jnp.int32))
+    loss, metrics = zoo.lm_loss_and_metrics(model, jnp.zeros((2, 17), jnp.int32))
     sorted(metrics)   # ['cross_entropy', 'load_balancing_loss', 'router_z_loss']
+    step = transforms.train_step(zoo.lm_loss_and_metrics, optax.adamw(1e-3), has_aux=True)
     ```
     """
-    if not has_router_losses(model):
-        raise TypeError(f"{type(model).__name__} has no router statistics (hidden_and_router_stats)")
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"the loss needs tokens of shape (batch, seq + 1) with seq >= 1, got {tokens.shape}")
+    if not has_router_losses(model):
+        if aux_weights:
+            raise ValueError(f"aux_weights given, but {type(model).__name__} has no router losses")
+        ce = lm_loss(model, tokens, mask)
+        return ce, {"cross_entropy": ce}
     x, stats = jax.vmap(model.hidden_and_router_stats)(tokens[:, :-1])
     logits = jax.vmap(model.head)(x)
     with jax.named_scope("loss"):
