@@ -268,7 +268,8 @@ class Run:
             self.model, optimizer = apply_offload(
                 self.model, optimizer, parse_offload(args.offload), args.activations, prefetch=args.prefetch
             )
-        self.step_fn = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=args.accum)
+        # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
+        self.step_fn = transforms.train_step(zoo.lm_loss_and_metrics, optimizer, accum_steps=args.accum, has_aux=True)
         self.opt_state = self.step_fn.init(self.model)
         #: the sampling key's data (kept in the checkpoint's metadata)
         self.rng = [int(x) for x in np.asarray(jax.random.key_data(jax.random.key(args.seed + 1)))]
@@ -436,8 +437,9 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
                 kind="train",
                 step=step,
                 loss=loss,
-                train_bits_per_byte=run.bits_per_byte(loss),
+                train_bits_per_byte=run.bits_per_byte(float(metrics["cross_entropy"])),
                 grad_norm=float(metrics["grad_norm"]),
+                **{k: float(v) for k, v in metrics.items() if k not in ("loss", "grad_norm", "cross_entropy")},
                 lr=float(run.schedule(step - 1)),  # the rate this step's update used (optax counts from 0)
                 time=time.time(),
                 **rates,
