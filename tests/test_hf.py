@@ -583,3 +583,8 @@ def test_tokenizer(tmp_path):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     assert zoo.hf.load_hf_tokenizer(tmp_path).encode("b a c").ids == [2, 1, 0]
+
+
+def test_the_package_docstring_names_every_supported_model_type():
+    missing = [mt for mt in zoo.hf.SUPPORTED_MODEL_TYPES if f"``{mt}``" not in zoo.hf.__doc__]
+    assert not missing, f"zoo.hf's docstring does not name {missing}"

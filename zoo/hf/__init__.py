@@ -1,15 +1,17 @@
-"""Hugging Face interop: load and save GPT-2, Llama, Mistral and Qwen2 checkpoints exactly.
+"""Hugging Face interop: load and save checkpoints exactly, for the ``model_type`` values in
+:data:`SUPPORTED_MODEL_TYPES`: ``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``mixtral``,
+``qwen3_moe``, ``gemma2`` and ``gemma3_text``.
 
 - :func:`load_hf` reads a local model directory (``config.json`` and safetensors, single or
-  sharded) into a :class:`zoo.GPT2` or :class:`zoo.Llama`, lazily and straight into the target
-  sharding and memory kind.
+  sharded) into the zoo model of that family (:class:`zoo.GPT2`, :class:`zoo.Llama`,
+  :class:`zoo.Qwen3`, ...), lazily and straight into the target sharding and memory kind.
 - :func:`save_hf` writes a zoo model as such a directory, loadable by ``transformers``.
 - :func:`load_hf_tokenizer` reads ``tokenizer.json`` with the optional `tokenizers` package.
 - :func:`save_peft_adapter` / :func:`load_peft_adapter` write and read the LoRA adapters of
   :func:`transforms.lora` as PEFT adapter directories.
 
-Configurations are mapped field by field (``zoo.hf._config_map``) and tensors by an explicit
-name table (``zoo.hf._weights``); whatever the zoo cannot represent exactly is refused with an
+Configurations are mapped field by field (``zoo.hf._config_map``, ``zoo.hf._families``) and
+tensors by an explicit name table (``zoo.hf._weights``); whatever the zoo cannot represent exactly is refused with an
 error naming it. `transformers` and `torch` are not needed.
 
 **Example:**

@@ -19,6 +19,8 @@ from .._config import GPT2Config, LlamaConfig
 from .._decoder import RotaryDecoderConfig
 from ..nn import Llama3RopeScaling
 from . import _families
+from ._fields import positive_int as _int
+from ._fields import refuse as _refuse
 
 #: The ``model_type`` values :func:`zoo.load_hf` reads.
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", *_families.CONFIGS)
@@ -28,24 +30,6 @@ _MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 _DEFAULT_THETA = 10000.0
 _SILU = ("silu", "swish")  # the same function in transformers' ACT2FN
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh approximation, as zoo.nn.GeluMLP
-
-
-def _refuse(model_type: str, field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"config.json field {field!r} = {value!r} (model_type {model_type!r}) is not supported: {why}")
-
-
-def _field(hf: Mapping[str, Any], model_type: str, name: str, default: Any = ...) -> Any:
-    value = hf.get(name, default)
-    if value is ...:
-        raise ValueError(f"config.json (model_type {model_type!r}) lacks the required field {name!r}")
-    return value
-
-
-def _int(hf: Mapping[str, Any], model_type: str, name: str, default: Any = ...) -> int:
-    value = _field(hf, model_type, name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config.json field {name!r} must be a positive integer, got {value!r}")
-    return value
 
 
 def _false(hf: Mapping[str, Any], model_type: str, name: str, why: str) -> None:
@@ -296,36 +280,46 @@ def hf_config_from_zoo(
                 f"not {model_type!r}"
             )
         return _families.hf_config_from_family(config)
-    dtype = config.param_dtype
     if isinstance(config, GPT2Config):
         if model_type != "gpt2":
             raise ValueError(f"a GPT2Config can only be saved as model_type 'gpt2', not {model_type!r}")
-        return {
-            "model_type": "gpt2",
-            "architectures": ["GPT2LMHeadModel"],
-            "vocab_size": config.vocab_size,
-            "n_embd": config.d_model,
-            "n_layer": config.n_layers,
-            "n_head": config.n_heads,
-            "n_inner": config.d_ff,
-            "n_positions": config.max_seq_len,
-            "layer_norm_epsilon": config.norm_eps,
-            "activation_function": "gelu_new",
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "add_cross_attention": False,
-            "tie_word_embeddings": True,
-            # The zoo has no dropout.
-            "attn_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "resid_pdrop": 0.0,
-            "dtype": dtype,
-            "torch_dtype": dtype,
-        }
+        return _gpt2_hf_config(config)
     if model_type == "gpt2":
         raise ValueError("a LlamaConfig cannot be saved as model_type 'gpt2'")
     _check_representable(config, model_type)
+    return _llama_hf_config(config, model_type)
+
+
+def _gpt2_hf_config(config: GPT2Config) -> dict[str, Any]:
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": config.vocab_size,
+        "n_embd": config.d_model,
+        "n_layer": config.n_layers,
+        "n_head": config.n_heads,
+        "n_inner": config.d_ff,
+        "n_positions": config.max_seq_len,
+        "layer_norm_epsilon": config.norm_eps,
+        "activation_function": "gelu_new",
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "tie_word_embeddings": True,
+        # The zoo has no dropout.
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "dtype": config.param_dtype,
+        "torch_dtype": config.param_dtype,
+    }
+
+
+_LLAMA_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _llama_hf_config(config: LlamaConfig, model_type: str) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         s = config.rope_scaling
@@ -336,30 +330,8 @@ def hf_config_from_zoo(
             high_freq_factor=s.high_freq_factor,
             original_max_position_embeddings=s.original_max_position_embeddings,
         )
-    out: dict[str, Any] = {
-        "model_type": model_type,
-        "architectures": [
-            {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
-        ],
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "intermediate_size": config.d_ff,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_size,
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "hidden_act": "silu",
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_dropout": 0.0,
-        # Current layout, then the older one (top-level theta and `rope_scaling`) for older releases.
-        "rope_parameters": rope,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None if config.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
-        "dtype": dtype,
-        "torch_dtype": dtype,
-    }
+    out = _families.decoder_fields(config, model_type, _LLAMA_ARCHITECTURES[model_type], rope)
+    out.update(hidden_act="silu", dtype=config.param_dtype, torch_dtype=config.param_dtype)
     if model_type == "llama":
         out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
     elif model_type == "mistral":

@@ -23,6 +23,8 @@ from .._decoder import LAYER_TYPES, MoEConfig, RotaryDecoderConfig
 from .._gemma import Gemma2Config, Gemma3Config, GemmaConfig
 from .._mixtral import MixtralConfig
 from .._qwen3 import Qwen3Config, Qwen3MoeConfig
+from ._fields import positive_int as _int
+from ._fields import refuse as _refuse
 
 #: Hugging Face ``model_type`` -> zoo config class.
 CONFIGS: dict[str, type[RotaryDecoderConfig]] = {
@@ -48,19 +50,6 @@ _DEFAULTS = {
     "gemma3_text": dict(max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1e6, local_theta=10000.0),
 }
 _ACTIVATIONS = {"silu": ("silu", "swish"), "gelu": ("gelu_pytorch_tanh", "gelu_new")}
-
-
-def _refuse(mt: str, field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"config.json field {field!r} = {value!r} (model_type {mt!r}) is not supported: {why}")
-
-
-def _int(hf: Mapping[str, Any], mt: str, name: str, default: Any = ...) -> int:
-    value = hf.get(name, default)
-    if value is ...:
-        raise ValueError(f"config.json (model_type {mt!r}) lacks the required field {name!r}")
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config.json field {name!r} must be a positive integer, got {value!r}")
-    return value
 
 
 def _optional_number(hf: Mapping[str, Any], mt: str, name: str, default: Any) -> float | None:
@@ -320,17 +309,13 @@ def _gemma3_fields(config: Gemma3Config) -> dict[str, Any]:
     return out
 
 
-def hf_config_from_family(config: RotaryDecoderConfig) -> dict[str, Any]:
-    """A ``config.json`` dict that ``transformers`` (current and older releases) reads as the same
-    architecture. Raises `ValueError` naming a zoo field the model type cannot express."""
-    mt = model_type_of_config(config)
-    _check_representable(config, mt)
-    types = config.types_per_layer()
-    sliding = "sliding_attention" in types
-    rope = _rope_dict(config.rope_theta, config.rope_scaling_factor)
-    out: dict[str, Any] = {
-        "model_type": mt,
-        "architectures": [_ARCHITECTURES[mt]],
+def decoder_fields(config, model_type: str, architecture: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` fields every rotary decoder writes alike (Llama, Mistral, Qwen 2 and 3,
+    Mixtral, Gemma): sizes, norm epsilon, tied embeddings and RoPE, the latter in the current layout
+    (``rope_parameters``) and the older one (top-level ``rope_theta`` and ``rope_scaling``)."""
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "intermediate_size": config.d_ff,
@@ -342,14 +327,26 @@ def hf_config_from_family(config: RotaryDecoderConfig) -> dict[str, Any]:
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "attention_dropout": 0.0,
-        # Current layout, then the older one (top-level theta and `rope_scaling`) for older releases.
         "rope_parameters": rope,
         "rope_theta": config.rope_theta,
         "rope_scaling": None if len(rope) == 2 else {k: v for k, v in rope.items() if k != "rope_theta"},
-        "sliding_window": config.sliding_window if sliding else None,
-        "dtype": config.param_dtype,
-        "torch_dtype": config.param_dtype,
     }
+
+
+def hf_config_from_family(config: RotaryDecoderConfig) -> dict[str, Any]:
+    """A ``config.json`` dict that ``transformers`` (current and older releases) reads as the same
+    architecture. Raises `ValueError` naming a zoo field the model type cannot express."""
+    mt = model_type_of_config(config)
+    _check_representable(config, mt)
+    types = config.types_per_layer()
+    sliding = "sliding_attention" in types
+    rope = _rope_dict(config.rope_theta, config.rope_scaling_factor)
+    out = decoder_fields(config, mt, _ARCHITECTURES[mt], rope)
+    out.update(
+        sliding_window=config.sliding_window if sliding else None,
+        dtype=config.param_dtype,
+        torch_dtype=config.param_dtype,
+    )
     if mt != "mixtral":
         out["attention_bias"] = config.attention_bias
     if mt in ("qwen3", "gemma2", "gemma3_text"):

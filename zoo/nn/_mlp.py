@@ -1,4 +1,4 @@
-"""Feed-forward blocks: GELU MLP (GPT-2) and SwiGLU (Llama)."""
+"""Feed-forward blocks: GELU MLP (GPT-2), SwiGLU (Llama) and GeGLU (Gemma)."""
 
 from __future__ import annotations
 
@@ -54,13 +54,10 @@ class GeluMLP(eqx.Module):
         return _mlp_part(self.down, mlp_inputs=1)
 
 
-class SwiGLU(eqx.Module):
-    """``down(silu(gate(x)) * up(x))``, the Llama feed-forward block.
+class _GatedMLP(eqx.Module):
+    """``down(act(gate(x)) * up(x))``; subclasses name the activation (``_act``).
 
     Named activation point: ``mlp_hidden`` (the gated product, input of ``down``).
-
-    **Arguments:** `d_model`, `d_ff` (hidden width), `use_bias`, `init_std`, `out_init_std`,
-    `dtype`, `key`.
     """
 
     gate: Linear
@@ -87,8 +84,12 @@ class SwiGLU(eqx.Module):
         self.up = Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k2, **common)
         self.down = Linear(d_ff, d_model, axes=("mlp", "embed"), init_std=out_std, key=k3, **common)
 
+    @staticmethod
+    def _act(x):
+        raise NotImplementedError
+
     def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
-        h = checkpoint_name(jax.nn.silu(self.gate(x)) * self.up(x), "mlp_hidden")
+        h = checkpoint_name(self._act(self.gate(x)) * self.up(x), "mlp_hidden")
         return self.down(h)
 
     def describe(self) -> dict:
@@ -97,19 +98,40 @@ class SwiGLU(eqx.Module):
         return _mlp_part(self.down, mlp_inputs=2)
 
 
+class SwiGLU(_GatedMLP):
+    """``down(silu(gate(x)) * up(x))``, the Llama feed-forward block.
+
+    Named activation point: ``mlp_hidden`` (the gated product, input of ``down``).
+
+    **Arguments:** `d_model`, `d_ff` (hidden width), `use_bias` (default off), `init_std`,
+    `out_init_std`, `dtype`, `key`.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp
+    from zoo import nn
+    mlp = nn.SwiGLU(64, 192, key=jax.random.key(0))
+    y = mlp(jnp.ones((10, 64)))    # (10, 64)
+    ```
+    """
+
+    _act = staticmethod(jax.nn.silu)
+
+
 def _mlp_part(down: Linear, *, mlp_inputs: int) -> dict:
     d_ff = down.weight.shape[-2]  # (d_ff, d_model), with a leading layer axis inside a Stack
     return {"d_ff": d_ff, "mlp_inputs": mlp_inputs, "activations": (("mlp_hidden", d_ff),)}
 
 
-class GeGLU(eqx.Module):
+class GeGLU(_GatedMLP):
     """``down(gelu(gate(x)) * up(x))`` with the tanh approximation of GELU, the Gemma feed-forward
     block (Shazeer 2020, "GLU Variants Improve Transformer").
 
     Named activation point: ``mlp_hidden`` (the gated product, input of ``down``).
 
-    **Arguments:** `d_model`, `d_ff` (hidden width), `use_bias`, `init_std`, `out_init_std`,
-    `dtype`, `key`.
+    **Arguments:** `d_model`, `d_ff` (hidden width), `use_bias` (default off), `init_std`,
+    `out_init_std`, `dtype`, `key`.
 
     **Example:**
 
@@ -121,35 +143,6 @@ class GeGLU(eqx.Module):
     ```
     """
 
-    gate: Linear
-    up: Linear
-    down: Linear
-
-    checkpoint_names = ("mlp_hidden",)
-
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        *,
-        use_bias: bool = False,
-        init_std: float = 0.02,
-        out_init_std: float | None = None,
-        dtype=jnp.float32,
-        key: PRNGKeyArray,
-    ):
-        k1, k2, k3 = jax.random.split(key, 3)
-        out_std = init_std if out_init_std is None else out_init_std
-        common = dict(use_bias=use_bias, dtype=dtype)
-        self.gate = Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k1, **common)
-        self.up = Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k2, **common)
-        self.down = Linear(d_ff, d_model, axes=("mlp", "embed"), init_std=out_std, key=k3, **common)
-
-    def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
-        h = checkpoint_name(jax.nn.gelu(self.gate(x), approximate=True) * self.up(x), "mlp_hidden")
-        return self.down(h)
-
-    def describe(self) -> dict:
-        """This MLP's part of a :class:`zoo.LayerSpec`: ``d_ff``, two input matmuls (gate and up),
-        ``mlp_hidden``."""
-        return _mlp_part(self.down, mlp_inputs=2)
+    @staticmethod
+    def _act(x):
+        return jax.nn.gelu(x, approximate=True)
