@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zoo.nn import Stack
 from zoo.nn._placement import on_host
 
 from ._memory import (
@@ -45,6 +43,8 @@ from ._memory import (
     traced_kind,
     tree_to_device,
 )
+from ._tree import stack_units as _units
+from ._tree import stack_view as _view
 from ._tree import sum_squares
 
 
@@ -64,32 +64,6 @@ class StreamedState(NamedTuple):
 
 
 # ---- which leaves belong to which stack ---------------------------------------------------
-
-
-def _is_stack(node) -> bool:
-    return isinstance(node, Stack)
-
-
-def _units(tree) -> tuple[Any, int]:
-    """``tree``'s structure with each array leaf replaced by its unit: ``k`` for a leaf of the
-    ``k``-th outermost :class:`Stack` that has array leaves, ``-1`` for a leaf outside the stacks."""
-    counter = itertools.count()
-
-    def one(node):
-        if _is_stack(node) and jax.tree.leaves(node):
-            k = next(counter)
-            return jax.tree.map(lambda _: k, node)
-        return jax.tree.map(lambda _: -1, node)
-
-    units = jax.tree.map(one, tree, is_leaf=_is_stack)
-    return units, next(counter)
-
-
-def _view(tree, units, k: int):
-    """``tree`` with every leaf outside unit ``k`` replaced by ``None``."""
-    if tree is None:
-        return None
-    return jax.tree.map(lambda u, x: x if u == k else None, units, tree)
 
 
 def _merge(units, parts: list):
