@@ -157,7 +157,3 @@ def trainable_params(tree):
     """The trained leaves of ``tree`` (``None`` elsewhere): what an optimizer's ``init`` takes."""
     return eqx.filter(tree, trainable_mask(tree))
 
-
-def has_frozen(tree) -> bool:
-    """True if any module of ``tree`` is frozen."""
-    return any(is_frozen(n) for n in jax.tree.leaves(tree, is_leaf=is_frozen))
