@@ -156,4 +156,3 @@ def trainable_mask(tree):
 def trainable_params(tree):
     """The trained leaves of ``tree`` (``None`` elsewhere): what an optimizer's ``init`` takes."""
     return eqx.filter(tree, trainable_mask(tree))
-
