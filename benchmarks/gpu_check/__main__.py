@@ -1,64 +1,38 @@
 """GPU validation and benchmark of the offload transforms: correctness first, then memory and speed.
 
-For a ~1B-parameter Llama (``llama:1b``: fp32 parameters, bf16 compute; batch 8 x seq 1024, which
-the planner puts at ~80 GiB without offload or remat) on one GPU, every configuration runs in a
-fresh process (so that ``peak_bytes_in_use`` is its own; ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.92``,
-preallocated) and is measured the same way:
+From the repository root on a machine with one GPU and JAX installed (no install step, no network):
 
-1. **Correctness.** After the first train step the Adam first moment is ``(1 - b1) * clip(g)``, so
-   the clipped gradient of the step is read back from the optimizer state (or, if the state has no
-   ``mu``, from a separate ``value_and_grad`` program). It is reduced to per-leaf L2 norms and 16
-   fixed random +-1 projections per leaf, which the parent compares with the no-offload run: the
-   relative L2 error of each leaf is estimated from the projections (unbiased for the squared
-   error). A configuration that disagrees (the silent wrong-gradient bug of offloaded scan
-   residuals, openxla/xla#46231, reverses the order of the layers' residuals) is marked FAILED and
-   its step time is withheld.
-2. **Memory and speed.** Peak device memory (``memory_stats()["peak_bytes_in_use"]``; null where
-   the backend has none), XLA's buffer assignment of the compiled train step (from an HLO dump),
-   ``transforms.compiled_memory`` (``compiled.memory_analysis()``; an extra compile, run only when
-   the time budget allows), the planner's prediction, and the median step time after warm-up.
-3. **Link.** Pinned-host <-> device copy bandwidth (the ceiling), and the bytes each offloaded
-   step moves (counted in the compiled program's host transfers, times loop trip counts; else
-   from ``transforms.transfer_report`` and the state placement) over its step time.
-4. **Capacity.** A larger model (``llama:3b``: ~51 GB of parameters, gradients and Adam state)
-   trains for a few steps with all three transforms while ``XLA_PYTHON_CLIENT_MEM_FRACTION`` caps
-   the device memory at 1/2.25 of that state (its init builds the fp32 weights on the device first).
-5. **Program structure.** The optimized HLO of each train step (the text ``compiled.as_text()``
-   returns, read from XLA's dump of the modules compiled by the first step) is scanned for host
-   transfers (``copy-start``/``copy-done``, host dynamic slices): inside which while-loop body, how
-   many bytes per iteration, and whether whole stacked weights are copied before the first loop.
-6. **Goals**, each with the measured value, ratio and PASS/FAIL (n/a when not measurable):
-   activation offload <= 1.10x the no-remat step time with >= 40% lower peak and faster than full
-   recompute; optimizer-state offload frees >= 90% of the state's bytes at <= 1.15x; streamed
-   weights fetch <= ~2 layers per layer-loop iteration and no whole stack up front; trainable state
-   >= 2x the capped device memory while training.
+    python -m benchmarks.gpu_check --out benchmarks/results     # the default plan, under 8 minutes
+    python -m benchmarks.gpu_check --capped                     # opt-in: llama:3b under a memory cap
+    python -m benchmarks.gpu_check --configs none,params --steps 3 --deadline 200
+    python -m benchmarks.gpu_check --allow-cpu --out /tmp/x     # the reduced pass off a GPU (tests)
 
-A worker that crashes (out of memory included) or outlives its limit is recorded with its stderr
-tail and whatever it had written; the run goes on. Without ``offload_opt_state(stream=True)``
-(an older ``transforms``) ``opt_state_stream`` is recorded as unavailable and all_three/capped use
-the plain optimizer-state offload, saying so.
+1. **Platform guard.** A fresh process probes ``jax.default_backend()`` (without preallocating);
+   unless it is ``gpu`` the check exits with status 2 and a message naming the platform found.
+   ``--allow-cpu`` runs the reduced pass (``llama:tiny``) instead and marks every printed line, the
+   file names and the JSON (``"platform": "cpu", "allow_cpu": true``). Each worker checks its own
+   backend again. Workers set only ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.92, preallocated).
+2. **Parity pass** (seconds): every transform - ``offload_params`` with and without prefetch,
+   ``offload_activations`` of each activation name the model tags and full recompute,
+   ``offload_opt_state`` plain and streamed, all three composed - trains a 4-layer ``llama:tiny``
+   for 3 AdamW steps in float32; its losses and parameter updates must match the plain run's
+   (tolerances per dtype in ``tolerances.py``). A failure is printed first, listed in
+   ``parity_failures`` and makes every configuration using that transform invalid; the run goes on.
+3. **Main runs**: ``llama:1b`` (fp32 weights, bf16 compute), batch 8 x 1024, AdamW with global-norm
+   clipping at 1.0, each configuration in a fresh process: the first step (compile), 1 warm-up, 5
+   timed steps (median). The loss of every step is compared with ``none`` and the step-1 gradient
+   (read from Adam's first moment, copied to host memory) through per-leaf norms and random
+   projections; peak device memory is read right after the timed steps, before any other program.
+4. **Results**: ``<out>/gpu_check_<GPU>_<UTC start>.json`` (and ``.md``), rewritten after every
+   configuration; per configuration ``valid`` (with ``invalid_reason``), ``step_time_s``,
+   ``tokens_per_s``, ``peak_bytes``, ``host_bytes``, ``planner_device_bytes``,
+   ``loss_max_rel_diff``, ``grad_parity_ok``, ``remat_policy``. An invalid configuration's speed
+   is withheld (moved to ``invalid_figures``). Configurations that no longer fit the deadline
+   (``--deadline``, 450 s) are recorded as ``skipped: time budget``.
 
-Configurations, in priority order (the rest are recorded as "skipped: time budget" when the global
-deadline nears): bandwidth, none, all_three (params + activations ``block_input`` + streamed
-optimizer state), capped, act_block_input, act_recompute_all (full recompute), opt_state_stream,
-params, opt_state, then the other presets of ``transforms.ACTIVATION_PRESETS``
-(``act_block_input_and_projections``). Every configuration uses the same effective optimizer,
-AdamW with global-norm clipping at 1.0.
-
-The code is in ``benchmarks/gpu_check/``: ``orchestrate`` (the parent: configurations' processes under the
-deadline), ``worker`` (what runs in each process), ``measure``, ``grads`` (gradient summaries and
-their comparison), ``hlo`` (host transfers in the dumped program), ``results``, ``goals``, ``report``
-(JSON, markdown, table), ``environment``, ``configs`` and ``cli`` (the flags); this file is the entry
-point of the run and of each worker.
-
-Usage (from the repository root)::
-
-    python -m benchmarks.gpu_check                  # the GPU run, about 7.5 minutes
-    python -m benchmarks.gpu_check --configs none,act_block_input --deadline 200
-    JAX_PLATFORMS=cpu python -m benchmarks.gpu_check --reduced --out /tmp/x   # CPU smoke test
-
-Results: ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (``gpu_check_reduced.*`` with
-``--reduced``), rewritten after every configuration so that a killed run still leaves them.
+The code: ``cli`` (flags, defaults, guard), ``guard``, ``orchestrate`` (the parent), ``worker`` (each
+process), ``parity``, ``tolerances``, ``grads``, ``measure``, ``hlo`` (host transfers in the dumped
+program), ``results`` (checks and validity), ``goals``, ``report``, ``configs``, ``environment``.
 """
 
 import sys
@@ -69,4 +43,4 @@ STARTED = time.monotonic()  # the deadline counts from here (the parent's import
 from benchmarks.gpu_check.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(started=STARTED, description=__doc__.split("\n\n")[0]))
+    sys.exit(main(started=STARTED, description=__doc__.split("\n\n1.")[0]))

@@ -1,4 +1,5 @@
-"""The measured configurations, and the model and optimizer each one trains."""
+"""The measured configurations, the parity cases each one depends on, and the model and optimizer
+each one trains."""
 
 from __future__ import annotations
 
@@ -14,34 +15,86 @@ CLIP_NORM = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One measured configuration."""
+    """One measured configuration.
+
+    ``parity`` names the cases of the parity pass (``parity.parity_cases``) whose transforms the
+    configuration uses: a failed case makes its figures invalid.
+    """
 
     name: str
     description: str
     kind: str = "train"  # "train" or "bandwidth"
     params: bool = False
     prefetch: bool = False  # offload_params(prefetch=True): the explicit one-layer-ahead schedule
-    activations: str | None = None  # an activation preset of transforms.offload_activations
+    activations: str | None = None  # a preset of transforms.offload_activations, or one name to offload
+    remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
     opt: str = "device"  # "device", "offload" (offload_opt_state) or "stream" (stream=True)
     capped: bool = False
+    parity: tuple[str, ...] = ()
 
     def transforms(self) -> dict:
+        """The transforms of this configuration, as recorded in the results."""
         out = {"offload_params": self.params, "activations": self.activations, "opt_state": self.opt}
+        if self.remat:
+            out["remat"] = "full"
         return {**out, "prefetch": True} if self.prefetch else out
 
+    def offloads_in_layer_loops(self) -> bool:
+        """Whether a forward pass moves data between host and device inside the layer loops (then
+        ``train_step(accum_steps > 1)`` runs its micro-batches unrolled, not in a scan)."""
+        return self.params or self.activations not in (None, "recompute_all")
 
-def config_table(activation_presets) -> list[Config]:
-    """Every configuration, in priority order."""
-    out = [
-        Config("bandwidth", "pinned_host <-> device copy bandwidth (the link ceiling)", kind="bandwidth"),
+
+ALL_THREE = ("params", "act_block_input", "opt_state_stream", "all_three")
+
+
+def config_table() -> list[Config]:
+    """Every configuration, in the default plan's order (priority: what is skipped at the deadline
+    is the end of the list), then the opt-in ones (``bandwidth``, ``capped``, the other presets)."""
+    three = "offload_params + offload_activations(block_input) + offload_opt_state(stream=True)"
+    return [
         Config("none", "no offload, no remat (the reference)"),
+        Config("all_three", three, params=True, activations="block_input", opt="stream", parity=ALL_THREE),
         Config(
-            "all_three",
-            "offload_params + offload_activations(block_input) + offload_opt_state(stream=True)",
-            params=True,
+            "act_block_input",
+            "offload_activations(policy='block_input') (offload each block's input, recompute the rest)",
             activations="block_input",
-            opt="stream",
+            parity=("act_block_input",),
         ),
+        Config(
+            "act_recompute_all",
+            "offload_activations(policy='recompute_all') (full recompute)",
+            activations="recompute_all",
+            parity=("act_recompute_all",),
+        ),
+        Config(
+            "params",
+            "offload_params (its stack is checkpointed: matmul outputs kept, weights fetched again)",
+            params=True,
+            parity=("params",),
+        ),
+        Config(
+            "opt_state_stream",
+            "offload_opt_state(adamw, stream=True, clip_norm=1.0)",
+            opt="stream",
+            parity=("opt_state_stream",),
+        ),
+        Config(
+            "params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True, parity=("params_prefetch",)
+        ),
+        Config(
+            "opt_state",
+            "offload_opt_state(chain(clip_by_global_norm(1.0), adamw))",
+            opt="offload",
+            parity=("opt_state",),
+        ),
+        Config(
+            "remat_full",
+            "zoo.nn.with_remat(model, Remat()) (full remat on the model, no transform)",
+            remat=True,
+            parity=("remat_full",),
+        ),
+        Config("bandwidth", "pinned_host <-> device copy bandwidth (the link ceiling)", kind="bandwidth"),
         Config(
             "capped",
             "all three transforms on a larger model under a device-memory cap",
@@ -49,70 +102,80 @@ def config_table(activation_presets) -> list[Config]:
             activations="block_input",
             opt="stream",
             capped=True,
+            parity=ALL_THREE,
+        ),
+        Config(
+            "act_block_input_and_projections",
+            "offload_activations(policy='block_input_and_projections')",
+            activations="block_input_and_projections",
+            parity=("act_block_input", "act_q_proj", "act_k_proj", "act_v_proj", "act_attn_out"),
         ),
     ]
-    presets = list(activation_presets)
-    first = [p for p in ("block_input", "recompute_all") if p in presets]  # what the activation goal needs
-    for preset in first:
-        what = "full recompute" if preset == "recompute_all" else "offload"
-        out.append(Config(f"act_{preset}", f"offload_activations(policy={preset!r}) ({what})", activations=preset))
-    out += [
-        Config("opt_state_stream", "offload_opt_state(adamw, stream=True, clip_norm=1.0)", opt="stream"),
-        Config("params", "offload_params", params=True),
-        Config("params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True),
-        Config("opt_state", "offload_opt_state(chain(clip_by_global_norm(1.0), adamw))", opt="offload"),
-    ]
-    for preset in presets:
-        if preset not in first:
-            out.append(Config(f"act_{preset}", f"offload_activations(policy={preset!r})", activations=preset))
-    return out
 
 
-def default_activation_presets() -> list[str]:
-    import transforms
+#: The configurations of the default plan, in order (the rest of the table is opt-in).
+DEFAULT_PLAN = (
+    "none",
+    "all_three",
+    "act_block_input",
+    "act_recompute_all",
+    "params",
+    "opt_state_stream",
+    "params_prefetch",
+    "opt_state",
+    "remat_full",
+)
 
-    return list(transforms.ACTIVATION_PRESETS)
+
+def resolve_names(names: list[str] | None, *, capped: bool = False) -> list[str]:
+    """The configurations to run: ``names`` (checked), the capped run alone with ``capped``, else
+    the default plan. Raises `ValueError` naming an unknown configuration and the valid ones."""
+    valid = [c.name for c in config_table()]
+    if names is None:
+        return ["capped"] if capped else list(DEFAULT_PLAN)
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {unknown}; valid configurations: {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"configurations listed twice: {sorted({n for n in names if names.count(n) > 1})}")
+    return list(names)
 
 
-class Unavailable(Exception):
-    """The configuration needs an API that this version of the transforms does not have."""
-
-
-def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16"):
-    """``FAMILY:PRESET`` (``llama:1b``) with bf16 compute, fp32 parameters."""
+def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16", **overrides):
+    """``FAMILY:PRESET`` (``llama:1b``) with ``compute_dtype`` compute and fp32 parameters."""
     import zoo
 
-    families = {"llama": zoo.LlamaConfig, "gpt2": zoo.GPT2Config}
-    family, _, preset = spec.partition(":")
-    if family not in families:
-        raise ValueError(f"model must look like FAMILY:PRESET with FAMILY in {sorted(families)}, got {spec!r}")
-    cfg = families[family].preset(preset or "tiny", compute_dtype=compute_dtype, param_dtype="float32")
-    if seq > cfg.max_seq_len:
-        cfg = cfg.replace(max_seq_len=seq)
-    return cfg
+    cfg = zoo.config_from_name(spec, compute_dtype=compute_dtype, param_dtype="float32", **overrides)
+    return cfg.replace(max_seq_len=seq) if seq > cfg.max_seq_len else cfg
 
 
 def make_optimizer(kind: str, lr: float):
-    """The same effective optimizer everywhere: AdamW after global-norm clipping at 1.0.
-
-    Returns ``(optimizer, note)``; raises :class:`Unavailable` when ``stream=True`` is missing.
-    """
-    import inspect
-
+    """The same effective optimizer everywhere: AdamW after global-norm clipping at 1.0, with its
+    state on the device (``device``), offloaded (``offload``) or offloaded and streamed (``stream``)."""
     import optax
 
     import transforms
 
     if kind == "device":
-        return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr)), ""
+        return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr))
     if kind == "offload":
-        return transforms.offload_opt_state(optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr))), ""
+        return transforms.offload_opt_state(optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr)))
     if kind == "stream":
-        accepted = inspect.signature(transforms.offload_opt_state).parameters
-        if "stream" not in accepted or "clip_norm" not in accepted:
-            raise Unavailable("transforms.offload_opt_state has no stream=/clip_norm= arguments")
-        try:
-            return transforms.offload_opt_state(optax.adamw(lr), stream=True, clip_norm=CLIP_NORM), ""
-        except TypeError as err:
-            raise Unavailable(f"offload_opt_state(stream=True, clip_norm=...) raised TypeError: {err}") from err
-    raise ValueError(f"unknown optimizer kind {kind!r}")
+        return transforms.offload_opt_state(optax.adamw(lr), stream=True, clip_norm=CLIP_NORM)
+    raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream")
+
+
+def apply_transforms(model, conf: Config):
+    """``model`` with the model transforms of ``conf`` (weights offloaded, remat policy set)."""
+    import transforms
+    from zoo.nn import Remat, with_remat
+
+    if conf.params:
+        model = transforms.offload_params(model, prefetch=conf.prefetch)
+    if conf.activations in transforms.ACTIVATION_PRESETS:
+        model = transforms.offload_activations(model, policy=conf.activations)
+    elif conf.activations:
+        model = transforms.offload_activations(model, names=(conf.activations,))
+    if conf.remat:
+        model = with_remat(model, Remat())
+    return model

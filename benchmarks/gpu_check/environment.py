@@ -1,13 +1,12 @@
-"""The machine and software of a run: GPU from nvidia-smi, package versions, relevant variables."""
+"""The machine and software of a run: the shared facts of ``benchmarks._environment`` and the GPU
+as nvidia-smi sees it (read without starting JAX in the parent process)."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import importlib.metadata
-import os
-import platform
 import subprocess
+
+from benchmarks._environment import software
 
 
 def _nvidia_smi(fields: str) -> list[dict] | str:
@@ -28,7 +27,7 @@ def _nvidia_smi(fields: str) -> list[dict] | str:
 
 
 def gpu_info() -> dict:
-    """GPU name, driver and memory from nvidia-smi (without starting JAX in this process)."""
+    """GPU name, driver and memory from nvidia-smi."""
     gpus = _nvidia_smi("name,driver_version,memory.total,pci.bus_id")
     if isinstance(gpus, str):
         return {"nvidia_smi": gpus}
@@ -41,33 +40,6 @@ def gpu_info() -> dict:
     return {"nvidia_smi": "ok", "gpus": gpus}
 
 
-DISTRIBUTIONS = (
-    "jax",
-    "jaxlib",
-    "equinox",
-    "optax",
-    "numpy",
-    "jax-cuda12-plugin",
-    "jax-cuda12-pjrt",
-    "jax-cuda13-plugin",
-    "jax-cuda13-pjrt",
-)
-
-
 def environment() -> dict:
-    versions = {}
-    for dist in DISTRIBUTIONS:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions[dist] = importlib.metadata.version(dist)
-    env_vars = {
-        k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "TF_CPP", "CUDA_", "NCCL_", "PJRT_"))
-    }
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "versions": versions,
-        "environment_variables": env_vars,
-        "gpu": gpu_info(),
-    }
+    """Everything recorded about the run's machine and software."""
+    return {**software(), "gpu": gpu_info()}

@@ -20,17 +20,13 @@ GOALS = {
 
 
 def step_time(entry: dict | None) -> float | None:
-    """The median step time of a configuration, unless it failed (or never reached) the correctness check."""
-    if not entry or entry.get("status") not in ("ok", "unverified"):
-        return None
-    return (entry.get("worker", {}).get("timing") or {}).get("median_s")
+    """The median step time of a configuration, unless it is invalid (failed a check, or did not run)."""
+    return entry.get("step_time_s") if entry and entry.get("valid") else None
 
 
 def peak_bytes(entry: dict | None) -> int | None:
-    """The peak device memory of a configuration's process (None where the backend has no memory_stats)."""
-    if not entry:
-        return None
-    return (entry.get("worker", {}).get("memory_stats") or {}).get("peak_bytes_in_use")
+    """The peak device memory of a valid configuration (None where the backend has no memory_stats)."""
+    return entry.get("peak_bytes") if entry and entry.get("valid") else None
 
 
 def _goal(goal: str, config, measured, target: str, passed, ratio=None, note: str = "") -> dict:
@@ -194,7 +190,7 @@ def capacity_goal(entry: dict | None) -> dict:
         state = worker["model"]["n_params"] * 16  # not initialised: the fp32 AdamW estimate
     losses = worker.get("losses") or []
     trained = (
-        entry.get("status") in ("ok", "unverified")
+        bool(entry.get("valid"))
         and len(losses) >= 2
         and all(math.isfinite(v) for v in losses)
         and losses[-1] <= losses[0] + 0.1

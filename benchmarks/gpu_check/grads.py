@@ -1,10 +1,13 @@
-"""The step-1 gradient of a configuration: read from the optimizer state and summarised in the
-worker (per-leaf norms and random projections), compared with the reference run in the parent."""
+"""The step-1 gradient of a configuration: read from the optimizer state (copied to host memory
+after step 1, summarised once the measurements are done) as per-leaf norms and random
+projections, and compared with the reference run in the parent."""
 
 from __future__ import annotations
 
 import math
 import zlib
+
+from .tolerances import rel
 
 # Tolerances of the gradient comparison (bf16 compute: a correct configuration differs from the
 # no-offload run by rounding, ~1e-3 to 1e-2 relative; the reversed-residual bug gives ~1).
@@ -18,46 +21,31 @@ TOLERANCES = {
 N_PROJECTIONS = 16
 
 
-def _fmix32(h):
-    """The murmur3 finalizer: a cheap, well-mixed hash of uint32 values."""
-    import numpy as np
-
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
-
-
-def gradient_summary(named: dict, *, n_proj: int = N_PROJECTIONS, flip_layers: int | None = None) -> dict:
+def gradient_summary(named: dict, *, n_proj: int = N_PROJECTIONS) -> dict:
     """Per leaf of ``named`` (``{path: array}``, see :func:`named_leaves`): its L2 norm and
-    ``n_proj`` projections on fixed random +-1 vectors.
+    ``n_proj`` (at most 32) projections on fixed random +-1 vectors.
 
-    The vectors depend only on the leaf's path and element index (a hash, no PRNG state), so two
-    processes project on the same vectors. Host-resident leaves are copied to the device first.
-    ``flip_layers=n`` reverses the leading axis of leaves stacked over ``n`` layers (a test hook
-    that reproduces the reversed-residual bug's effect).
+    The vectors are the bits of one random word per element, drawn from a key derived from the
+    leaf's path only (threefry: the same bits in every process), so two processes project on the
+    same vectors. Leaves may be NumPy arrays (a
+    host copy) or JAX arrays; host-resident JAX arrays are copied to the device first.
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    flat = [
-        (name, x) for name, x in sorted(named.items()) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-    ]
+    flat = [(name, x) for name, x in sorted(named.items()) if hasattr(x, "dtype") and _is_float(x.dtype)]
     names = [name for name, _ in flat]
     leaves = [_to_device(x) for _, x in flat]
     salts = np.array([zlib.crc32(name.encode()) for name in names], np.uint32)
 
     def one(x, salt):
-        if flip_layers and x.ndim >= 2 and x.shape[0] == flip_layers:
-            x = jnp.flip(x, 0)
-        x = x.astype(jnp.float32).reshape(-1)
-        index = jax.lax.iota(jnp.uint32, x.shape[0])
+        x = x.astype(jnp.float32)
+        # One random 32-bit word per element: its bit k is the sign of projection k.
+        bits = jax.random.bits(jax.random.fold_in(jax.random.key(0), salt), x.shape, jnp.uint32)
 
         def project(k):
-            h = _fmix32(index ^ _fmix32(salt + k * np.uint32(0x9E3779B9)))
-            return jnp.sum(jnp.where((h >> np.uint32(31)) == 1, -x, x))
+            return jnp.sum(jnp.where((bits >> k) & 1, -x, x))
 
         return jnp.sum(x * x), jax.lax.map(project, jnp.arange(n_proj, dtype=jnp.uint32))
 
@@ -70,6 +58,12 @@ def gradient_summary(named: dict, *, n_proj: int = N_PROJECTIONS, flip_layers: i
             "proj": [float(p) for p in np.asarray(proj)],
         }
     return out
+
+
+def _is_float(dtype) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def scale_summary(summary: dict, factor: float) -> dict:
@@ -89,10 +83,6 @@ def _to_device(x):
     return x
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
 def compare_gradients(reference: dict, candidate: dict, tol: dict | None = None) -> dict:
     """Compare a configuration's step-1 loss, gradient norm and gradient summary with the reference.
 
@@ -103,8 +93,8 @@ def compare_gradients(reference: dict, candidate: dict, tol: dict | None = None)
     """
     tol = {**TOLERANCES, **(tol or {})}
     failures = []
-    loss_diff = _rel(candidate["loss"], reference["loss"])
-    gn_diff = _rel(candidate["grad_norm"], reference["grad_norm"])
+    loss_diff = rel(candidate["loss"], reference["loss"])
+    gn_diff = rel(candidate["grad_norm"], reference["grad_norm"])
     if not math.isfinite(candidate["loss"]) or loss_diff > tol["loss_rtol"]:
         failures.append(f"loss {candidate['loss']:.6g} vs {reference['loss']:.6g} (rel {loss_diff:.2e})")
     if not math.isfinite(candidate["grad_norm"]) or gn_diff > tol["grad_norm_rtol"]:

@@ -199,21 +199,10 @@ def _transfer(ins) -> tuple[str, int, tuple | None] | None:
     return ("h2d" if _on_host(src) else "d2h"), shape_bytes(dest), dest
 
 
-def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40) -> dict:
-    """Host transfers of an optimized HLO module: where they sit (while-loop bodies or not), how
-    many bytes they move per iteration and per step, and whole stacked weights copied in.
-
-    ``while_loops`` lists each loop body (entry-level loops first, in schedule order) with its
-    trip count and per-iteration transfers; ``stacked_h2d_outside_loops`` lists host-to-device
-    copies outside any loop of arrays whose leading dimension is ``n_layers`` (whole stacks), with
-    their position in the entry computation's schedule (``before_first_loop`` = at step start).
-    """
-    comps = parse_hlo_module(text)
-    entry = next((c for c in comps.values() if c["entry"]), None)
-    if entry is None:
-        return {"error": "no ENTRY computation found"}
-    # Call graph with loop multipliers. Computations wrapped by async transfer ops (*-start) are
-    # not counted again: the wrapper is.
+def _call_graph(comps: dict, entry: dict) -> dict:
+    """Each computation's loop multiplier (iterations per step), the while-loop body enclosing it,
+    the breadth-first order from the entry, the loops, and the computations wrapped by async
+    transfer ops (``*-start``; not counted again: the wrapper is)."""
     edges: dict[str, list[tuple[str, int, str | None]]] = {}
     wrapped: set[str] = set()
     loops: list[tuple[str, int | None, str]] = []
@@ -240,37 +229,46 @@ def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40
                 multiplier[callee] = multiplier[name] * factor
                 enclosing[callee] = body or enclosing[name]
                 order.append(callee)
-    whiles = [i for i, ins in enumerate(entry["instructions"]) if ins["opcode"] == "while"]
-
-    def position(index: int) -> str:
-        if not whiles:
-            return "no_loops"
-        if index < whiles[0]:
-            return "before_first_loop"
-        return "after_last_loop" if index > whiles[-1] else "between_loops"
-
     loops.sort(key=lambda lp: lp[2] != entry["name"])  # entry-level loops first (stable: schedule order)
-    per_loop = {
-        body: {
-            "trip_count": trip,
-            "parent": parent,
-            "h2d_ops": 0,
-            "h2d_bytes_per_iter": 0,
-            "d2h_ops": 0,
-            "d2h_bytes_per_iter": 0,
-            "copy_start": 0,
-            "copy_done": 0,
-        }
-        for body, trip, parent in loops
-    }
+    return {"multiplier": multiplier, "enclosing": enclosing, "order": order, "loops": loops, "wrapped": wrapped}
+
+
+def _position(whiles: list[int], index: int) -> str:
+    """Where instruction ``index`` of the entry computation sits relative to its while loops."""
+    if not whiles:
+        return "no_loops"
+    if index < whiles[0]:
+        return "before_first_loop"
+    return "after_last_loop" if index > whiles[-1] else "between_loops"
+
+
+def _empty_loop(trip, parent) -> dict:
+    keys = ("h2d_ops", "h2d_bytes_per_iter", "d2h_ops", "d2h_bytes_per_iter", "copy_start", "copy_done")
+    return {"trip_count": trip, "parent": parent, **dict.fromkeys(keys, 0)}
+
+
+def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40) -> dict:
+    """Host transfers of an optimized HLO module: where they sit (while-loop bodies or not), how
+    many bytes they move per iteration and per step, and whole stacked weights copied in.
+
+    ``while_loops`` lists each loop body (entry-level loops first, in schedule order) with its
+    trip count and per-iteration transfers; ``stacked_h2d_outside_loops`` lists host-to-device
+    copies outside any loop of arrays whose leading dimension is ``n_layers`` (whole stacks), with
+    their position in the entry computation's schedule (``before_first_loop`` = at step start).
+    """
+    comps = parse_hlo_module(text)
+    entry = next((c for c in comps.values() if c["entry"]), None)
+    if entry is None:
+        return {"error": "no ENTRY computation found"}
+    graph = _call_graph(comps, entry)
+    whiles = [i for i, ins in enumerate(entry["instructions"]) if ins["opcode"] == "while"]
+    per_loop = {body: _empty_loop(trip, parent) for body, trip, parent in graph["loops"]}
     counts = {f"{op}_{where}": 0 for op in ("copy_start", "copy_done") for where in ("in_loops", "outside_loops")}
     totals = {"h2d_bytes_per_step": 0, "d2h_bytes_per_step": 0, "h2d_ops": 0, "d2h_ops": 0}
     outside: dict[str, dict[str, int]] = {}
     stacked, samples = [], []
-    for name in order:
-        if name in wrapped:
-            continue
-        comp, loop = comps[name], enclosing.get(name)
+    for name in (n for n in graph["order"] if n not in graph["wrapped"]):
+        comp, loop = comps[name], graph["enclosing"].get(name)
         for index, ins in enumerate(comp["instructions"]):
             if ins["opcode"] in ("copy-start", "copy-done"):
                 key = ins["opcode"].replace("-", "_")
@@ -282,13 +280,13 @@ def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40
                 continue
             direction, nbytes, moved_shape = moved
             totals[f"{direction}_ops"] += 1
-            totals[f"{direction}_bytes_per_step"] += nbytes * multiplier.get(name, 1)
+            totals[f"{direction}_bytes_per_step"] += nbytes * graph["multiplier"].get(name, 1)
             if loop in per_loop:
                 per_loop[loop][f"{direction}_ops"] += 1
                 per_loop[loop][f"{direction}_bytes_per_iter"] += nbytes
                 where = f"loop {loop}"
             else:
-                where = position(index) if comp["entry"] else "nested"
+                where = _position(whiles, index) if comp["entry"] else "nested"
                 slot = outside.setdefault(f"{direction}_{where}", {"ops": 0, "bytes": 0})
                 slot["ops"] += 1
                 slot["bytes"] += nbytes

@@ -1,5 +1,6 @@
-"""The parent process: a fresh worker process per configuration (its spec, environment and memory
-cap), killed at its limit, and the run of all of them under a global deadline."""
+"""The parent process: the parity pass, then a fresh worker process per configuration (its spec,
+environment and memory cap), killed at its limit, all under a global deadline, with the results
+written after each one. The parent never starts a JAX backend: the workers own the GPU."""
 
 from __future__ import annotations
 
@@ -16,15 +17,20 @@ import time
 import traceback
 from pathlib import Path
 
-from .configs import Config, GiB, config_table, default_activation_presets, make_config
+from benchmarks._environment import ROOT, utc_now
+
+from .configs import DEFAULT_PLAN, Config, GiB, config_table, make_config
 from .environment import environment
 from .goals import GOALS
-from .grads import TOLERANCES
+from .grads import TOLERANCES as GRADIENT_TOLERANCES
+from .guard import label
 from .hlo import summarize_dump
-from .report import print_table, write_json, write_results
-from .results import finish_config, refresh
+from .report import file_stem, parity_lines, print_table, write_json, write_results
+from .results import base_entry, finish_config, refresh
+from .tolerances import TOLERANCES
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository root, where the workers run
+COMPUTE_DTYPE = "bfloat16"  # the main runs; the parity pass runs in float32
+PARITY_DTYPE = "float32"
 
 
 def _tail(path: Path, n: int) -> str:
@@ -48,17 +54,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_worker(
-    name: str, spec: dict, work_dir: Path, timeout: float, env: dict, n_layers: int | None, *, hlo_dump: bool = True
-) -> dict:
-    """Run one configuration in a fresh process; whatever happens, return what is known."""
+def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict, n_layers: int | None) -> dict:
+    """Run one worker in a fresh process; whatever happens, return what is known."""
     wdir = work_dir / name
     wdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path, dump_dir = wdir / "spec.json", wdir / "result.json", wdir / "xla_dump"
-    spec = {**spec, "dump_dir": str(dump_dir)}
-    write_json(spec_path, spec)
+    write_json(spec_path, {**spec, "dump_dir": str(dump_dir)})
     env = dict(env)
-    if hlo_dump:
+    if spec.get("hlo_dump"):
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text".strip()
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--worker", name, "--spec", str(spec_path)]
     cmd += ["--out", str(out_path)]
@@ -81,13 +84,13 @@ def run_worker(
     except (OSError, ValueError) as err:
         run["report"] = {"error": f"no readable worker report ({type(err).__name__})"}
     run["stderr_tail"] = _tail(wdir / "stderr.txt", 3000)
-    if spec["config"]["kind"] == "train":
+    if spec["config"]["kind"] == "train" and spec.get("hlo_dump"):
         run["hlo"] = summarize_dump(dump_dir, n_layers, run["report"].get("step_modules"))
     shutil.rmtree(dump_dir, ignore_errors=True)
     return run
 
 
-def worker_spec(args, conf: Config, *, extras_seconds: float, test: dict, compile_cache: str | None) -> dict:
+def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None) -> dict:
     capped = conf.capped
     return {
         "config": dataclasses.asdict(conf),
@@ -96,15 +99,17 @@ def worker_spec(args, conf: Config, *, extras_seconds: float, test: dict, compil
         "seq": args.capped_seq if capped else args.seq,
         "steps": args.capped_steps - 1 if capped else args.steps,
         "warmup": 0 if capped else args.warmup,
+        "accum_steps": 1 if capped else args.accum_steps,
         "lr": args.lr,
         "seed": 0,
         "plan_device": args.plan_device,
         "correctness": not capped,
         "bandwidth_mib": args.bandwidth_mib,
         "bandwidth_reps": args.bandwidth_reps,
-        "extras_seconds": extras_seconds,
         "memory_analysis": args.memory_analysis,
+        "hlo_dump": args.hlo_dump == "on",
         "compile_cache": compile_cache,
+        "allow_cpu": args.allow_cpu,
         **{k: conf.name in (v or ()) for k, v in test.items()},
     }
 
@@ -128,13 +133,19 @@ def capped_memory_fraction(args, gpu: dict) -> dict:
     }
 
 
-def worker_env(conf: Config, args, capped: dict | None) -> dict:
+def worker_env(conf: Config | None, args, capped: dict | None) -> dict:
+    """The worker's environment: the repository on the path and one documented memory variable,
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (``XLA_CLIENT_MEM_FRACTION`` as well makes some jaxlib
+    versions fail to create the CUDA client, and JAX then falls back to the CPU)."""
     env = dict(os.environ)
+    env.pop("XLA_CLIENT_MEM_FRACTION", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    if conf is None:  # the parity pass: a tiny model, no preallocation
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        return env
     fraction = capped["fraction"] if conf.capped and capped else args.mem_fraction
-    for var in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
-        env[var] = str(fraction)
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
     if conf.capped:
         # Weights, gradients and optimizer state of the capped model all live in pinned host memory.
@@ -142,94 +153,199 @@ def worker_env(conf: Config, args, capped: dict | None) -> dict:
     return env
 
 
-def _interrupt(signum, frame):
+def new_results(args, probe: dict, order: list[str]) -> dict:
+    """The results before any run: what ran where, then the configurations as they finish."""
+    env_info = environment()
+    results = {
+        "schema": 2,
+        "platform": probe["platform"],
+        "device_kind": probe.get("device_kind"),
+        "jax_version": probe.get("jax_version"),
+        "jaxlib_version": probe.get("jaxlib_version"),
+        "started_at": utc_now(),
+        "git_commit": env_info["git_commit"],
+        "allow_cpu": bool(args.allow_cpu),
+        "status": "running",
+        "parity_failures": [],
+        "compute_dtype": COMPUTE_DTYPE,
+        "deadline_s": args.deadline,
+        "elapsed_s": 0.0,
+        "order": order,
+        "configs": {},
+        "parity": {"status": "not run"},
+        "goals": [],
+        "tolerances": {"parity_and_losses": TOLERANCES, "step1_gradient": GRADIENT_TOLERANCES},
+        "goal_targets": GOALS,
+        "probe": probe,
+        "environment": env_info,
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("test_") and k not in ("worker", "spec")},
+    }
+    results["files"] = {"stem": file_stem(results), "out": str(args.out)}
+    return results
+
+
+@dataclasses.dataclass
+class Run:
+    """The state of the parent's run."""
+
+    args: object
+    results: dict
+    started: float
+    work_dir: Path
+    cache: str | None
+    capped: dict | None
+    n_layers: dict
+    table: dict
+    durations: list = dataclasses.field(default_factory=list)
+
+    def say(self, message: str) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"{label(self.results['platform'])}[{elapsed:6.1f} s] {message}", flush=True)
+
+    def remaining(self) -> float:
+        return self.args.deadline - (time.monotonic() - self.started)
+
+    def write(self) -> Path:
+        refresh(self.results, self.started)
+        return write_results(self.results, self.args.out)
+
+
+def _parity_spec(run: Run) -> dict | None:
+    """The parity worker's spec: every case, or those of the chosen configurations (None: off)."""
+    args, results = run.args, run.results
+    needed = sorted({case for name in results["order"] for case in run.table[name].parity})
+    mode = args.parity or ("all" if results["order"] == list(DEFAULT_PLAN) else "needed")
+    if mode == "off" or (mode == "needed" and not needed):
+        results["parity"] = {"status": f"off (--parity {mode})" if mode == "off" else "no transform to check"}
+        return None
+    spec = {"config": {"name": "parity", "kind": "parity"}, "dtype": PARITY_DTYPE, "mode": mode, "needed": needed}
+    spec.update(test_break=args.test_break, allow_cpu=args.allow_cpu, compile_cache=run.cache)
+    return spec
+
+
+def _parity_runs(run: Run, spec: dict) -> tuple[dict, dict]:
+    """Run the parity worker; when its process dies (or hangs) in a case, that case fails and a new
+    process runs the rest (within ``--parity-timeout``). Returns the cases and the last run."""
+    cases: dict = {}
+    limit = time.monotonic() + run.args.parity_timeout
+    for attempt in range(4):
+        timeout = min(limit - time.monotonic(), run.remaining())
+        done = run_worker(
+            f"parity{attempt or ''}", spec, run.work_dir, max(timeout, 1.0), worker_env(None, run.args, None), None
+        )
+        report = done["report"]
+        cases.update(report.get("cases") or {})
+        phase = str(report.get("phase", ""))
+        in_cases = phase == "reference" or phase.startswith("case ")
+        rest = [n for n in report.get("selected") or [] if n not in cases]
+        if (done["returncode"] == 0 and phase == "done") or not in_cases or not rest:
+            break
+        if done["timed_out"]:  # out of time, not evidence of a wrong result: the rest stays "not run"
+            break
+        last = next((ln for ln in reversed(done["stderr_tail"].splitlines()) if ln.strip()), "")
+        cases[rest[0]] = {"passed": False, "failures": [f"its process died: {last[:300]}"]}
+        if len(rest) == 1:
+            break
+        spec = {**spec, "cases": rest[1:]}
+    done["not_run"] = [n for n in report.get("selected") or [] if n not in cases]
+    return cases, done
+
+
+def run_parity(run: Run) -> None:
+    """The parity pass in a worker of its own; its failures are printed before anything else."""
+    spec = _parity_spec(run)
+    if spec is None:
+        return
+    timeout = min(run.args.parity_timeout, max(run.remaining(), 1.0))
+    run.say(
+        f"parity pass ({spec['mode']}): every transform vs the plain run, 3 steps of a small Llama ({timeout:.0f} s)"
+    )
+    cases, done = _parity_runs(run, spec)
+    report = done["report"]
+    status = "complete" if done["returncode"] == 0 and report.get("phase") == "done" else "incomplete"
+    parity = {"status": status, **{k: report.get(k) for k in ("dtype", "tolerances", "model", "reference_losses")}}
+    parity.update(cases=cases, not_run=done["not_run"], wall_s=done["wall_s"])
+    if status != "complete":
+        parity["detail"] = report.get("error") or done["stderr_tail"][-1500:]
+    run.results["parity"] = parity
+    failed = [n for n, c in cases.items() if not c["passed"]]
+    for name in failed:
+        run.say(f"PARITY FAILED: {name}: {'; '.join(cases[name]['failures'][:3])}")
+    run.say(f"parity pass {status}: {len(cases)} transforms checked, {len(failed)} failed")
+
+
+def run_config(run: Run, name: str, pending: int) -> None:
+    """One configuration in its own process, or its record as skipped past the deadline."""
+    args, conf = run.args, run.table[name]
+    estimate = statistics.median(run.durations) if run.durations else args.estimate_s
+    needed = 5.0 if conf.kind == "bandwidth" else max(args.min_start_s, 0.75 * estimate)
+    remaining = run.remaining()
+    if remaining < needed:
+        detail = f"{max(remaining, 0):.0f} s left of {args.deadline:.0f} s, ~{needed:.0f} s needed"
+        run.results["configs"][name] = base_entry(name, conf, "skipped: time budget", detail, run.results["platform"])
+        return
+    timeout = min(args.worker_timeout, remaining)
+    run.say(f"{name}: {conf.description} (limit {timeout:.0f} s, {pending} after it)")
+    test = {"test_crash": args.test_crash, "test_hang": args.test_hang}
+    spec = worker_spec(args, conf, test=test, compile_cache=run.cache)
+    env = worker_env(conf, args, run.capped)
+    try:
+        done = run_worker(name, spec, run.work_dir, timeout, env, run.n_layers["capped" if conf.capped else "main"])
+        entry = finish_config(name, conf, done, run.results["platform"])
+    except Exception:
+        done = {"wall_s": 0.0}
+        detail = traceback.format_exc(limit=8)[-2000:]
+        entry = base_entry(name, conf, "error", detail, run.results["platform"])
+    if conf.kind == "train" and not conf.capped and entry["run_status"] in ("measured", "crashed", "timeout"):
+        run.durations.append(done["wall_s"])
+    run.results["configs"][name] = entry
+
+
+def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def orchestrate(args, started: float) -> dict:
-    """Run the configurations of ``args`` in order, each in its own process, until ``args.deadline``
-    seconds after ``started`` (a `time.monotonic` reading); write the results after each one."""
-    stem = "gpu_check_reduced" if args.reduced else "gpu_check"
-    table = config_table(default_activation_presets())
-    by_name = {c.name: c for c in table}
-    order = [c.name for c in table] if args.configs is None else args.configs
-    unknown = [n for n in order if n not in by_name]
-    if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}; valid: {', '.join(by_name)}")
-    env_info = environment()
-    results = {
-        "schema": 1,
-        "status": "running",
-        "args": {k: v for k, v in vars(args).items() if not k.startswith("test_") and k != "worker"},
-        "tolerances": TOLERANCES,
-        "goal_targets": GOALS,
-        "environment": env_info,
-        "order": order,
-        "configs": {},
-        "goals": [],
-        "elapsed_s": 0.0,
-    }
-    capped = capped_memory_fraction(args, env_info["gpu"]) if "capped" in order else None
-    results["capped_setup"] = capped
-    test = {"test_crash": args.test_crash, "test_perturb": args.test_perturb, "test_hang": args.test_hang}
+def orchestrate(args, probe: dict, started: float) -> dict:
+    """The parity pass, then the configurations of ``args.configs`` in order, each in its own
+    process, until ``args.deadline`` seconds after ``started`` (a `time.monotonic` reading);
+    the results are written after each one."""
+    order = list(args.configs)
+    results = new_results(args, probe, order)
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    results["work_dir"] = str(work_dir)
+    capped = capped_memory_fraction(args, results["environment"]["gpu"]) if "capped" in order else None
+    results.update(capped_setup=capped, work_dir=str(work_dir))
+    layers = {"main": make_config(args.model, seq=args.seq).n_layers}
+    layers["capped"] = make_config(args.capped_model, seq=args.capped_seq).n_layers if capped else None
     cache = None if args.compile_cache == "off" else str(work_dir / "jax_cache")
-    n_layers = make_config(args.model, seq=args.seq).n_layers
-    capped_layers = make_config(args.capped_model, seq=args.capped_seq).n_layers if capped else None
-    durations: list[float] = []
-    write_results(results, args.out, stem)
+    run = Run(args, results, started, work_dir, cache, capped, layers, {c.name: c for c in config_table()})
+    path = run.write()
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        run_parity(run)
+        path = run.write()
         for i, name in enumerate(order):
-            conf = by_name[name]
-            remaining = args.deadline - (time.monotonic() - started)
-            estimate = statistics.median(durations) if durations else args.estimate_s
-            needed = 5.0 if conf.kind == "bandwidth" else max(args.min_start_s, 0.75 * estimate)
-            if remaining < needed:
-                results["configs"][name] = {
-                    "name": name,
-                    "kind": conf.kind,
-                    "description": conf.description,
-                    "transforms": conf.transforms(),
-                    "status": "skipped: time budget",
-                    "detail": f"{max(remaining, 0):.0f} s left of {args.deadline:.0f} s, ~{needed:.0f} s needed",
-                }
-                write_results(results, args.out, stem)
-                continue
-            pending = sum(1 for n in order[i + 1 :] if by_name[n].kind == "train")
-            extras = remaining - estimate * (pending + 1)
-            spec = worker_spec(args, conf, extras_seconds=max(extras, 0.0), test=test, compile_cache=cache)
-            timeout = min(args.worker_timeout, remaining)
-            elapsed = time.monotonic() - started
-            print(f"[{elapsed:6.1f} s] {name}: {conf.description} (limit {timeout:.0f} s)", flush=True)
-            layers = capped_layers if conf.capped else n_layers
-            env = worker_env(conf, args, capped)
-            try:
-                run = run_worker(name, spec, work_dir, timeout, env, layers, hlo_dump=args.hlo_dump == "on")
-                entry = finish_config(name, conf, run)
-            except Exception:
-                run = {"wall_s": 0.0}
-                detail = traceback.format_exc(limit=8)[-2000:]
-                entry = {"name": name, "kind": conf.kind, "status": "error", "run_status": "error", "detail": detail}
-            if conf.kind == "train" and not conf.capped and entry["run_status"] in ("measured", "crashed", "timeout"):
-                durations.append(run["wall_s"])
-            results["configs"][name] = entry
-            refresh(results, started)
-            write_results(results, args.out, stem)
-            elapsed = time.monotonic() - started
-            print(f"[{elapsed:6.1f} s] {name}: {entry['status']} {entry.get('detail', '')[:300]}", flush=True)
+            run_config(run, name, len(order) - i - 1)
+            path = run.write()
+            entry = results["configs"][name]
+            run.say(f"{name}: {entry['status']} {(entry.get('invalid_reason') or '')[:300]}")
         results["status"] = "complete"
     except KeyboardInterrupt:
         results["status"] = "interrupted"
     finally:
         signal.signal(signal.SIGTERM, previous)
-        refresh(results, started)
-        write_results(results, args.out, stem)
+        path = run.write()
         if not args.keep_work_dir and not args.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
     print()
+    for line in report_lines(results):
+        print(label(results["platform"]) + line)
     print_table(results)
-    print(f"\nwrote {args.out / (stem + '.json')} and {args.out / (stem + '.md')}")
+    print(f"{label(results['platform'])}wrote {path} and {path.with_suffix('.md')}")
     return results
+
+
+def report_lines(results: dict) -> list[str]:
+    """The summary printed at the end: parity failures and invalid configurations first."""
+    invalid = [f"INVALID {n}: {e['invalid_reason']}" for n, e in results["configs"].items() if e.get("valid") is False]
+    return [*parity_lines(results), *invalid, ""]

@@ -1,4 +1,5 @@
-"""The written results: JSON files, the markdown report and the table printed at the end."""
+"""The written results: the JSON and markdown files (named for the GPU and the start time), and
+the table printed at the end. Off a GPU every file and line says so."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import json
 import os
 from pathlib import Path
 
+from benchmarks._environment import sanitize, stamp
+
 from .configs import GiB
+from .guard import label
 
 
 def write_json(path: Path, data) -> None:
@@ -24,6 +28,15 @@ def _json_default(obj):
     return repr(obj)
 
 
+def file_stem(results: dict) -> str:
+    """``gpu_check_<device kind>_<UTC start>``, e.g. ``gpu_check_NVIDIA_H200_20261204T050000Z``;
+    off a GPU ``gpu_check_<platform>_ONLY_allow-cpu_<UTC start>``."""
+    when = stamp(results["started_at"])
+    if results["platform"] != "gpu":
+        return f"gpu_check_{sanitize(results['platform'])}_ONLY_allow-cpu_{when}"
+    return f"gpu_check_{sanitize(results['device_kind'] or 'gpu')}_{when}"
+
+
 def _gib(n) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
@@ -32,108 +45,82 @@ def _num(x, fmt="{:.3f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+HEADER = ["config", "status", "step s", "x none", "tokens/s", "peak GiB", "x none", "planner GiB", "host GiB"]
+HEADER += ["loss diff", "grad ok"]
+
+
 def table_rows(results: dict) -> list[list[str]]:
     rows = []
     for name in results["order"]:
         entry = results["configs"].get(name, {})
-        worker = entry.get("worker", {})
         status = entry.get("status", "not run")
         if entry.get("kind") == "bandwidth" or name == "bandwidth":
             bw = entry.get("bandwidth") or {}
             h2d, d2h = _num(bw.get("h2d_gb_per_s"), "{:.1f}"), _num(bw.get("d2h_gb_per_s"), "{:.1f}")
-            rows.append([name, status, *["-"] * 6, f"link h2d {h2d} / d2h {d2h} GB/s", "-", "-"])
+            rows.append([name, status, f"link h2d {h2d} / d2h {d2h} GB/s", *["-"] * (len(HEADER) - 3)])
             continue
-        planner = worker.get("planner") or {}
-        xla_peak = (worker.get("memory_analysis") or {}).get("peak")
-        if xla_peak is None:  # XLA's buffer assignment of the dumped step, when no memory_analysis ran
-            usage = (entry.get("hlo") or {}).get("memory_usage_report") or {}
-            xla_peak = next((v for k, v in usage.items() if k.endswith("(color=0)")), None)
-        transfers = entry.get("transfers") or {}
-        corr = entry.get("correctness") or {}
-        err = corr.get("max_leaf_rel_err")
-        moved = transfers.get("h2d_bytes_per_step")
-        moved = None if moved is None else moved + (transfers.get("d2h_bytes_per_step") or 0)
+        ok = entry.get("grad_parity_ok")
         rows.append(
             [
                 name,
                 status,
                 _num(entry.get("step_time_s"), "{:.4f}"),
                 _num(entry.get("step_ratio_vs_none"), "{:.2f}"),
+                _num(entry.get("tokens_per_s"), "{:.0f}"),
                 _gib(entry.get("peak_bytes")),
                 _num(entry.get("peak_ratio_vs_none"), "{:.2f}"),
-                _gib(planner.get("device_bytes")),
-                _gib(xla_peak),
-                "-" if moved is None else f"{moved / 1e9:.2f} GB",
-                _num(transfers.get("achieved_total_gb_per_s"), "{:.1f}"),
-                ("-" if err is None else f"{err:.1e}") + (" FAIL" if corr.get("passed") is False else ""),
+                _gib(entry.get("planner_device_bytes")),
+                _gib(entry.get("host_bytes")),
+                _num(entry.get("loss_max_rel_diff"), "{:.1e}"),
+                {True: "yes", False: "NO", None: "-"}[ok],
             ]
         )
     return rows
 
 
-HEADER = [
-    "config",
-    "status",
-    "step s",
-    "x none",
-    "peak GiB",
-    "peak x none",
-    "planner GiB",
-    "XLA peak GiB",
-    "h2d+d2h/step",
-    "GB/s",
-    "grad err",
-]
+def parity_lines(results: dict) -> list[str]:
+    """The parity pass, failures first."""
+    parity = results.get("parity") or {}
+    cases = parity.get("cases") or {}
+    if not cases:
+        return [f"Parity pass: {parity.get('status', 'not run')}."]
+    failed = [n for n, c in cases.items() if not c["passed"]]
+    head = f"Parity pass ({parity.get('dtype')}, tolerances {parity.get('tolerances')}): "
+    head += f"FAILED for {', '.join(failed)}" if failed else f"all {len(cases)} transforms match the plain run"
+    lines = [head]
+    for name in failed + [n for n in cases if n not in failed]:
+        case = cases[name]
+        verdict = "passed" if case["passed"] else "FAILED"
+        what = f"loss diff {_num(case.get('loss_max_rel_diff'), '{:.1e}')}, "
+        what += f"update diff {_num(case.get('param_max_rel_diff'), '{:.1e}')}"
+        fail = f" - {'; '.join(case['failures'][:2])}" if case.get("failures") else ""
+        lines.append(f"  {verdict:6} {name}: {what}{fail}")
+    if parity.get("not_run"):
+        lines.append(f"  not run ({parity.get('status')}): {', '.join(parity['not_run'])}")
+    return lines
 
 
 def markdown(results: dict) -> str:
     env = results["environment"]
-    gpu = (env["gpu"].get("gpus") or [{}])[0]
-    dev = results.get("device") or {}
+    args = results["args"]
     lines = [
-        "## GPU check: offload transforms",
+        f"## {label(results['platform'])}GPU check: offload transforms",
         "",
-        f"{env['date']}; {gpu.get('name', dev.get('device_kind', '?'))} (driver {gpu.get('driver_version', '-')}); "
-        f"jax {env['versions'].get('jax', '?')}, jaxlib {env['versions'].get('jaxlib', '?')}, "
-        f"python {env['python']}; {results['status']} after {results['elapsed_s']:.0f} s.",
+        f"{results['started_at']}; platform {results['platform']} ({results['device_kind']}); "
+        f"jax {results['jax_version']}, jaxlib {results['jaxlib_version']}, python {env['python']}; "
+        f"commit {results['git_commit']}; {results['status']} after {results['elapsed_s']:.0f} s "
+        f"of a {args['deadline']:.0f} s deadline.",
         "",
-        f"Model {results['args']['model']} (bf16 compute, fp32 params), batch {results['args']['batch']} x seq "
-        f"{results['args']['seq']}, AdamW + global-norm clip 1.0; median of {results['args']['steps']} steps after "
-        f"{results['args']['warmup']} warm-up.",
+        *[f"    {line}" for line in parity_lines(results)],
+        "",
+        f"Model {args['model']} (bf16 compute, fp32 params), batch {args['batch']} x seq {args['seq']}, "
+        f"AdamW + global-norm clip 1.0; median of {args['steps']} steps after the first and {args['warmup']} "
+        "warm-up. Invalid configurations show no speed (see their invalid_reason).",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join(":---" if i < 2 else "---:" for i in range(len(HEADER))) + "|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
-    lines += [
-        "",
-        "Peak: `memory_stats()['peak_bytes_in_use']` of the configuration's own process. Planner: "
-        f"`transforms.plan(..., device={results['args']['plan_device']!r}).predict(...)`. XLA peak: "
-        "`compiled.memory_analysis()` through `transforms.compiled_memory` when the budget allowed, else the "
-        "total of XLA's buffer assignment for the dumped step. h2d+d2h: bytes per step from the compiled "
-        "program's host transfers times loop trip counts (else from the jaxpr and the state placement). "
-        "Grad err: the largest per-leaf relative L2 error of the step-1 gradient against `none`.",
-    ]
-    structure = [
-        (name, e["hlo"])
-        for name, e in results["configs"].items()
-        if isinstance(e.get("hlo"), dict) and "error" not in e["hlo"]
-    ]
-    if structure:
-        lines += [
-            "",
-            "| config | copy-start in loops / outside | h2d ops | d2h ops | per loop iteration h2d MiB "
-            "| whole stacks copied in (before first loop) |",
-            "|:---|---:|---:|---:|:---|---:|",
-        ]
-        for name, hlo in structure:
-            loops = ", ".join(f"{lp['h2d_bytes_per_iter'] / 2**20:.1f}" for lp in hlo["while_loops"].values())
-            stacked = hlo["stacked_h2d_outside_loops"]
-            early = sum(1 for st in stacked if st["position"] == "before_first_loop")
-            lines.append(
-                f"| {name} | {hlo['copy_start_in_loops']} / {hlo['copy_start_outside_loops']} | {hlo['h2d_ops']} "
-                f"| {hlo['d2h_ops']} | {loops or '-'} | {len(stacked)} ({early}) |"
-            )
     lines += ["", "| goal | config | measured | target | ratio | pass | note |", "|:---|:---|:---|:---|---:|:---|:---|"]
     for g in results["goals"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[g["pass"]]
@@ -141,27 +128,30 @@ def markdown(results: dict) -> str:
             f"| {g['goal']} | {g['config'] or '-'} | {g['measured'] or '-'} | {g['target']} | "
             f"{_num(g['ratio'], '{:.2f}')} | {verdict} | {g['note']} |"
         )
-    details = [f"- {n}: {e['status']} - {e['detail']}" for n, e in results["configs"].items() if e.get("detail")]
-    if details:
-        lines += ["", *details]
-    return "\n".join(lines) + "\n"
+    details = [f"- {n}: remat {e.get('remat_policy')}" for n, e in results["configs"].items() if e.get("remat_policy")]
+    details += [f"- {n}: {e['status']} - {e['detail']}" for n, e in results["configs"].items() if e.get("detail")]
+    return "\n".join([*lines, "", *details]) + "\n"
 
 
 def print_table(results: dict) -> None:
+    prefix = label(results["platform"])
     rows = [HEADER, *table_rows(results)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     for i, row in enumerate(rows):
-        print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))))
+        cells = (c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True)))
+        print(prefix + "  ".join(cells))
         if i == 0:
-            print("  ".join("-" * w for w in widths))
-    print()
+            print(prefix + "  ".join("-" * w for w in widths))
     for g in results["goals"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[g["pass"]]
         ratio = "" if g["ratio"] is None else f" (ratio {g['ratio']:.2f})"
-        print(f"[{verdict}] {g['goal']} [{g['config']}]: {g['measured']}{ratio}; target {g['target']}. {g['note']}")
+        print(f"{prefix}[{verdict}] {g['goal']} [{g['config']}]: {g['measured']}{ratio}; target {g['target']}.")
 
 
-def write_results(results: dict, out_dir: Path, stem: str) -> None:
+def write_results(results: dict, out_dir: Path) -> Path:
+    """Write ``<stem>.json`` and ``<stem>.md`` into ``out_dir``; returns the JSON file's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    stem = results["files"]["stem"]
     write_json(out_dir / f"{stem}.json", results)
     (out_dir / f"{stem}.md").write_text(markdown(results))
+    return out_dir / f"{stem}.json"

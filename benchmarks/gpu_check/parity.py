@@ -1,0 +1,178 @@
+"""The parity pass: every transform trains a small Llama for a few optimizer steps, and its
+losses and updated parameters are compared with the plain run's (tolerances in ``tolerances``).
+
+It runs first, in a worker process of its own, in seconds: a transform that computes wrong
+numbers (a compiler bug such as openxla/xla#46231 gives wrong gradients, not crashes) is reported
+before any speed is measured, and every configuration that uses it is marked invalid.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+from .configs import Config, apply_transforms, make_config, make_optimizer
+from .tolerances import loss_max_rel_diff, tolerance
+
+#: The model of the parity pass: ``llama:tiny`` with 4 layers (a reversed layer order moves them all).
+PARITY_MODEL = {"name": "llama:tiny", "n_layers": 4, "batch": 4, "seq": 32, "steps": 3, "lr": 1e-3}
+
+
+def parity_table(act_names) -> list[Config]:
+    """One case per transform: offload_params (with and without prefetch), offload_activations of
+    each activation name the model tags, full recompute (by the transform and on the model), the
+    optimizer-state offload (plain and streamed) and all three composed. The transforms of the
+    default plan come first, the other activation names last (a case that kills its process
+    leaves the rest to a new one, see ``orchestrate.run_parity``)."""
+    three = "offload_params + offload_activations(block_input) + offload_opt_state(stream=True)"
+    cases = [
+        Config("params", "offload_params", params=True),
+        Config("params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True),
+        Config("act_block_input", "offload_activations(names=('block_input',))", activations="block_input"),
+        Config("act_recompute_all", "offload_activations(policy='recompute_all')", activations="recompute_all"),
+        Config("remat_full", "zoo.nn.with_remat(model, Remat())", remat=True),
+        Config("opt_state", "offload_opt_state(chain(clip, adamw))", opt="offload"),
+        Config("opt_state_stream", "offload_opt_state(adamw, stream=True, clip_norm=1.0)", opt="stream"),
+        Config("all_three", three, params=True, activations="block_input", opt="stream"),
+    ]
+    others = [n for n in act_names if n != "block_input"]
+    return cases + [Config(f"act_{n}", f"offload_activations(names=({n!r},))", activations=n) for n in others]
+
+
+def activation_names() -> tuple[str, ...]:
+    """The activation names the parity model tags (``zoo.nn.checkpoint_names``)."""
+    import zoo
+    from zoo.nn import checkpoint_names
+
+    cfg = make_config(PARITY_MODEL["name"], seq=PARITY_MODEL["seq"], n_layers=PARITY_MODEL["n_layers"])
+    return checkpoint_names(zoo.abstract_model(cfg))
+
+
+def select_cases(mode: str, needed: set[str]) -> list[str]:
+    """Names of the cases to run: every one (``all``), none (``off``) or those in ``needed``."""
+    names = [c.name for c in parity_table(activation_names())]
+    if mode == "all":
+        return names
+    if mode == "off":
+        return []
+    if mode != "needed":
+        raise ValueError(f"unknown parity mode {mode!r}; valid: all, needed, off")
+    return [n for n in names if n in needed]
+
+
+def host_tree(model) -> dict:
+    """``{path: numpy array}`` of the model's floating-point weights (copied to host memory)."""
+    import jax
+    import numpy as np
+
+    flat = jax.tree_util.tree_flatten_with_path(model)[0]
+    return {
+        jax.tree_util.keystr(path): np.asarray(x, np.float32)
+        for path, x in flat
+        if hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.floating)
+    }
+
+
+@functools.cache
+def _builder(cfg):
+    """``key -> model`` of ``cfg``, compiled once for every case."""
+    import equinox as eqx
+
+    import zoo
+
+    return eqx.filter_jit(lambda key: zoo.build_model(cfg, key=key))
+
+
+def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict]:
+    """``(losses, final weights, initial weights)`` of ``PARITY_MODEL["steps"]`` steps with the transforms of
+    ``conf`` (the plain run for None), from the same initial weights and batch."""
+    import jax
+    import jax.numpy as jnp
+
+    import transforms
+    import zoo
+
+    m = PARITY_MODEL
+    cfg = make_config(m["name"], seq=m["seq"], compute_dtype=spec["dtype"], n_layers=m["n_layers"])
+    model = _builder(cfg)(jax.random.key(0))
+    initial = host_tree(model)
+    model = apply_transforms(model, conf) if conf else model
+    optimizer = make_optimizer(conf.opt if conf else "device", m["lr"])
+    tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"] + 1), 0, cfg.vocab_size, jnp.int32)
+    step = transforms.train_step(zoo.lm_loss, optimizer)
+    state = step.init(model)
+    losses = []
+    for _ in range(m["steps"]):
+        model, state, metrics = step(model, state, tokens)
+        losses.append(float(metrics["loss"]))
+    return losses, host_tree(model), initial
+
+
+def break_result(weights: dict, n_layers: int) -> dict:
+    """The fault injected by ``--test-break``: every stacked weight in reverse layer order (what a
+    transform reading the wrong layer in its loop would produce)."""
+    return {k: (v[::-1].copy() if v.ndim >= 2 and v.shape[0] == n_layers else v) for k, v in weights.items()}
+
+
+def compare(losses, weights, ref_losses, ref_weights, initial, tol: dict) -> dict:
+    """The case's verdict: every loss within ``loss_rtol`` of the plain run's, and every weight's
+    update (final - initial) within ``param_delta_rtol`` of the plain update, relative to its norm."""
+    import numpy as np
+
+    failures = []
+    loss_diff = loss_max_rel_diff(losses, ref_losses)
+    if loss_diff is None or not loss_diff <= tol["loss_rtol"]:
+        failures.append(f"losses {[round(v, 6) for v in losses]} vs {[round(v, 6) for v in ref_losses]}")
+    if set(weights) != set(ref_weights):
+        failures.append(f"weights differ: {sorted(set(weights) ^ set(ref_weights))[:4]}")
+    worst, worst_diff = None, 0.0
+    for name in sorted(set(weights) & set(ref_weights)):
+        delta, ref_delta = weights[name] - initial[name], ref_weights[name] - initial[name]
+        scale = max(float(np.linalg.norm(ref_delta)), 1e-12)
+        diff = float(np.linalg.norm(delta - ref_delta)) / scale
+        diff = diff if math.isfinite(diff) else float("inf")
+        if diff >= worst_diff:
+            worst, worst_diff = name, diff
+        if not diff <= tol["param_delta_rtol"]:
+            failures.append(f"{name}: update differs by {diff:.3g} of its norm")
+    return {
+        "passed": not failures,
+        "loss_max_rel_diff": loss_diff,
+        "param_max_rel_diff": worst_diff,
+        "worst_leaf": worst,
+        "losses": losses,
+        "failures": failures[:8],
+    }
+
+
+def worker_parity(spec: dict, report: dict, write) -> None:
+    """Run the plain model and every selected case (``spec["cases"]``, else those of
+    ``spec["mode"]`` and ``spec["needed"]``, see :func:`select_cases`), writing the report after each."""
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # float32 parity: no TF32 rounding
+    tol = tolerance(spec["dtype"])
+    report.update(model=PARITY_MODEL, dtype=spec["dtype"], tolerances=tol, cases={})
+    table = {c.name: c for c in parity_table(activation_names())}
+    report["selected"] = spec.get("cases") or select_cases(spec["mode"], set(spec["needed"]))
+    if spec.get("test_break") and spec["test_break"] not in report["selected"]:
+        report["test_break_unknown"] = f"{spec['test_break']!r} is not among the cases {report['selected']}"
+    write("selected")
+    ref_losses, ref_weights, initial = train_case(None, spec)
+    report["reference_losses"] = ref_losses
+    write("reference")
+    for name in report["selected"]:
+        t = time.perf_counter()
+        try:
+            losses, weights, _ = train_case(table[name], spec)
+            if name == spec.get("test_break"):
+                weights = break_result(weights, PARITY_MODEL["n_layers"])
+            result = compare(losses, weights, ref_losses, ref_weights, initial, tol)
+        except Exception as err:  # a transform that does not run fails its case; the pass goes on
+            result = {"passed": False, "failures": [f"{type(err).__name__}: {str(err)[:500]}"]}
+        result.update(description=table[name].description, seconds=round(time.perf_counter() - t, 3))
+        report["cases"][name] = result
+        write(f"case {name}")
+    report["passed"] = all(c["passed"] for c in report["cases"].values()) and bool(np.isfinite(ref_losses).all())

@@ -1,0 +1,42 @@
+"""How close an offloaded run must stay to the plain one, per compute dtype.
+
+A correct transform changes where values live and what is recomputed, not the arithmetic: its
+losses and updates differ from the plain run's by rounding only (recomputation and other fusions
+reorder float sums). In float32 (the parity pass, matmuls at "highest" precision) that is ~1e-6
+relative; in bfloat16 compute (the main runs) ~1e-3. The wrong-gradient bugs this guards against
+(openxla/xla#46231: host dynamic slices inside loops reading the wrong layer) give errors of
+order 1: a reversed layer order makes a layer's update uncorrelated with the right one.
+
+- ``loss_rtol``: relative difference of the loss at every step.
+- ``param_delta_rtol``: per parameter leaf, ``||delta - delta_ref|| / ||delta_ref||`` where
+  ``delta`` is the change the optimizer steps made to the leaf. AdamW's first steps move each
+  element by about ``lr * sign(g)``, so an element whose gradient is within rounding of zero may
+  move the other way: the bound leaves room for a few such elements.
+"""
+
+from __future__ import annotations
+
+TOLERANCES: dict[str, dict[str, float]] = {
+    "float32": {"loss_rtol": 1e-4, "param_delta_rtol": 2e-2},
+    "bfloat16": {"loss_rtol": 2e-2, "param_delta_rtol": 0.15},
+}
+
+
+def tolerance(dtype: str) -> dict[str, float]:
+    """The tolerances of compute dtype ``dtype`` (``float32`` or ``bfloat16``)."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerances for compute dtype {dtype!r}; known: {sorted(TOLERANCES)}")
+    return TOLERANCES[dtype]
+
+
+def rel(a: float, b: float) -> float:
+    """``|a - b| / |b|`` (infinite for a non-finite ``a`` or ``b``)."""
+    diff = abs(a - b) / max(abs(b), 1e-30)
+    return diff if diff == diff else float("inf")
+
+
+def loss_max_rel_diff(losses: list[float], reference: list[float]) -> float | None:
+    """The largest relative difference of ``losses`` from ``reference`` over their common steps
+    (None without a common step; infinite for a non-finite loss)."""
+    pairs = list(zip(losses, reference, strict=False))
+    return max((rel(a, b) for a, b in pairs), default=None)
