@@ -1,6 +1,7 @@
 """``python -m transforms.plan``: print a memory plan, optionally write it as PNG and JSON.
 
-The planning function itself is ``transforms.plan(...)`` (:func:`transforms.plan._search.plan`).
+The planning functions themselves are ``transforms.plan(...)`` (:func:`transforms.plan._search.plan`,
+training) and :func:`transforms.plan.plan_generate` (generation, ``--generate``).
 
 **Example:**
 
@@ -8,6 +9,7 @@ The planning function itself is ``transforms.plan(...)`` (:func:`transforms.plan
 python -m transforms.plan --model llama:8b --batch 1 --seq 8192 --device h200 --png plan.png --json plan.json
 python -m transforms.plan --model gpt2:124m --batch 8 --seq 1024 \\
     --device custom --memory-gb 24 --link-gb-s 25 --tflops 165
+python -m transforms.plan llama:8b --generate --batch 8 --context 8192 --prompt 512 --device h100
 ```
 """
 
@@ -20,6 +22,7 @@ from zoo import config_from_name, model_names
 
 from ._checks import OPTIMIZERS
 from ._devices import DEVICES, custom_device
+from ._generate import plan_generate
 from ._search import plan as make_plan
 
 
@@ -29,9 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="What to offload for a model, batch and device: bytes per component, the cheapest set of "
         "transforms that fits, bytes moved per step and predicted step-time overhead.",
     )
-    p.add_argument("--model", required=True, help="FAMILY:PRESET, one of: " + ", ".join(model_names()))
-    p.add_argument("--batch", type=int, required=True, help="global batch (examples per step)")
-    p.add_argument("--seq", type=int, required=True, help="tokens per example")
+    names = ", ".join(model_names())
+    p.add_argument("name", nargs="?", default=None, metavar="MODEL", help="FAMILY:PRESET (or --model)")
+    p.add_argument("--model", default=None, help="FAMILY:PRESET, one of: " + names)
+    p.add_argument("--batch", type=int, required=True, help="global batch (examples per step; sequences generated)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per example (with --generate: the context)")
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="plan generation with a KV cache instead of training: what stays on the device, what streams "
+        "from host, and the decode tokens/s bound",
+    )
+    p.add_argument("--context", type=int, default=None, help="with --generate: prompt + new tokens")
+    p.add_argument("--prompt", type=int, default=None, help="with --generate: prompt length (default: the context)")
+    p.add_argument("--cache-dtype", default=None, help="with --generate: KV cache dtype (default: compute dtype)")
+    p.add_argument("--memory-bw-gb-s", type=float, default=None, help="custom device: memory bandwidth GB/s")
     p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)} or 'custom'")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     p.add_argument("--fsdp", type=int, default=1, help="devices along the fsdp mesh axis")
@@ -43,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="gradients clipped to this global norm (the streamed update's extra pass is counted)",
     )
+    p.add_argument("--attention", default=None, help="override the config's attention implementation")
+    p.add_argument("--loss-chunk", type=int, default=None, help="override the config's loss_chunk (tokens)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="override the config's max_seq_len")
     p.add_argument("--param-dtype", default=None, help="override the preset's param_dtype")
     p.add_argument("--compute-dtype", default=None, help="override the preset's compute_dtype")
     p.add_argument("--host-memory-gb", type=float, default=None, help="host memory per device (GiB)")
@@ -58,9 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.name is None) == (args.model is None):
+        parser.error("give the model once: python -m transforms.plan MODEL ... or --model MODEL")
+    args.model = args.model or args.name
+    if args.generate:
+        args.context = args.context or args.seq
+        if args.context is None:
+            parser.error("--generate needs --context (prompt + new tokens)")
+    elif args.seq is None:
+        parser.error("--seq is required (or --generate with --context)")
     try:
         config = config_from_name(args.model)
-        changes = {k: v for k, v in (("param_dtype", args.param_dtype), ("compute_dtype", args.compute_dtype)) if v}
+        overrides = ("param_dtype", "compute_dtype", "attention", "loss_chunk", "max_seq_len")
+        changes = {k: getattr(args, k) for k in overrides if getattr(args, k) is not None}
         if changes:
             config = config.replace(**changes)
         if args.device == "custom":
@@ -73,9 +101,12 @@ def main(argv=None) -> int:
                 tflops=args.tflops,
                 host_memory_gb=args.host_memory_gb,
                 unified=args.unified,
+                memory_bw_gb_s=args.memory_bw_gb_s,
             )
         else:
             device = args.device
+        if args.generate:
+            return _generate(args, config, device)
         result = make_plan(
             config,
             batch=args.batch,
@@ -96,6 +127,26 @@ def main(argv=None) -> int:
     if args.png:
         result.save_png(args.png)
         print(f"\nwrote {args.png}")
+    if args.json:
+        result.save_json(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _generate(args, config, device) -> int:
+    """``--generate``: print the generation plan, optionally write it as JSON."""
+    result = plan_generate(
+        config,
+        batch=args.batch,
+        context=args.context,
+        prompt=args.prompt,
+        device=device,
+        cache_dtype=args.cache_dtype,
+        margin=args.margin,
+        host_memory_gb=args.host_memory_gb,
+    )
+    result.model = args.model
+    print(result)
     if args.json:
         result.save_json(args.json)
         print(f"wrote {args.json}")

@@ -21,11 +21,12 @@ the stack. The formulas below are those of the zoo's parts (:class:`zoo.nn.Block
 compute in float32):
 
 - *No transform* (everything the backward pass needs is saved, as JAX linearises the block): each
-  norm keeps its float32 input, two float32 intermediates and its output, ``S*d*(3*4 + c)`` (in
-  float32 the input is ``block_input`` / ``attn_residual`` itself); the rotated query and key and
-  the values, ``S*(q + 2*kv)*c``; the softmax numerator (float32) and probabilities,
-  ``H*S*S*(4 + c)`` (``jax.nn.dot_product_attention``'s XLA implementation materialises the full
-  score matrix, on CPU and GPU alike); ``attn_context``, ``S*q*c``; six ``(S, f)`` tensors in
+  norm keeps two float32 ``(S, d)`` values and its statistics, and its output once per matmul that
+  reads it, ``S*d*(2*4 + n*c)``: the matmuls flatten their rows and each keeps its own flattened
+  input (``n`` = 3 for the attention's q, k and v, ``mlp_inputs`` for the MLP, 1 for a router);
+  the rotated query and key and the values, ``S*(q + 2*kv)*c``; the softmax numerator (float32)
+  and probabilities, ``H*S*S*(4 + c)`` (``jax.nn.dot_product_attention``'s XLA implementation
+  materialises the full score matrix, on CPU and GPU alike); ``attn_context``, ``S*q*c``; six ``(S, f)`` tensors in
   ``c`` for the MLP (gate/up outputs and the nonlinearity's intermediates, and ``mlp_hidden``;
   GELU's tanh form keeps as many). Per layer, not per example: the compute-dtype copies of the
   matmul weights when ``param_dtype != compute_dtype``. Once per batch: the causal mask and its
@@ -41,10 +42,28 @@ compute in float32):
   ``mlp_hidden``: ``f``). ``block_input`` stays on the device even when not named, unless
   offloaded: it is the input of the rematerialised layer.
 
-Outside the stack: the final norm ``S*d*(3*4 + c)``, the float32 log-softmax ``S*V*4``, and a
+Outside the stack: the final norm ``S*d*(2*4 + c)``, the float32 log-softmax ``S*V*4``, and a
 ``(V, d)`` compute-dtype copy of the output head when it is tied (a transpose), cast, or streamed.
 ``tests/test_plan.py`` checks the per-layer sums of all three cases against the residuals JAX
 itself saves (``saved_residuals``), byte for byte, for both families in float32 and bfloat16.
+
+*Mixture of experts* (a layer whose spec has ``n_experts``): each token runs through
+``experts_per_token`` (``k``) experts, so the MLP's per-token widths above are ``k * f``; without
+a transform the layer also keeps the router's logits and float32 probabilities, each token's
+choices and weights, the sort order and its inverse, and the ``S * k`` gathered input rows and
+expert outputs; with weights in host memory only the named ``expert_hidden`` and
+``router_logits`` (the grouped matmuls are not saved). Expert weights count in the parameter
+bytes, the streamed layer and the weight casts whole (every expert of a layer moves together);
+FLOPs count ``k`` experts and the router.
+
+*Long context.* With ``config.attention == "blockwise"`` no score matrix exists: the layer keeps a
+float32 log-normaliser per query and head instead of the probabilities (no causal mask either),
+the recomputed forward keeps nothing of its blocks, and the backward pass holds one float32 block
+of scores, ``H*S*block*4`` (``block`` = ``config.attention_block`` or the implementation's
+default, 512; on XLA:CPU the gradient of blockwise attention alone needs 0.8x that). With
+``config.loss_chunk`` the loss holds the logits of one chunk of ``loss_chunk`` tokens (of the
+flattened batch) instead of all ``batch * S``. Other implementations (``"xla"``, ``"cudnn"``)
+are counted as materialising the full score matrix, which is what ``"xla"`` does.
 
 **Working buffers** (the transient part of each phase's peak):
 
@@ -246,18 +265,39 @@ def _sd(S: int, width: int, itemsize: int) -> int:
 def full_layer_items(g: Geometry, S: int) -> dict[str, int]:
     """Per-example bytes of one layer's residuals with no transform (see the module docstring)."""
     c = g.c
-    norm = _sd(S, g.d, 3 * NORM_ITEMSIZE + c) + 2 * S * NORM_ITEMSIZE
-    return {
-        "attn_norm (input, statistics, output)": norm,
+
+    def norm(readers: int) -> int:
+        """A norm's two float32 ``(S, d)`` values and statistics, and its output once per matmul
+        that reads it (each matmul keeps its own row-flattened copy of its input)."""
+        return _sd(S, g.d, 2 * NORM_ITEMSIZE + readers * c) + 2 * S * NORM_ITEMSIZE
+
+    # Blockwise: the custom backward keeps the output and a float32 log-normaliser per query and head.
+    blockwise = g.attention == "blockwise"
+    probabilities = g.heads * S * 4 if blockwise else g.heads * S * S * (4 + c) + 2 * g.heads * S * 4
+    items = {
+        "attn_norm (input, statistics, output)": norm(3),  # read by q, k and v
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
         "v_proj": _sd(S, g.kv, c),
-        "attention probabilities": g.heads * S * S * (4 + c) + 2 * g.heads * S * 4,
+        "attention probabilities": probabilities,
         "attn_context": _sd(S, g.q, c),
-        "mlp_norm (input, statistics, output)": norm,
-        "mlp pre-activations and nonlinearity": 5 * _sd(S, g.f, c),
-        "mlp_hidden": _sd(S, g.f, c),
+        "mlp_norm (input, statistics, output)": norm(1 if g.moe else g.n_mlp_in),  # the router, or gate/up
+        "mlp pre-activations and nonlinearity": 5 * _sd(S, g.f_active, c),
+        "mlp_hidden": _sd(S, g.f_active, c),
     }
+    if g.moe:
+        items.update(moe_items(g, S))
+    return items
+
+
+def moe_items(g: Geometry, S: int) -> dict[str, int]:
+    """Per-example bytes a mixture-of-experts MLP keeps besides its hidden tensors (no transform):
+    the router's logits and float32 probabilities, each token's ``k`` choices and weights (float32)
+    and the sort order and its inverse (int32), and the ``S * k`` gathered input rows and expert
+    outputs."""
+    k = g.experts_per_token
+    router = S * g.n_experts * (g.c + 4) + S * k * (4 + 4) + 2 * S * k * 4
+    return {"router and routing": router, "expert rows (inputs, outputs)": 2 * _sd(S * k, g.d, g.c)}
 
 
 def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
@@ -268,11 +308,13 @@ def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
         "v_proj": _sd(S, g.kv, c),
-        "attention scores (float32)": g.heads * S * S * 4,
+        "attention scores (float32)": g.heads * S * (4 if g.attention == "blockwise" else S * 4),
         "attn_context": _sd(S, g.q, c),
         "attn_residual": _sd(S, g.d, c),
-        "mlp pre-activations": g.n_mlp_in * _sd(S, g.f, c),
-        "mlp_hidden": _sd(S, g.f, c),
+        # The experts' grouped matmuls (ragged_dot) are not saved by the dots policy, only named values.
+        "mlp pre-activations": 0 if g.moe else g.n_mlp_in * _sd(S, g.f, c),
+        "mlp_hidden": _sd(S, g.f_active, c),
+        **({"router_logits": _sd(S, g.n_experts, c)} if g.moe else {}),
     }
 
 
@@ -289,15 +331,18 @@ def recompute_items(g: Geometry, S: int) -> tuple[dict[str, int], dict[str, int]
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
         "v_proj": _sd(S, g.kv, c),
-        "attention probabilities": g.heads * S * S * c,
+        # Blockwise: each block's probabilities die inside the forward scan; only its output remains.
+        "attention probabilities": 0 if g.attention == "blockwise" else g.heads * S * S * c,
         "attn_context": _sd(S, g.q, c),
     }
     mlp = {
         "attn_residual": _sd(S, g.d, c),
         "mlp_norm output": _sd(S, g.d, c),
-        "mlp pre-activations": g.n_mlp_in * _sd(S, g.f, c),
-        "mlp_hidden": _sd(S, g.f, c),
+        "mlp pre-activations": g.n_mlp_in * _sd(S, g.f_active, c),
+        "mlp_hidden": _sd(S, g.f_active, c),
     }
+    if g.moe:
+        mlp.update(moe_items(g, S))
     return attn, mlp
 
 
@@ -308,8 +353,12 @@ def cotangent_bytes(g: Geometry, S: int) -> tuple[int, int]:
     and those of q, k, v and the context, plus the residual stream's. MLP: those of the hidden
     and pre-activation tensors, plus the residual stream and the norm's float32 cotangent.
     """
-    attn = g.heads * S * S * (4 + g.c) + _sd(S, 2 * g.q + 2 * g.kv, g.c) + _sd(S, g.d, 4)
-    mlp = (g.n_mlp_in + 1) * _sd(S, g.f, g.c) + 2 * _sd(S, g.d, 4)
+    # Blockwise: one float32 block of scores at a time (its probabilities and their cotangent fuse).
+    scores = g.heads * S * g.score_cols(S) * (4 if g.attention == "blockwise" else 4 + g.c)
+    attn = scores + _sd(S, 2 * g.q + 2 * g.kv, g.c) + _sd(S, g.d, 4)
+    mlp = (g.n_mlp_in + 1) * _sd(S, g.f_active, g.c) + 2 * _sd(S, g.d, 4)
+    if g.moe:  # the gathered rows' and the expert outputs' cotangents
+        mlp += 2 * _sd(S * g.experts_per_token, g.d, g.c)
     return attn, mlp
 
 
@@ -328,6 +377,8 @@ def recomputed_matmuls(g: Geometry, policy: Mapping[str, str]) -> list[str]:
     if not {"attn_out", "attn_residual"} & kept:
         out.append("o")
     out += ["gate", "up"] if g.n_mlp_in == 2 else ["up"]
+    if g.moe and "router_logits" not in kept:
+        out.append("router")
     return out
 
 
@@ -450,9 +501,9 @@ def outside_stack(g: Geometry, cand: Candidate, sh: Shares, saved: Saved) -> tup
     without a transform, the causal mask (loop-invariant, so it lives through the backward pass).
     """
     c, p = g.c, g.p
-    norm = _sd(sh.S, g.d, 3 * NORM_ITEMSIZE + c)
+    norm = _sd(sh.S, g.d, 2 * NORM_ITEMSIZE + c)
     head_copy = g.head_elems * c // sh.fsdp if (g.tied_head or p != c or cand.params) else 0
-    mask = g.heads * sh.S * sh.S * 5 if saved.mode == "all" else 0
+    mask = g.heads * sh.S * sh.S * 5 if saved.mode == "all" and g.attention != "blockwise" else 0
     return sh.mb * (norm + mask) + head_copy, sh.mb * mask
 
 
@@ -540,8 +591,8 @@ def device_phases(
     loss["gradients"] = accum_buf + head_grad
     loss["saved activations"] = saved_dev
     loss["other residuals"] = other
-    logsoftmax = sh.mb * sh.S * g.vocab * 4
-    loss["logits"] = logsoftmax + sh.mb * sh.S * g.vocab * (4 + (g.c if g.c != 4 else 0))
+    rows = g.logit_rows(sh.mb * sh.S)  # a chunked loss holds one chunk's logits at a time
+    loss["logits"] = rows * g.vocab * 4 + rows * g.vocab * (4 + (g.c if g.c != 4 else 0))
     # With weights in host memory the head's weight is fetched again for its gradient.
     loss["working buffers"] = int(gather + (head_grad if cand.params else 0))
 

@@ -21,6 +21,11 @@ Profiles (per GPU; "link" is per direction, theoretical / typical sustained):
 - ``dgx-spark``: DGX Spark (GB10). 128 GB unified LPDDR5x at 273 GB/s, shared by CPU and GPU: no
   host link, offloading gains no capacity; ~125 BF16, ~62 TF32 (assumption, below).
 
+Memory bandwidth (device memory, peak, from the same datasheets; it bounds decode speed, see
+``transforms/plan/_decode.py``): A100 80GB PCIe 1,935 GB/s (HBM2e); H100 SXM 3.35 TB/s (HBM3);
+H200 4.8 TB/s (HBM3e); GH200 96 GB 4 TB/s (HBM3), 144 GB 4.9 TB/s (HBM3e); GB200 8 TB/s per GPU
+(NVL72: 576 TB/s over 72 GPUs); DGX Spark 273 GB/s (the unified LPDDR5x).
+
 Sources: NVIDIA A100 Tensor Core GPU datasheet (80GB PCIe: 312 TF BF16 dense, 156 TF TF32, PCIe
 Gen4 64 GB/s bidirectional); NVIDIA H100 datasheet (SXM: 989 TF BF16 dense, 494 TF TF32, PCIe Gen5
 128 GB/s bidirectional); NVIDIA H200 datasheet (141 GB HBM3e, same compute as H100 SXM); NVIDIA
@@ -84,6 +89,8 @@ class DeviceProfile:
     - `unified`: host and device share one physical memory (offload gains no capacity).
     - `link`: the name of the host link.
     - `sources`: where the numbers come from.
+    - `memory_bytes_per_s`: peak device-memory bandwidth (``None``: unknown; needed to bound
+      decode speed in :func:`transforms.plan.plan_generate`).
 
     Make a custom one with :func:`custom_device`.
     """
@@ -99,6 +106,7 @@ class DeviceProfile:
     unified: bool = False
     link: str = ""
     sources: tuple[str, ...] = ()
+    memory_bytes_per_s: float | int | None = None
 
     def __post_init__(self):
         for field in ("memory_bytes", "link_bytes_per_s", "link_peak_bytes_per_s", "flops_bf16", "flops_tf32"):
@@ -109,6 +117,9 @@ class DeviceProfile:
             raise ValueError(
                 f"DeviceProfile.host_memory_bytes must be positive or None, got {self.host_memory_bytes!r}"
             )
+        bw = self.memory_bytes_per_s
+        if bw is not None and (not isinstance(bw, int | float) or isinstance(bw, bool) or not bw > 0):
+            raise ValueError(f"DeviceProfile.memory_bytes_per_s must be a positive number or None, got {bw!r}")
 
     def flops(self, compute_dtype: str) -> float:
         """Peak dense matmul FLOP/s for activations in ``compute_dtype``."""
@@ -126,6 +137,7 @@ _HOPPER = dict(flops_bf16=989e12, flops_tf32=494e12)
 DEVICES: dict[str, DeviceProfile] = {
     "a100": DeviceProfile(
         name="a100",
+        memory_bytes_per_s=1935 * GB,
         description="NVIDIA A100 80GB PCIe",
         memory_bytes=80 * GiB,
         flops_bf16=312e12,
@@ -136,6 +148,7 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
     "h100": DeviceProfile(
         name="h100",
+        memory_bytes_per_s=3350 * GB,
         description="NVIDIA H100 80GB SXM",
         memory_bytes=80 * GiB,
         host_memory_bytes=256 * GiB,
@@ -145,6 +158,7 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
     "h200": DeviceProfile(
         name="h200",
+        memory_bytes_per_s=4800 * GB,
         description="NVIDIA H200 141GB SXM",
         memory_bytes=141 * GiB,
         host_memory_bytes=256 * GiB,
@@ -154,6 +168,7 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
     "gh200": DeviceProfile(
         name="gh200",
+        memory_bytes_per_s=4000 * GB,
         description="NVIDIA GH200 Grace Hopper (96 GB HBM3)",
         memory_bytes=96 * GiB,
         host_memory_bytes=480 * GiB,
@@ -163,6 +178,7 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
     "gh200-144gb": DeviceProfile(
         name="gh200-144gb",
+        memory_bytes_per_s=4900 * GB,
         description="NVIDIA GH200 Grace Hopper (144 GB HBM3e)",
         memory_bytes=144 * GiB,
         host_memory_bytes=480 * GiB,
@@ -172,6 +188,7 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
     "gb200": DeviceProfile(
         name="gb200",
+        memory_bytes_per_s=8000 * GB,
         description="NVIDIA GB200 Grace Blackwell (one GPU, 186 GB HBM3e)",
         memory_bytes=186 * GiB,
         flops_bf16=2500e12,
@@ -182,6 +199,7 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
     "dgx-spark": DeviceProfile(
         name="dgx-spark",
+        memory_bytes_per_s=273 * GB,
         description="NVIDIA DGX Spark (GB10, 128 GB unified LPDDR5x)",
         memory_bytes=128 * GiB,
         link="unified memory (273 GB/s LPDDR5x)",
@@ -214,12 +232,14 @@ def custom_device(
     host_memory_gb: float | int | None = None,
     unified: bool = False,
     name: str = "custom",
+    memory_bw_gb_s: float | int | None = None,
 ) -> DeviceProfile:
     """A device profile from three numbers: memory (GiB), host link per direction (GB/s), peak TFLOP/s.
 
     `tflops` is the dense 16-bit matmul rate; `tflops_fp32` (default half of it) the float32 one.
     `host_memory_gb` (GiB) bounds what may be offloaded; `unified=True` marks host and device as
-    one memory (then the planner recommends no host offload).
+    one memory (then the planner recommends no host offload). `memory_bw_gb_s` (GB/s) is the
+    device-memory bandwidth, which bounds decode speed (:func:`transforms.plan.plan_generate`).
 
     **Example:**
 
@@ -229,7 +249,10 @@ def custom_device(
     dev.memory_bytes == 24 * 2**30   # True
     ```
     """
-    for label, value in (("memory_gb", memory_gb), ("link_gb_s", link_gb_s), ("tflops", tflops)):
+    checked = [("memory_gb", memory_gb), ("link_gb_s", link_gb_s), ("tflops", tflops)]
+    if memory_bw_gb_s is not None:
+        checked.append(("memory_bw_gb_s", memory_bw_gb_s))
+    for label, value in checked:
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
             raise ValueError(f"custom_device: {label} must be a positive number, got {value!r}")
     return DeviceProfile(
@@ -244,6 +267,7 @@ def custom_device(
         unified=unified,
         link="custom link",
         sources=("given by the user",),
+        memory_bytes_per_s=None if memory_bw_gb_s is None else memory_bw_gb_s * GB,
     )
 
 

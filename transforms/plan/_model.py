@@ -10,7 +10,6 @@ train step builds it and as ``offload_opt_state(..., stream=True)`` lays it out 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Any
 
@@ -19,35 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.nn import Stack
+from zoo.nn._attend import DEFAULT_BLOCK
 
 from .._memory import is_arraylike, is_floating
 from .._report import nbytes
-
-
-def _is_stack(node) -> bool:
-    return isinstance(node, Stack)
-
-
-def stack_units(tree) -> tuple[Any, int]:
-    """``(units, n)``: ``tree``'s structure with each leaf replaced by its unit, ``k`` for a leaf of
-    the ``k``-th outermost :class:`zoo.nn.Stack` that has leaves, ``-1`` for a leaf outside every
-    stack; ``n`` is the number of such stacks (the layout of the streamed optimizer update)."""
-    counter = itertools.count()
-
-    def one(node):
-        if _is_stack(node) and jax.tree.leaves(node):
-            k = next(counter)
-            return jax.tree.map(lambda _: k, node)
-        return jax.tree.map(lambda _: -1, node)
-
-    units = jax.tree.map(one, tree, is_leaf=_is_stack)
-    return units, next(counter)
-
-
-def stack_view(tree, units, k: int):
-    """``tree`` with every leaf outside unit ``k`` (see :func:`stack_units`) replaced by ``None``."""
-    return jax.tree.map(lambda u, x: x if u == k else None, units, tree)
+from .._tree import is_stack as _is_stack
+from .._tree import stack_units, stack_view
 
 
 def float_params(tree):
@@ -149,6 +125,13 @@ class Geometry:
     largest_leaf_bytes: int
     outside_largest_leaf_bytes: int  # the largest leaf outside the stacks (embedding or head)
     head_elems: int  # V * d
+    windows: tuple[int | None, ...] = ()  # each layer's attention window (None: full); () = all full
+    n_experts: int = 0  # a mixture-of-experts MLP: experts per layer (0: dense)
+    experts_per_token: int = 0
+    expert_stack_bytes: int = 0  # bytes of the experts' weights, all layers
+    attention: str = "xla"  # the config's attention implementation
+    attention_block: int = DEFAULT_BLOCK  # keys per block of the "blockwise" implementation
+    loss_chunk: int = 0  # tokens per chunk of the chunked loss (0: the whole logits at once)
 
     @property
     def q(self) -> int:
@@ -170,6 +153,24 @@ class Geometry:
     def layer_param_bytes(self) -> int:
         return self.stack_param_bytes // self.n_layers
 
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def f_active(self) -> int:
+        """MLP hidden elements per token: ``d_ff``, or ``experts_per_token * d_ff`` for experts."""
+        return self.f * self.experts_per_token if self.moe else self.f
+
+    def score_cols(self, S: int) -> int:
+        """Keys whose scores exist at once per query: all ``S`` (the score matrix is materialised),
+        or one block of them with the blockwise implementation."""
+        return min(S, self.attention_block) if self.attention == "blockwise" else S
+
+    def logit_rows(self, tokens: int) -> int:
+        """Positions whose logits exist at once when the loss runs over ``tokens`` positions."""
+        return min(tokens, self.loss_chunk) if self.loss_chunk else tokens
+
     def width(self, name: str) -> int:
         """Elements per token of the named activation ``name``."""
         return self.widths[name]
@@ -179,6 +180,9 @@ class Geometry:
         d, q, kv, f = self.d, self.q, self.kv, self.f
         out = {"q": 2.0 * d * q, "k": 2.0 * d * kv, "v": 2.0 * d * kv, "scores": 2.0 * seq * q}
         out.update({"context": 2.0 * seq * q, "o": 2.0 * q * d})
+        f = self.f_active  # a token runs through its experts only
+        if self.moe:
+            out["router"] = 2.0 * d * self.n_experts
         if self.n_mlp_in == 2:
             out.update({"gate": 2.0 * d * f, "up": 2.0 * d * f})
         else:
@@ -191,15 +195,38 @@ class Geometry:
         return 2.0 * self.d * self.vocab
 
 
-def geometry(spec, model) -> Geometry:
-    """Build a :class:`Geometry` from a :class:`zoo.ModelSpec` and the matching (abstract) model."""
+def layer_windows(spec, config=None) -> tuple[int | None, ...]:
+    """Each layer's attention window (``None``: full attention).
+
+    From the spec's per-layer ``layer_windows`` when it has one; else from a config that types
+    its layers (``types_per_layer()`` and ``sliding_window``); else the layer's ``sliding_window``
+    for every layer.
+    """
+    windows = getattr(spec, "layer_windows", None)
+    if windows is not None:
+        return tuple(windows)
+    types = getattr(config, "types_per_layer", None)
+    window = getattr(config, "sliding_window", None)
+    if callable(types) and window is not None:
+        return tuple(window if t == "sliding_attention" else None for t in types())
+    return (spec.layer.sliding_window,) * spec.n_layers
+
+
+def geometry(spec, model, config=None) -> Geometry:
+    """Build a :class:`Geometry` from a :class:`zoo.ModelSpec` and the matching (abstract) model;
+    ``config`` (optional) adds per-layer windows, the attention implementation and the loss chunk."""
     tree = eqx.filter(model, is_arraylike)
     units, _ = stack_units(tree)
     leaves = list(zip(jax.tree.leaves(units), jax.tree.leaves(tree), strict=True))
     params = [x for _, x in leaves if is_floating(x)]
     stack = [x for u, x in leaves if u >= 0 and is_floating(x)]
     outside = [x for u, x in leaves if u == -1 and is_floating(x)]
-    matrices = [x for x in stack if len(x.shape) == 3]
+    # Matmul weights: (layers, in, out), and (layers, experts, in, out) for a layer's experts.
+    matrices = [x for x in stack if len(x.shape) >= 3]
+    n_experts = spec.layer.n_experts
+    experts = [x for x in stack if n_experts and len(x.shape) == 4 and x.shape[1] == n_experts]
+    block = getattr(config, "attention_block", None) or DEFAULT_BLOCK
+    settings = spec if config is None else config  # attention and loss chunk: the config's, else the spec's
     per_layer_matrix_bytes = sorted((nbytes(x) // x.shape[0] for x in matrices), reverse=True)
     layer = spec.layer
     return Geometry(
@@ -224,6 +251,13 @@ def geometry(spec, model) -> Geometry:
         largest_leaf_bytes=max(nbytes(x) for x in params),
         outside_largest_leaf_bytes=max((nbytes(x) for x in outside), default=0),
         head_elems=spec.vocab_size * spec.d_model,
+        windows=layer_windows(spec, config),
+        n_experts=n_experts,
+        experts_per_token=spec.layer.experts_per_token,
+        expert_stack_bytes=sum(nbytes(x) for x in experts),
+        attention=getattr(settings, "attention", None) or "xla",
+        attention_block=block,
+        loss_chunk=getattr(settings, "loss_chunk", None) or 0,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .._report import format_bytes
 from ._bytes import PHASE_NAMES, Estimate
+from ._long_context import render_long_context
 
 COMPONENT_ORDER = (
     "parameters",
@@ -55,6 +56,7 @@ def render(plan) -> str:
     lines += _choice(plan)
     lines += _components(plan)
     lines += _candidates(plan)
+    lines += render_long_context(plan.long_context)
     if plan.suggestions:
         lines.append("What would fit:")
         lines += [f"  - {s}" for s in plan.suggestions]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -195,6 +196,15 @@ class Plan:
         base = self.baseline.estimate.compute_s
         return self.step_time_s / base - 1.0
 
+    @functools.cached_property
+    def long_context(self):
+        """The longest sequence that fits the device budget at this batch: with no offload, with the
+        planner's choice, and with activation offload + chunked loss + blockwise attention (a
+        :class:`transforms.plan._long_context.LongContext`; see that module)."""
+        from ._long_context import long_context
+
+        return long_context(self._context, self.batch)
+
     @property
     def components(self) -> dict[str, dict[str, int]]:
         """Component -> {"device": bytes at the device peak, "host": bytes} for the shown candidate."""
@@ -329,7 +339,7 @@ class Plan:
         given = resolve_model(model)
         if (
             given.spec != self.spec
-            or geometry(given.spec, given.tree).param_bytes != self._context.geometry.param_bytes
+            or geometry(given.spec, given.tree, given.config).param_bytes != self._context.geometry.param_bytes
         ):
             raise ValueError(
                 f"plan.apply: the model ({given.label}: {given.spec}) differs from the planned one ({self.model}: "
@@ -362,6 +372,7 @@ class Plan:
             "shown": row(self._shown),
             "candidates": [row(r) for r in self.rows],
             "overhead": self.overhead,
+            "long_context": self.long_context.to_dict(),
             "notes": self.notes,
             "suggestions": self.suggestions,
             "env": self.env,

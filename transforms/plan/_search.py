@@ -53,7 +53,7 @@ class _Context:
     def with_model(self, model: PlannedModel) -> _Context:
         """The same context for another model (e.g. other dtypes)."""
         opt = optimizer_info(self.optimizer, float_params(model.tree), self.opt.name)
-        return dataclasses.replace(self, model=model, geometry=geometry(model.spec, model.tree), opt=opt)
+        return dataclasses.replace(self, model=model, geometry=geometry(model.spec, model.tree, model.config), opt=opt)
 
     def rows(self, batch: int, seq: int, fsdp: int | None = None) -> list[Row]:
         fsdp = self.fsdp if fsdp is None else fsdp
@@ -189,7 +189,7 @@ def plan(
 
     ctx = _Context(
         model=model,
-        geometry=geometry(model.spec, model.tree),
+        geometry=geometry(model.spec, model.tree, model.config),
         opt=optimizer_info(optimizer, float_params(model.tree), opt_name),
         optimizer=optimizer,
         device=profile,
