@@ -36,7 +36,9 @@ from ._train_step import TrainStep as TrainStep
 from ._train_step import train_step as train_step
 from .plan import DEVICES as DEVICE_PROFILES
 from .plan import DeviceProfile as DeviceProfile
+from .plan import GeneratePlan as GeneratePlan
 from .plan import Plan as Plan
 from .plan import compiled_memory as compiled_memory
 from .plan import custom_device as custom_device
 from .plan import plan as plan  # the function (the subpackage stays importable as transforms.plan)
+from .plan import plan_generate as plan_generate

@@ -27,6 +27,7 @@ from ._gemma import Gemma2 as Gemma2
 from ._gemma import Gemma2Config as Gemma2Config
 from ._gemma import Gemma3 as Gemma3
 from ._gemma import Gemma3Config as Gemma3Config
+from ._generate import generate as generate
 from ._gpt2 import GPT2 as GPT2
 from ._llama import Llama as Llama
 from ._loss import chunked_cross_entropy as chunked_cross_entropy

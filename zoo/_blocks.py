@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from . import nn
 from .nn._attend import check_implementation
 from .nn._axes import AxisNamed
+from .nn._kv_cache import cache_slots, cached_attention
 from .nn._moe import STATS
 from .nn._placement import use_param
 from .nn._spec import LayerSpec
@@ -181,19 +182,38 @@ class SelfAttention(eqx.Module):
         index = use_param(self.kind.index)
         return jnp.asarray(tables)[index], jnp.asarray(windows)[index]
 
-    def __call__(
-        self, x: Float[Array, "seq embed"], *, positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq embed"]:
+    def _qkv(self, x, positions):
+        """Queries, keys and values of ``x``, head-normed and rotated; and this layer's window."""
         seq = x.shape[0]
-        if positions is None:
-            positions = jnp.arange(seq, dtype=jnp.int32)
         q = checkpoint_name(self.q_proj(x), "q_proj").reshape(seq, self.n_heads, self.head_dim)
         k = checkpoint_name(self.k_proj(x), "k_proj").reshape(seq, self.n_kv_heads, self.head_dim)
         v = checkpoint_name(self.v_proj(x), "v_proj").reshape(seq, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq, window = self._kind()
-        q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
+        return rotate(q, positions, inv_freq), rotate(k, positions, inv_freq), v, window
+
+    def init_cache(self, length: int, dtype) -> nn.KVCache:
+        """An empty :class:`zoo.nn.KVCache` for up to ``length`` tokens: a ring buffer of the
+        window when every layer kind has the same shorter window, else ``length`` slots (layers
+        of different kinds share one stacked cache shape; a local layer's window masks it)."""
+        windows = {kind.window for kind in self.kinds}
+        window = windows.pop() if len(windows) == 1 else None
+        return nn.KVCache.empty(cache_slots(length, window), self.n_kv_heads, self.head_dim, dtype)
+
+    def decode(self, x, cache, *, positions):
+        """As :meth:`zoo.nn.Attention.decode`: ``t`` new tokens through ``cache``."""
+        q, k, v, window = self._qkv(x, positions)
+        ctx, cache = cached_attention(q, k, v, positions, cache, window=window, softcap=self.softcap, scale=self.scale)
+        return self.o_proj(ctx.reshape(x.shape[0], self.n_heads * self.head_dim)), cache
+
+    def __call__(
+        self, x: Float[Array, "seq embed"], *, positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "seq embed"]:
+        seq = x.shape[0]
+        if positions is None:
+            positions = jnp.arange(seq, dtype=jnp.int32)
+        q, k, v, window = self._qkv(x, positions)
         if self.kind is None:
             ctx = nn.attend(
                 q, k, v, window=window, softcap=self.softcap, scale=self.scale, implementation=self.implementation
@@ -307,6 +327,21 @@ class DecoderLayer(eqx.Module):
         attn, mlp = self.attn.describe(), self.mlp.describe()
         names = (*attn.pop("activations"), ("attn_residual", attn["d_model"]), *mlp.pop("activations"))
         return LayerSpec(**attn, **mlp, activations=names)
+
+    def init_cache(self, length: int, dtype) -> nn.KVCache:
+        """The empty KV cache of this layer's attention."""
+        return self.attn.init_cache(length, dtype)
+
+    def decode(self, x, cache, *, positions, batched: bool = False):
+        """As calling the layer, for ``t`` new tokens attending through ``cache`` (no router
+        statistics ride along); returns ``(x, cache)``."""
+        with jax.named_scope("attn"):
+            h, cache = self.attn.decode(self.attn_norm(x), cache, positions=positions)
+            x = x + (h if self.attn_post_norm is None else self.attn_post_norm(h))
+        with jax.named_scope("mlp"):
+            h = self.mlp_norm(x)
+            h = self.mlp(h, batched=batched)[0] if self.is_moe else self.mlp(h)
+            return x + (h if self.mlp_post_norm is None else self.mlp_post_norm(h)), cache
 
     def __call__(
         self, x: Float[Array, "rows embed"], *, positions: Int[Array, " seq"] | None = None, batched: bool = False

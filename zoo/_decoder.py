@@ -250,6 +250,26 @@ class RotaryDecoder(eqx.Module):
             max_seq_len=c.max_seq_len,
         )
 
+    def _embed(self, tokens):
+        c = self.config
+        x = self.embed(tokens)
+        if c.EMBED_SCALE:  # sqrt(d_model), rounded to the parameter dtype as the reference does
+            x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+        return x.astype(c.compute_jnp_dtype)
+
+    def init_cache(self, length: int, dtype=None, memory_kind: str | None = None):
+        """Empty KV caches for generating up to ``length`` tokens (see :func:`zoo.generate`),
+        stacked over layers, in ``dtype`` (default: the compute dtype)."""
+        dtype = self.config.compute_jnp_dtype if dtype is None else dtype
+        return self.stack.init_cache(length, dtype, memory_kind)
+
+    def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
+        """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``
+        of the tokens before them; returns ``(logits, cache)`` with the new tokens cached."""
+        kwargs = {"batched": innermost_transform_is_vmap()} if isinstance(self.config, MoEConfig) else {}
+        x, cache = self.stack.decode(self._embed(tokens), cache, positions=positions, **kwargs)
+        return self.head(self.norm(x)), cache
+
     def _run(self, tokens, positions):
         """``(hidden, router statistics or None)``: the final hidden states and, for an MoE model,
         the router statistics summed over its layers."""
@@ -257,10 +277,7 @@ class RotaryDecoder(eqx.Module):
         check_tokens(tokens, c.max_seq_len, type(self).__name__)
         if positions is None:
             positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        x = self.embed(tokens)
-        if c.EMBED_SCALE:  # sqrt(d_model), rounded to the parameter dtype as the reference does
-            x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
-        x = x.astype(c.compute_jnp_dtype)
+        x = self._embed(tokens)
         if not isinstance(c, MoEConfig):
             return self.norm(self.stack(x, positions=positions)), None
         # Decided here, outside the scan: whether this call is vmapped (see zoo.nn.MoE).

@@ -128,6 +128,19 @@ class Llama(eqx.Module):
         with jax.named_scope("lm_head"):
             return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 
+    def init_cache(self, length: int, dtype=None, memory_kind: str | None = None):
+        """Empty KV caches for generating up to ``length`` tokens (see :func:`zoo.generate`),
+        stacked over layers, in ``dtype`` (default: the compute dtype)."""
+        dtype = self.config.compute_jnp_dtype if dtype is None else dtype
+        return self.stack.init_cache(length, dtype, memory_kind)
+
+    def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
+        """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``
+        of the tokens before them; returns ``(logits, cache)`` with the new tokens cached."""
+        x = self.embed(tokens).astype(self.config.compute_jnp_dtype)
+        x, cache = self.stack.decode(x, cache, positions=positions)
+        return self.head(self.norm(x)), cache
+
     def __call__(
         self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
     ) -> Float[Array, "seq vocab"]:

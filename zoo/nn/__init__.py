@@ -6,6 +6,7 @@ from ._attention import Attention as Attention
 from ._axes import AxisNamed as AxisNamed
 from ._axes import logical_axes as logical_axes
 from ._block import Block as Block
+from ._kv_cache import KVCache as KVCache
 from ._linear import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._lora import LoRALinear as LoRALinear

@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._attend import attend, check_implementation
+from ._kv_cache import KVCache, cache_slots, cached_attention
 from ._linear import Linear
 from ._rotary import RotaryEmbedding
 
@@ -123,12 +124,7 @@ class Attention(eqx.Module):
         seq = x.shape[0]
         if positions is None:
             positions = jnp.arange(seq, dtype=jnp.int32)
-        q = checkpoint_name(self.q_proj(x), "q_proj").reshape(seq, self.n_heads, self.head_dim)
-        k = checkpoint_name(self.k_proj(x), "k_proj").reshape(seq, self.n_kv_heads, self.head_dim)
-        v = checkpoint_name(self.v_proj(x), "v_proj").reshape(seq, self.n_kv_heads, self.head_dim)
-        if self.rotary is not None:
-            q = self.rotary(q, positions)
-            k = self.rotary(k, positions)
+        q, k, v = self._qkv(x, positions)
         ctx = attend(  # (seq, heads, head_dim)
             q,
             k,
@@ -140,6 +136,32 @@ class Attention(eqx.Module):
         )
         ctx = checkpoint_name(ctx.reshape(seq, self.n_heads * self.head_dim), "attn_context")
         return checkpoint_name(self.o_proj(ctx), "attn_out")
+
+    def _qkv(self, x, positions):
+        seq = x.shape[0]
+        q = checkpoint_name(self.q_proj(x), "q_proj").reshape(seq, self.n_heads, self.head_dim)
+        k = checkpoint_name(self.k_proj(x), "k_proj").reshape(seq, self.n_kv_heads, self.head_dim)
+        v = checkpoint_name(self.v_proj(x), "v_proj").reshape(seq, self.n_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q = self.rotary(q, positions)
+            k = self.rotary(k, positions)
+        return q, k, v
+
+    def init_cache(self, length: int, dtype) -> KVCache:
+        """An empty :class:`zoo.nn.KVCache` for sequences of up to ``length`` tokens (a ring
+        buffer of the window when the window is shorter)."""
+        return KVCache.empty(cache_slots(length, self.sliding_window), self.n_kv_heads, self.head_dim, dtype)
+
+    def decode(
+        self, x: Float[Array, "t embed"], cache: KVCache, *, positions: Int[Array, " t"]
+    ) -> tuple[Float[Array, "t embed"], KVCache]:
+        """Attention of ``t`` new tokens (at ``positions``; ``-1`` for padding) over the cached
+        ones and themselves; returns the output and the cache with the new keys and values."""
+        q, k, v = self._qkv(x, positions)
+        ctx, cache = cached_attention(
+            q, k, v, positions, cache, window=self.sliding_window, softcap=self.softcap, scale=self.scale
+        )
+        return self.o_proj(ctx.reshape(x.shape[0], self.n_heads * self.head_dim)), cache
 
     def describe(self) -> dict:
         """This attention's part of a :class:`zoo.LayerSpec`: ``d_model``, head counts and width,

@@ -47,6 +47,19 @@ class Block(eqx.Module):
         names = (*attn.pop("activations"), ("attn_residual", attn["d_model"]), *mlp.pop("activations"))
         return LayerSpec(**attn, **mlp, activations=names)
 
+    def init_cache(self, length: int, dtype):
+        """The empty KV cache of this block's attention (see :meth:`zoo.nn.Attention.init_cache`)."""
+        return self.attn.init_cache(length, dtype)
+
+    def decode(self, x: Float[Array, "t embed"], cache, *, positions: Int[Array, " t"]):
+        """As calling the block, for ``t`` new tokens attending through ``cache``; returns
+        ``(x, cache)`` (see :meth:`zoo.nn.Attention.decode`)."""
+        with jax.named_scope("attn"):
+            h, cache = self.attn.decode(self.attn_norm(x), cache, positions=positions)
+            x = x + h
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.mlp_norm(x)), cache
+
     def __call__(
         self, x: Float[Array, "seq embed"], *, positions: Int[Array, " seq"] | None = None
     ) -> Float[Array, "seq embed"]:

@@ -6,12 +6,13 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
-from ._placement import any_on_host, is_arraylike
+from ._placement import any_on_host, is_arraylike, on_host
 from ._prefetch import prefetched_scan
 from ._remat import Remat
 
@@ -168,6 +169,51 @@ class Stack(AxisNamed):
         for i in range(self.n_layers):
             x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], arrays))
         return x
+
+    def init_cache(self, length: int, dtype, memory_kind: str | None = None):
+        """The empty KV caches of every layer, stacked (a leading layer axis) for
+        :meth:`decode`: ``layers.init_cache(length, dtype)`` of one layer, repeated. With
+        ``memory_kind="pinned_host"`` the caches live in host memory and :meth:`decode` brings one
+        layer's cache to the device at a time."""
+        one = self.layers.init_cache(length, dtype)
+        stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.n_layers, *a.shape)), one)
+        if memory_kind is None:
+            return stacked
+        return jax.tree.map(lambda a: jax.device_put(a, _memory_space(memory_kind)), stacked)
+
+    def decode(self, x: Float[Array, "t embed"], cache, **kwargs):
+        """Run the layers over ``t`` new tokens with their KV caches (from :meth:`init_cache`):
+        one `lax.scan` over the weights and the caches together, each layer's
+        ``decode(x, cache, **kwargs) -> (x, cache)``. Returns ``(x, cache)``.
+
+        Host-resident weights (:func:`transforms.offload_params`) are copied to the device one
+        layer at a time, at their use; so are host-resident caches, whose updated layer goes back
+        to host memory."""
+        arrays, static = eqx.partition(self.layers, eqx.is_array)
+        homes = jax.tree.map(on_host, cache)
+
+        def body(h, xs):
+            layer_arrays, layer_cache = xs
+            layer = eqx.combine(layer_arrays, static)
+            layer_cache = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, layer_cache, homes)
+            with jax.named_scope("layer"):
+                h, layer_cache = layer.decode(h, layer_cache, **kwargs)
+            return h, jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, layer_cache, homes)
+
+        if self.n_layers > 1:
+            return jax.lax.scan(body, x, (arrays, cache))
+        x, layer_cache = body(x, jax.tree.map(lambda a: a[0], (arrays, cache)))
+        return x, jax.tree.map(lambda a: a[None], layer_cache)
+
+
+_DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
+
+
+def _memory_space(kind: str):
+    spaces = {"device": _DEVICE, "pinned_host": _HOST}
+    if kind not in spaces:
+        raise ValueError(f"unknown memory kind {kind!r}; choose one of {sorted(spaces)}")
+    return spaces[kind]
 
 
 def _rebuilt(stack: Stack, **changes) -> Stack:

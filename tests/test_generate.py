@@ -1,0 +1,200 @@
+"""zoo.generate: greedy tokens equal `transformers`' for each family, batches equal single prompts,
+sampling limits, compilations per bucket, errors, and generation with offloaded weights and a KV
+cache in host memory (same tokens; placement in the jaxpr and in the program lowered for CUDA)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from test_families_hf import VARIANTS as FAMILY_VARIANTS
+from test_families_hf import _hf_model as _family_hf_model
+from test_hf import VARIANTS as LLAMA_LIKE_VARIANTS
+from test_hf import _hf_model as _llama_like_hf_model
+from test_offload_structure import DEV, H, device_puts
+
+import transforms
+import zoo
+from zoo import _generate
+
+NEW = 6
+PROMPT = np.random.default_rng(1).integers(1, 90, 12)  # longer than the Mistral window (8)
+
+# variant -> maker of the transformers model
+HF_CASES = {
+    "gpt2": lambda: _llama_like_hf_model("gpt2"),
+    "llama-gqa-llama3-rope": lambda: _llama_like_hf_model("llama-gqa-llama3-rope"),
+    "mistral-sliding-window": lambda: _llama_like_hf_model("mistral-sliding-window"),
+    "qwen2": lambda: _llama_like_hf_model("qwen2"),
+    "gemma3_text-5to1": lambda: _family_hf_model(*FAMILY_VARIANTS["gemma3_text-5to1"]),
+    "qwen3_moe-norm_topk": lambda: _family_hf_model(*FAMILY_VARIANTS["qwen3_moe-norm_topk"]),
+}
+assert set(HF_CASES) - {"gpt2"} <= set(LLAMA_LIKE_VARIANTS) | set(FAMILY_VARIANTS)
+
+
+@pytest.mark.parametrize("variant", list(HF_CASES))
+def test_greedy_tokens_equal_transformers(variant, tmp_path):
+    hf = HF_CASES[variant]()
+    hf.generation_config.eos_token_id = None  # random weights: never stop early
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor(PROMPT[None]), max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+    expected = ids[0, len(PROMPT) :].numpy()
+    hf.save_pretrained(tmp_path)
+    ours = zoo.generate(zoo.load_hf(tmp_path), jnp.asarray(PROMPT), max_new_tokens=NEW)
+    np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.Llama(zoo.config_from_name("llama:tiny"), key=jax.random.key(0))
+
+
+def _full_window_greedy(model, prompt, n, width=32):
+    """The reference without a cache: rerun the whole sequence for each new token (padded to
+    ``width``: a causal model's logits at a position do not depend on later tokens)."""
+    run = eqx.filter_jit(lambda m, t: m(t))
+    seq = [int(t) for t in prompt]
+    for _ in range(n):
+        logits = run(model, jnp.asarray(seq + [0] * (width - len(seq))))
+        seq.append(int(jnp.argmax(logits[len(seq) - 1])))
+    return seq[len(prompt) :]
+
+
+def test_greedy_equals_rerunning_the_whole_sequence_and_a_batch_equals_each_prompt(llama):
+    prompts = [jnp.arange(3, 10), jnp.array([5]), jnp.arange(40, 60)]
+    batch = zoo.generate(llama, prompts, max_new_tokens=5)
+    assert isinstance(batch, list) and len(batch) == 3
+    for prompt, got in zip(prompts, batch, strict=True):
+        alone = zoo.generate(llama, prompt, max_new_tokens=5)
+        np.testing.assert_array_equal(got, alone)
+        assert list(np.asarray(alone)) == _full_window_greedy(llama, prompt, 5)
+
+
+@pytest.mark.parametrize("window", [4, None], ids=["ring-buffer", "full"])
+def test_cached_decoding_gives_the_logits_of_the_full_forward(window):
+    model = zoo.Llama(zoo.config_from_name("llama:tiny", sliding_window=window), key=jax.random.key(2))
+    tokens = jax.random.randint(jax.random.key(3), (14,), 0, model.config.vocab_size)
+    cache = model.init_cache(32)
+    assert cache.k.shape[1] == (window or 32)  # a ring buffer holds only the window
+    prompt = jnp.concatenate([tokens[:7], jnp.zeros(3, jnp.int32)])  # padded prompt
+    positions = jnp.concatenate([jnp.arange(7), jnp.full(3, -1)]).astype(jnp.int32)
+    logits, cache = model.decode(prompt, positions, cache)
+    steps = [logits[:7]]
+    for i in range(7, 14):
+        logits, cache = model.decode(tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=2e-5)
+
+
+def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(llama):
+    prompt = jnp.arange(5, 12)
+    greedy = zoo.generate(llama, prompt, max_new_tokens=6)
+    key = jax.random.key(7)
+    for limits in (dict(top_k=1), dict(top_p=1e-6)):
+        sampled = zoo.generate(llama, prompt, max_new_tokens=6, temperature=1.5, key=key, **limits)
+        np.testing.assert_array_equal(sampled, greedy)
+    free = [zoo.generate(llama, prompt, max_new_tokens=6, temperature=5.0, key=jax.random.key(s)) for s in range(3)]
+    assert any(not np.array_equal(f, greedy) for f in free)  # sampling does sample
+
+
+def test_one_compilation_per_bucket(llama):
+    zoo.generate(llama, jnp.arange(1, 6), max_new_tokens=3)
+    before = dict(_generate.TRACES)
+    zoo.generate(llama, jnp.arange(1, 8), max_new_tokens=5)  # same buckets: prompt 16, cache 16
+    zoo.generate(llama, jnp.arange(2, 9), max_new_tokens=8)
+    assert dict(_generate.TRACES) == before
+    zoo.generate(llama, jnp.arange(1, 30), max_new_tokens=5)  # a longer prompt: new buckets
+    assert _generate.TRACES["prefill"] == before["prefill"] + 1
+    assert _generate.TRACES["decode"] == before["decode"] + 1
+
+
+def test_stop_tokens_cut_each_sequence_and_on_token_streams_until_the_stop(llama):
+    prompt = jnp.arange(5, 12)
+    free = np.asarray(zoo.generate(llama, prompt, max_new_tokens=8))
+    stop = int(free[2])
+    streamed = []
+    cut = zoo.generate(llama, prompt, max_new_tokens=8, stop_tokens=[stop], on_token=streamed.append)
+    first = list(free).index(stop)
+    np.testing.assert_array_equal(cut, free[: first + 1])
+    assert streamed == list(free[: first + 1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(prompt_ids=jnp.zeros((0,), jnp.int32)), ValueError, "empty"),
+        (dict(prompt_ids=[]), ValueError, "no prompts"),
+        (dict(prompt_ids=jnp.zeros((2, 3), jnp.int32)), ValueError, "1-D"),
+        (dict(prompt_ids=jnp.ones(3)), TypeError, "integer"),
+        (dict(prompt_ids=jnp.ones(200, jnp.int32)), ValueError, "positions"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(temperature=0.5), ValueError, "needs a key"),
+        (dict(top_p=1.5, temperature=1.0, key=jax.random.key(0)), ValueError, "top_p"),
+        (dict(top_p=0.0, temperature=1.0, key=jax.random.key(0)), ValueError, "top_p"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(cache_memory_kind="gpu"), ValueError, "pinned_host"),
+    ],
+)
+def test_bad_input_is_a_clear_error(llama, kwargs, error, words):
+    call = dict(prompt_ids=jnp.arange(1, 5), max_new_tokens=4) | kwargs
+    with pytest.raises(error, match=words):
+        zoo.generate(llama, call.pop("prompt_ids"), **call)
+
+
+def test_a_model_without_decode_is_refused():
+    with pytest.raises(TypeError, match="decode"):
+        zoo.generate(lambda t: t, jnp.arange(3), max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- offload
+
+
+def test_offloaded_weights_and_a_host_cache_give_the_same_tokens(llama):
+    prompts = [jnp.arange(3, 10), jnp.array([5, 6])]
+    plain = zoo.generate(llama, prompts, max_new_tokens=5)
+    offloaded = transforms.offload_params(llama)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(eqx.filter(offloaded.stack, eqx.is_array))} == {
+        "pinned_host"
+    }
+    for model, kind in ((offloaded, None), (llama, "pinned_host"), (offloaded, "pinned_host")):
+        got = zoo.generate(model, prompts, max_new_tokens=5, cache_memory_kind=kind)
+        for a, b in zip(got, plain, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _decode_step(model, cache_on_host: bool):
+    """One decoding step of a batch of 2 as a jittable function of (weights, cache, token, position)."""
+    params, static = eqx.partition(model, eqx.is_array)
+    cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (2, *a.shape)), model.init_cache(16))
+    if cache_on_host:
+        cache = jax.device_put(cache, jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), cache))
+
+    def step(params, cache, token, position):
+        return jax.vmap(eqx.combine(params, static).decode)(token, position, cache)
+
+    return step, (params, cache, jnp.ones((2, 1), jnp.int32), jnp.ones((2, 1), jnp.int32))
+
+
+def test_host_weights_and_cache_move_one_layer_at_a_time_in_the_scan(llama):
+    step, args = _decode_step(transforms.offload_params(llama), cache_on_host=True)
+    moves = list(device_puts(jax.make_jaxpr(step)(*args).jaxpr))
+    n_weights = len(jax.tree.leaves(eqx.filter(llama.stack, eqx.is_array)))
+    layer = [tuple(c.shape[2:]) for c in jax.tree.leaves(args[1])]  # one layer's k, v, pos (per example)
+    fetched = [shape for in_scan, a, b, shape in moves if in_scan and (a, b) == (H, DEV)]
+    written = [shape for in_scan, a, b, shape in moves if in_scan and (a, b) == (DEV, H)]
+    assert len(fetched) == n_weights + 3  # every weight and the layer's cache, per layer
+    assert sorted(s[1:] for s in written) == sorted(layer)  # the layer's updated cache goes back
+    assert not [m for m in moves if not m[0] and m[2] == H]  # nothing else is sent to host
+
+
+def test_the_program_lowered_for_cuda_keeps_weights_and_cache_in_pinned_host(llama):
+    step, args = _decode_step(transforms.offload_params(llama), cache_on_host=True)
+    text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    main = text[text.index("func.func public @main") :]
+    signature = main.split("{\n", 1)[0]
+    n_host = len(jax.tree.leaves(eqx.filter(llama.stack, eqx.is_array))) + 3  # stacked weights + k, v, pos
+    assert signature.count('mhlo.memory_kind = "pinned_host"') >= n_host
+    assert '_xla_buffer_placement = "device"' in text  # each layer's slice fetched
+    assert '_xla_buffer_placement = "pinned_host"' in text  # each layer's updated cache sent back

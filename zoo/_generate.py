@@ -1,0 +1,269 @@
+"""Text generation with a KV cache: :func:`generate`.
+
+Two compiled programs do the work. *Prefill* runs the padded prompts through the model once,
+filling every layer's cache (:meth:`zoo.nn.Stack.decode`: a scan over the layers), and picks the
+first new token. *Decode* is one `lax.while_loop` on the device: each iteration feeds the last
+token of every sequence, one position further, through the same scan, and picks the next; it
+stops when every sequence has met a stop token or the budget is spent. Shapes are rounded up to
+buckets (powers of two), so a new prompt length, batch size or token budget recompiles only when
+it crosses a bucket: prefill once per (batch, prompt, cache) bucket, decode once per (batch,
+cache) bucket.
+
+The cache holds ``prompt + max_new_tokens`` positions rounded up to a bucket (and at most the
+model's positions), never more; sliding-window layers keep a ring buffer of their window.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Times each program was traced (one trace per compilation), for tests and diagnostics.
+TRACES: collections.Counter = collections.Counter()
+
+CACHE_MEMORY_KINDS = (None, "device", "pinned_host")
+
+
+def _bucket(n: int, smallest: int) -> int:
+    """The smallest power of two >= ``n`` (and >= ``smallest``)."""
+    return max(smallest, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _as_prompts(prompt_ids) -> tuple[list[np.ndarray], bool]:
+    """The prompts as 1-D int arrays, and whether a single prompt was given."""
+    single = hasattr(prompt_ids, "ndim") and not isinstance(prompt_ids, list | tuple)
+    prompts = [prompt_ids] if single else list(prompt_ids)
+    if not prompts:
+        raise ValueError("generate: no prompts given (an empty list)")
+    out = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        where = "prompt_ids" if single else f"prompt_ids[{i}]"
+        if a.ndim != 1:
+            raise ValueError(f"generate: {where} must be 1-D token ids, got shape {a.shape}")
+        if a.size == 0:
+            raise ValueError(f"generate: {where} is empty; give at least one token")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise TypeError(f"generate: {where} must hold integer token ids, got dtype {a.dtype}")
+        out.append(a.astype(np.int32))
+    return out, single
+
+
+def _check_options(model, max_new_tokens, key, temperature, top_k, top_p, cache_memory_kind) -> None:
+    if not (callable(getattr(model, "decode", None)) and callable(getattr(model, "init_cache", None))):
+        raise TypeError(
+            f"generate needs a zoo model with decode() and init_cache() (GPT2, Llama, Qwen3, ...), "
+            f"got {type(model).__name__}"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens <= 0:
+        raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(temperature, int | float) or temperature < 0:
+        raise ValueError(f"generate: temperature must be a number >= 0 (0 is greedy), got {temperature!r}")
+    if temperature > 0 and key is None:
+        raise ValueError(f"generate: sampling with temperature={temperature} needs a key (jax.random.key(...))")
+    vocab = model.config.vocab_size
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+        raise ValueError(f"generate: top_k must be an integer in [1, {vocab}] or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")
+    if cache_memory_kind not in CACHE_MEMORY_KINDS:
+        raise ValueError(
+            f"generate: unknown cache_memory_kind {cache_memory_kind!r}; choose one of {CACHE_MEMORY_KINDS}"
+        )
+
+
+def _pick(logits, key, temperature, top_k: int | None, top_p, greedy: bool):
+    """The next token of each row of ``logits`` ``(batch, vocab)``: the argmax when ``greedy``,
+    else a sample at ``temperature`` from the ``top_k`` most likely tokens and the smallest set of
+    them whose probability reaches ``top_p``."""
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    low = jnp.finfo(jnp.float32).min
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, low, logits)
+    if top_p is not None:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
+        cutoff = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, low, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _split(key):
+    """``(key, subkey)``; ``(None, None)`` when greedy (no key)."""
+    if key is None:
+        return None, None
+    key, sub = jax.random.split(key)
+    return key, sub
+
+
+@eqx.filter_jit
+def _prefill(model, tokens, positions, lengths, key, temperature, top_p, *, slots, dtype, memory_kind, top_k, greedy):
+    """Fill the caches with the padded prompts ``(batch, prompt)``; the first new token of each."""
+    TRACES["prefill"] += 1
+    cache = model.init_cache(slots, dtype)
+    batch = tokens.shape[0]
+    cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), cache)
+    if memory_kind == "pinned_host":
+        cache = jax.device_put(cache, jax.memory.Space.Host)
+    logits, cache = jax.vmap(model.decode)(tokens, positions, cache)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = _split(key)
+    return _pick(last, sub, temperature, top_k, top_p, greedy), cache, key
+
+
+@eqx.filter_jit
+def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, *, slots, top_k, greedy, callback):
+    """Generate up to ``n_new`` tokens per sequence after ``first`` (``out[:, 0]``), in one
+    `lax.while_loop`; returns the token buffer ``(batch, slots)`` and the number of steps run."""
+    TRACES["decode"] += 1
+    out = jnp.zeros((first.shape[0], slots), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, stop)
+    if callback is not None:
+        jax.debug.callback(callback, first, jnp.zeros_like(done), ordered=True)
+
+    def cond(state):
+        i, _, _, done, _ = state
+        return (i < n_new) & ~jnp.all(done)
+
+    def body(state):
+        i, out, cache, done, key = state
+        token = out[:, i - 1]
+        positions = lengths + i - 1
+        logits, cache = jax.vmap(model.decode)(token[:, None], positions[:, None], cache)
+        key, sub = _split(key)
+        new = _pick(logits[:, 0], sub, temperature, top_k, top_p, greedy)
+        if callback is not None:
+            jax.debug.callback(callback, new, done, ordered=True)
+        return i + 1, out.at[:, i].set(new), cache, done | jnp.isin(new, stop), key
+
+    steps, out, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, cache, done, key))
+    return out, steps
+
+
+def _cut(tokens: np.ndarray, stop: set[int]) -> np.ndarray:
+    """``tokens`` up to and including the first stop token."""
+    for i, t in enumerate(tokens):
+        if int(t) in stop:
+            return tokens[: i + 1]
+    return tokens
+
+
+def generate(
+    model,
+    prompt_ids,
+    *,
+    max_new_tokens: int,
+    key=None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    cache_dtype: Any = None,
+    cache_memory_kind: str | None = None,
+    on_token: Callable[[int], None] | None = None,
+):
+    """Continue ``prompt_ids`` with up to ``max_new_tokens`` tokens, using a KV cache.
+
+    Works for every zoo family, and on models whose weights live in host memory
+    (:func:`transforms.offload_params`): each layer's weights are copied to the device as the
+    layer runs. See the module docstring for how the work is compiled.
+
+    **Arguments:**
+
+    - `model`: a zoo model (``GPT2``, ``Llama``, ``Qwen3``, ``Mixtral``, ``Gemma2``, ...).
+    - `prompt_ids`: one prompt (a 1-D array of token ids) or a list of them, of any lengths.
+    - `max_new_tokens`: how many tokens to generate at most (> 0); prompt plus new tokens must
+      fit in the model's positions.
+    - `key`: a `jax.random` key; required when sampling (``temperature > 0``).
+    - `temperature`: 0 picks the most likely token (greedy); above 0 samples from the
+      softmax of ``logits / temperature``.
+    - `top_k`, `top_p`: when sampling, keep only the ``top_k`` most likely tokens and the
+      smallest set of the most likely whose probability reaches ``top_p`` (in (0, 1]).
+    - `stop_tokens`: a sequence ends after the first of these it generates (included).
+    - `cache_dtype`: dtype of the KV cache (default: the model's compute dtype).
+    - `cache_memory_kind`: ``"pinned_host"`` keeps the caches in host memory, each layer's
+      brought to the device while it runs; ``None`` or ``"device"``: on the device.
+    - `on_token`: called with each new token of a single prompt as it is generated (for
+      streaming text); not for a batch of prompts.
+
+    **Returns:** the new tokens only: a 1-D int32 array for one prompt, a list of them for a
+    list of prompts, each cut after its first stop token.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    new = zoo.generate(model, jnp.array([1, 2, 3]), max_new_tokens=5)      # greedy: (5,)
+    many = zoo.generate(model, [jnp.array([1, 2, 3]), jnp.array([4])], max_new_tokens=4,
+                        temperature=0.8, top_k=20, key=jax.random.key(1))  # a list of 2
+    ```
+    """
+    prompts, single = _as_prompts(prompt_ids)
+    _check_options(model, max_new_tokens, key, temperature, top_k, top_p, cache_memory_kind)
+    if on_token is not None and not single:
+        raise ValueError("generate: on_token streams a single prompt; give one 1-D prompt")
+    longest, positions_max = max(len(p) for p in prompts), model.config.max_seq_len
+    if longest + max_new_tokens > positions_max:
+        raise ValueError(
+            f"generate: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+            f"{positions_max} positions; shorten the prompt or ask for at most {max(positions_max - longest, 0)} "
+            "new tokens"
+        )
+    batch = _bucket(len(prompts), 1)
+    width = _bucket(longest, 16)
+    slots = min(_bucket(longest + max_new_tokens, 16), positions_max)
+    tokens = np.zeros((batch, width), np.int32)
+    positions = np.full((batch, width), -1, np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for b in range(batch):  # rows past the prompts repeat the first one
+        p = prompts[b] if b < len(prompts) else prompts[0]
+        tokens[b, : len(p)], positions[b, : len(p)], lengths[b] = p, np.arange(len(p)), len(p)
+    greedy = temperature == 0
+    temp = jnp.float32(temperature if temperature else 1.0)
+    p_keep = None if top_p is None else jnp.float32(top_p)
+    dtype = model.config.compute_jnp_dtype if cache_dtype is None else jnp.dtype(cache_dtype)
+    memory_kind = None if cache_memory_kind == "device" else cache_memory_kind
+    first, cache, key = _prefill(
+        model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths), None if greedy else key, temp, p_keep,
+        slots=slots, dtype=dtype, memory_kind=memory_kind, top_k=top_k, greedy=greedy,
+    )  # fmt: skip
+    stop = jnp.asarray(sorted({int(t) for t in stop_tokens}) or [-1], jnp.int32)
+    callback = None if on_token is None else _streamer(on_token)
+    out, steps = _decode(
+        model, cache, first, jnp.asarray(lengths), jnp.int32(max_new_tokens), stop, key, temp, p_keep,
+        slots=slots, top_k=top_k, greedy=greedy, callback=callback,
+    )  # fmt: skip
+    out = np.asarray(out)[:, : int(steps)]
+    stops = {int(t) for t in stop_tokens}
+    results = [jnp.asarray(_cut(out[b], stops)) for b in range(len(prompts))]
+    return results[0] if single else results
+
+
+class _streamer:
+    """Calls ``on_token`` with the first row's token until that row is done (hashable by the
+    function it wraps, so that the decode program is reused)."""
+
+    def __init__(self, on_token):
+        self.on_token = on_token
+
+    def __call__(self, tokens, done):
+        if not bool(np.asarray(done)[0]):
+            self.on_token(int(np.asarray(tokens)[0]))
+
+    def __hash__(self):
+        return hash(self.on_token)
+
+    def __eq__(self, other):
+        return isinstance(other, _streamer) and other.on_token == self.on_token
