@@ -470,20 +470,18 @@ def finish(run: Run, out: pathlib.Path, baseline: float, say) -> None:
             title=f"where the training state lives ({args.offload or args.plan or 'no offload'})",
         )
         say(f"wrote {out / 'metrics.jsonl'}, {out / 'loss.png'}, {out / 'placement.png'}")
-    if not args.quiet_samples and jax.process_count() == 1:
-        prompt = run.tokenizer.encode(args.prompt.encode())
-        for row in sample(run.model, prompt, 100, jax.random.wrap_key_data(jnp.asarray(run.rng, jnp.uint32))):
-            say("sample:", repr(args.prompt + run.tokenizer.decode(row)))
+    show_samples(run, say, "sample:")
 
 
-def samples_before(run: Run, say) -> None:
-    """Continuations of ``--prompt`` from the model as it starts (to compare with those at the end)."""
+def show_samples(run: Run, say, label: str) -> None:
+    """Continuations of ``--prompt`` (``zoo.generate``, with a KV cache), unless ``--quiet-samples``
+    or several processes; before training (``--sample-before``) and after it, to compare."""
     args = run.args
     if args.quiet_samples or jax.process_count() > 1:
         return
     prompt = run.tokenizer.encode(args.prompt.encode())
     for row in sample(run.model, prompt, 100, jax.random.wrap_key_data(jnp.asarray(run.rng, jnp.uint32))):
-        say("sample before training:", repr(args.prompt + run.tokenizer.decode(row)))
+        say(label, repr(args.prompt + run.tokenizer.decode(row)))
 
 
 def main(argv=None, *, defaults: dict | None = None) -> dict:
@@ -494,7 +492,7 @@ def main(argv=None, *, defaults: dict | None = None) -> dict:
     run, out, ckpt, start = open_run(args)
     baseline = announce(run, out, start, say)
     if args.sample_before and start == 0:
-        samples_before(run, say)
+        show_samples(run, say, "sample before training:")
     if lead:
         (out / "args.json").write_text(json.dumps(vars(args), indent=2))
     log = MetricsLog(out / "metrics.jsonl", truncate_after=start) if lead else None

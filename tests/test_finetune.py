@@ -2,6 +2,8 @@
 sources, the flags that used to be ignored, clear errors for bad input, exports that ``transformers``
 and ``peft`` load, and resuming a LoRA run from its adapter-only checkpoint."""
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -14,7 +16,7 @@ import pytest
 
 import transforms
 import zoo
-from recipes import finetune_hf
+from recipes import finetune_hf, generate
 from recipes._lm import data
 from recipes._lm.run_setup import decay_mask
 
@@ -209,8 +211,29 @@ def lora_run(checkpoints, notes, tmp_path_factory):
     flags += ["--lora-rank", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate,up,down"]
     flags += ["--base-dtype", "float32", "--export-dtype", "float32"]
     exports = ["--export", str(root / "adapter"), "--export-merged", str(root / "merged")]
-    summary = finetune_hf.main([*flags, "--offload", "params,opt_state", "--out", str(root / "run"), *exports])
-    return {"flags": flags, "summary": summary, "root": root}
+    sampling = [f for f in flags if f != "--quiet-samples"] + ["--sample-before"]  # 131072 positions
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = finetune_hf.main([*sampling, "--offload", "params,opt_state", "--out", str(root / "run"), *exports])
+    return {"flags": flags, "summary": summary, "root": root, "printed": printed.getvalue()}
+
+
+def test_lora_finetuning_samples_before_and_after_with_the_kv_cache(lora_run):
+    lines = lora_run["printed"].splitlines()
+    before = [line for line in lines if line.startswith("sample before training:")]
+    after = [line for line in lines if line.startswith("sample:")]
+    assert len(before) == 3 and len(after) == 3, lines
+
+
+def test_generate_recipe_streams_the_merged_exports_greedy_text(lora_run, capsys):
+    merged = lora_run["root"] / "merged"
+    flags = ["--model", str(merged), "--prompt", "def main(", "--max-new-tokens", "8", "--no-stop"]
+    result = generate.main([*flags, "--offload", "params", "--cache-memory-kind", "pinned_host"])
+    tokenizer = data.HFTokenizer(merged)
+    prompt = jax.numpy.asarray(tokenizer.encode(b"def main("))
+    expected = zoo.generate(zoo.load_hf(merged), prompt, max_new_tokens=8)
+    assert result["new_ids"] == [int(t) for t in expected]
+    assert capsys.readouterr().out == "def main(" + tokenizer.decode(expected) + "\n"
 
 
 def test_full_finetuning_keeps_float32_master_weights_and_exports_what_transformers_loads(checkpoints, notes, tmp_path):

@@ -16,12 +16,13 @@ import time
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import checkpointing
 import zoo
-from recipes import evaluate, finetune_hf, train_lm
+from recipes import evaluate, finetune_hf, generate, train_lm
 from recipes._lm import monitor
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -252,6 +253,17 @@ def test_finetune_hf_trains_a_checkpoint_and_exports_it(tmp_path, hf_checkpoint,
     assert (export / "tokenizer.json").is_file()
     assert_same_params(after, summary["model"])
     assert any(not np.array_equal(a, b) for a, b in zip(leaves(before), leaves(after), strict=True))
+
+
+def test_generate_recipe_continues_the_prompt_from_a_run_directory(straight, capsys):
+    result = generate.main(["--model", straight["out"], "--prompt", "def ", "--max-new-tokens", "6"])
+    expected = zoo.generate(straight["model"], jnp.asarray(list(b"def "), jnp.int32), max_new_tokens=6)
+    assert result["new_ids"] == [int(t) for t in expected]
+    assert capsys.readouterr().out == "def " + result["text"] + "\n"
+    with pytest.raises(SystemExit, match="neither a Hugging Face checkpoint"):
+        generate.main(["--model", str(pathlib.Path(straight["out"]) / "missing"), "--prompt", "x"])
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        generate.main(["--model", straight["out"], "--prompt", "x", "--max-new-tokens", "0"])
 
 
 def test_evaluate_reproduces_the_runs_validation_loss(straight):

@@ -123,14 +123,14 @@ def _prefill(model, tokens, positions, lengths, key, temperature, top_p, *, slot
 
 
 @eqx.filter_jit
-def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, *, slots, top_k, greedy, callback):
+def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, *, slots, top_k, greedy, stream):
     """Generate up to ``n_new`` tokens per sequence after ``first`` (``out[:, 0]``), in one
     `lax.while_loop`; returns the token buffer ``(batch, slots)`` and the number of steps run."""
     TRACES["decode"] += 1
     out = jnp.zeros((first.shape[0], slots), jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, stop)
-    if callback is not None:
-        jax.debug.callback(callback, first, jnp.zeros_like(done), ordered=True)
+    if stream:
+        jax.debug.callback(_stream, jnp.int32(0), first, jnp.zeros_like(done))
 
     def cond(state):
         i, _, _, done, _ = state
@@ -143,8 +143,8 @@ def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, 
         logits, cache = jax.vmap(model.decode)(token[:, None], positions[:, None], cache)
         key, sub = _split(key)
         new = _pick(logits[:, 0], sub, temperature, top_k, top_p, greedy)
-        if callback is not None:
-            jax.debug.callback(callback, new, done, ordered=True)
+        if stream:
+            jax.debug.callback(_stream, i, new, done)
         return i + 1, out.at[:, i].set(new), cache, done | jnp.isin(new, stop), key
 
     steps, out, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, cache, done, key))
@@ -240,30 +240,46 @@ def generate(
         slots=slots, dtype=dtype, memory_kind=memory_kind, top_k=top_k, greedy=greedy,
     )  # fmt: skip
     stop = jnp.asarray(sorted({int(t) for t in stop_tokens}) or [-1], jnp.int32)
-    callback = None if on_token is None else _streamer(on_token)
-    out, steps = _decode(
-        model, cache, first, jnp.asarray(lengths), jnp.int32(max_new_tokens), stop, key, temp, p_keep,
-        slots=slots, top_k=top_k, greedy=greedy, callback=callback,
-    )  # fmt: skip
-    out = np.asarray(out)[:, : int(steps)]
+    _STREAMS.append(_Streamer(on_token))
+    try:
+        out, steps = _decode(
+            model, cache, first, jnp.asarray(lengths), jnp.int32(max_new_tokens), stop, key, temp, p_keep,
+            slots=slots, top_k=top_k, greedy=greedy, stream=on_token is not None,
+        )  # fmt: skip
+        out = np.asarray(out)[:, : int(steps)]
+        jax.effects_barrier()  # every callback has run
+    finally:
+        _STREAMS.pop()
     stops = {int(t) for t in stop_tokens}
     results = [jnp.asarray(_cut(out[b], stops)) for b in range(len(prompts))]
     return results[0] if single else results
 
 
-class _streamer:
-    """Calls ``on_token`` with the first row's token until that row is done (hashable by the
-    function it wraps, so that the decode program is reused)."""
+class _Streamer:
+    """Calls ``on_token`` with the first row's tokens in order until that row is done. The
+    callbacks are unordered (ordered effects do not combine with host-resident arguments), so
+    each carries its step and tokens are held until those before them have come."""
 
     def __init__(self, on_token):
         self.on_token = on_token
+        self.pending: dict[int, tuple[int, bool]] = {}
+        self.next = 0
 
-    def __call__(self, tokens, done):
-        if not bool(np.asarray(done)[0]):
-            self.on_token(int(np.asarray(tokens)[0]))
+    def __call__(self, step, tokens, done):
+        if self.on_token is None:
+            return
+        self.pending[int(step)] = (int(np.asarray(tokens)[0]), bool(np.asarray(done)[0]))
+        while self.next in self.pending:
+            token, finished = self.pending.pop(self.next)
+            self.next += 1
+            if not finished:
+                self.on_token(token)
 
-    def __hash__(self):
-        return hash(self.on_token)
 
-    def __eq__(self, other):
-        return isinstance(other, _streamer) and other.on_token == self.on_token
+#: The streamers of the `generate` calls in progress (the innermost last); the compiled decode
+#: program calls :func:`_stream`, which forwards to the current one.
+_STREAMS: list[_Streamer] = []
+
+
+def _stream(step, tokens, done):
+    _STREAMS[-1](step, tokens, done)

@@ -6,7 +6,6 @@ import math
 import os
 import pathlib
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,26 +195,12 @@ def process_rows(batch: int) -> slice:
 
 
 def sample(model, prompt_ids, n_new: int, key, *, n_samples: int = 3, temperature: float = 0.8):
-    """``n_samples`` continuations of ``prompt_ids`` (each step reruns the window: simple, not fast)."""
-    seq = model.config.max_seq_len
-    prompt = [int(t) for t in prompt_ids][-(seq - 1) :]
-    tokens = np.zeros((n_samples, seq), np.int32)
-    tokens[:, : len(prompt)] = prompt
-
-    @eqx.filter_jit
-    def next_tokens(m, window, length, key):
-        logits = jax.vmap(lambda w: jnp.take(m(w), length - 1, axis=0))(window).astype(jnp.float32)
-        return jax.random.categorical(key, logits / temperature, axis=-1)
-
-    out = []
-    length = len(prompt)
-    for _ in range(n_new):
-        key, sub = jax.random.split(key)
-        new = np.asarray(next_tokens(model, jnp.asarray(tokens), jnp.int32(length), sub))
-        out.append(new)
-        if length < seq:
-            tokens[:, length] = new
-            length += 1
-        else:  # slide the window
-            tokens = np.concatenate([tokens[:, 1:], new[:, None]], axis=1)
-    return np.stack(out, axis=1)
+    """``n_samples`` continuations of ``prompt_ids`` by :func:`zoo.generate` (a KV cache): the
+    prompt's last tokens and as many new ones as the model's positions hold."""
+    limit = model.config.max_seq_len
+    prompt = np.asarray(prompt_ids, np.int32)[-(limit - 1) :]
+    if prompt.size == 0:
+        prompt = np.zeros((1,), np.int32)
+    n_new = min(n_new, limit - prompt.size)
+    prompts = [jnp.asarray(prompt)] * n_samples
+    return zoo.generate(model, prompts, max_new_tokens=n_new, key=key, temperature=temperature)

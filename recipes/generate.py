@@ -1,0 +1,126 @@
+"""Generate text from a model with a KV cache (``zoo.generate``), streaming it to stdout.
+
+    python -m recipes.generate --model path/to/hf_checkpoint --prompt "Once upon a time" --max-new-tokens 50
+    python -m recipes.generate --model runs/llama-tiny-20261202-120000 --prompt "def main(" --temperature 0.8
+    python -m recipes.generate --model path/to/hf_checkpoint --prompt "..." --offload params \
+        --cache-memory-kind pinned_host
+
+``--model`` is a Hugging Face checkpoint directory (its ``tokenizer.json`` decodes the text) or a
+``train_lm`` run directory (its last intact checkpoint, or ``--step``). ``--offload params`` keeps
+the layer weights in host memory and streams them to the device one layer at a time;
+``--cache-memory-kind pinned_host`` does the same for the KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import checkpointing
+import transforms
+import zoo
+from recipes._lm.data import HFTokenizer
+from recipes._lm.run_setup import is_hf_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--model", required=True, help="a Hugging Face checkpoint directory or a train_lm run directory")
+    a("--prompt", required=True, help="the text to continue")
+    a("--max-new-tokens", type=int, default=100)
+    a("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    a("--top-k", type=int, default=None)
+    a("--top-p", type=float, default=None)
+    a("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
+    a("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest intact one)")
+    a("--dtype", default=None, help="parameter dtype of a Hugging Face model (default: the checkpoint's)")
+    a("--offload", default="", choices=["", "params"], help="'params': layer weights stream from host memory")
+    a("--cache-memory-kind", default=None, help="'pinned_host' keeps the KV cache in host memory")
+    a("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-sequence token")
+    return p
+
+
+def load(source: str, *, step: int | None, dtype: str | None):
+    """``(model, tokenizer, eos_id)`` of a Hugging Face directory or a ``train_lm`` run directory."""
+    path = pathlib.Path(source)
+    if is_hf_dir(source):
+        try:
+            model = zoo.load_hf(source, dtype=dtype)
+        except (ValueError, FileNotFoundError) as err:
+            raise SystemExit(f"--model {source}: {err}") from None
+        if not (path / "tokenizer.json").is_file():
+            raise SystemExit(f"--model {source}: no tokenizer.json to encode the prompt and decode the text")
+        tokenizer = HFTokenizer(source)
+        return model, tokenizer, tokenizer.eos_id
+    if (path / "checkpoints").is_dir():
+        from recipes.train_lm import Run, resume_args
+
+        run = Run(argparse.Namespace(**resume_args(source)))
+        with checkpointing.Checkpointer(path / "checkpoints") as ckpt:
+            _, state, meta = ckpt.restore(run.state(), step=step)
+        run.set_state(state, meta)
+        return run.model, run.tokenizer, getattr(run.tokenizer, "eos_id", None)
+    raise SystemExit(
+        f"--model {source}: neither a Hugging Face checkpoint (config.json) nor a train_lm run (checkpoints/)"
+    )
+
+
+class _Printer:
+    """Prints the text of the tokens generated so far as they arrive (only the new characters:
+    a token may complete a character another one began)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
+            return
+        self.out.write(text[len(self.shown) :])
+        self.out.flush()
+        self.shown = text
+
+
+def main(argv=None, *, out=None) -> dict:
+    args = build_parser().parse_args(argv)
+    out = sys.stdout if out is None else out
+    model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype)
+    if args.offload == "params":
+        model = transforms.offload_params(model)
+    prompt = tokenizer.encode(args.prompt.encode())
+    key = jax.random.key(args.seed) if args.temperature > 0 else None
+    stop = () if args.no_stop or eos is None else (eos,)
+    printer = _Printer(tokenizer, out)
+    out.write(args.prompt)
+    start = time.perf_counter()
+    try:
+        new = zoo.generate(
+            model,
+            jnp.asarray(prompt, jnp.int32),
+            max_new_tokens=args.max_new_tokens,
+            key=key,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            stop_tokens=stop,
+            cache_memory_kind=args.cache_memory_kind,
+            on_token=printer,
+        )
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"generate: {err}") from None
+    seconds = time.perf_counter() - start
+    out.write("\n")
+    ids = [int(t) for t in new]
+    print(f"[{len(ids)} tokens in {seconds:.2f} s]", file=sys.stderr)
+    return {"prompt_ids": [int(t) for t in prompt], "new_ids": ids, "text": tokenizer.decode(ids), "seconds": seconds}
+
+
+if __name__ == "__main__":
+    main()
