@@ -18,7 +18,7 @@ import transforms
 import zoo
 from zoo import _generate
 
-NEW = 6
+NEW = 32
 PROMPT = np.random.default_rng(1).integers(1, 90, 12)  # longer than the Mistral window (8)
 
 # variant -> maker of the transformers model
@@ -42,8 +42,14 @@ def test_greedy_tokens_equal_transformers(variant, tmp_path):
         ids = hf.generate(torch.tensor(PROMPT[None]), max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
     expected = ids[0, len(PROMPT) :].numpy()
     hf.save_pretrained(tmp_path)
-    ours = zoo.generate(zoo.load_hf(tmp_path), jnp.asarray(PROMPT), max_new_tokens=NEW)
-    np.testing.assert_array_equal(np.asarray(ours), expected)
+    model = zoo.load_hf(tmp_path)
+    ours = np.asarray(zoo.generate(model, jnp.asarray(PROMPT), max_new_tokens=NEW))
+    differ = np.flatnonzero(ours != expected)
+    if differ.size:  # allowed only where the two best logits tie exactly (then either is greedy)
+        i = differ[0]
+        logits = np.asarray(model(jnp.asarray(np.concatenate([PROMPT, expected[:i]]))))[-1]
+        top = np.sort(logits)[-2:]
+        assert top[0] == top[1], f"token {i}: ours {ours[i]}, transformers {expected[i]}, logits {top}"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +91,7 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(window):
     for i in range(7, 14):
         logits, cache = model.decode(tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
         steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=2e-5)
+    np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=1e-5, rtol=0)
 
 
 def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(llama):
@@ -97,6 +103,8 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(llama):
         np.testing.assert_array_equal(sampled, greedy)
     free = [zoo.generate(llama, prompt, max_new_tokens=6, temperature=5.0, key=jax.random.key(s)) for s in range(3)]
     assert any(not np.array_equal(f, greedy) for f in free)  # sampling does sample
+    again = zoo.generate(llama, prompt, max_new_tokens=6, temperature=5.0, key=jax.random.key(0))
+    np.testing.assert_array_equal(again, free[0])  # and a fixed key reproduces it
 
 
 def test_one_compilation_per_bucket(llama):
