@@ -31,7 +31,7 @@ from ._placement import on_host
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
 
-def _fetch(arrays, i):
+def fetch_layer(arrays, i):
     """Layer ``i`` of the stacked ``arrays``; host-resident leaves copied to the device."""
 
     def one(a):
@@ -100,13 +100,13 @@ def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
 
     def body(carry, i):
         h, w = carry
-        ahead = _fetch(arrays, jnp.minimum(i + 1, n_layers - 1))  # issued before layer i computes
+        ahead = fetch_layer(arrays, jnp.minimum(i + 1, n_layers - 1))  # issued before layer i computes
         if policy is None:
             return (apply(w, h, kw), ahead), None
         y, saved = _layer_vjp(apply, policy, w, h, kw)
         return (y, ahead), saved
 
-    (h, _), saved = jax.lax.scan(body, (x, _fetch(arrays, 0)), jnp.arange(n_layers))
+    (h, _), saved = jax.lax.scan(body, (x, fetch_layer(arrays, 0)), jnp.arange(n_layers))
     return h, saved
 
 
@@ -118,12 +118,12 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int):
     def body(carry, xs):
         dh, dkf, w = carry
         i, layer_saved = xs
-        behind = _fetch(arrays, jnp.maximum(i - 1, 0))  # issued before layer i is differentiated
+        behind = fetch_layer(arrays, jnp.maximum(i - 1, 0))  # issued before layer i is differentiated
         dw, dh, dk = layer_saved.vjp((_floating(w)[0], kw))(dh)
         dkf = jax.tree.map(jnp.add, dkf, dk)
         return (dh, dkf, behind), _to_host_like(dw, _floating(arrays)[0])
 
-    init = (g, jax.tree.map(jnp.zeros_like, kf), _fetch(arrays, n_layers - 1))
+    init = (g, jax.tree.map(jnp.zeros_like, kf), fetch_layer(arrays, n_layers - 1))
     (dx, dkf, _), dws = jax.lax.scan(body, init, (jnp.arange(n_layers), saved), reverse=True)
     # Integer leaves get the symbolic zero cotangent.
     zeros = lambda tree: jax.tree.map(_zero_cotangent, eqx.filter(tree, eqx.is_inexact_array, inverse=True))

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
 from ._placement import any_on_host, is_arraylike, on_host
-from ._prefetch import prefetched_scan
+from ._prefetch import fetch_layer, prefetched_scan
 from ._remat import Remat
 
 
@@ -187,23 +187,35 @@ class Stack(AxisNamed):
         ``decode(x, cache, **kwargs) -> (x, cache)``. Returns ``(x, cache)``.
 
         Host-resident weights (:func:`transforms.offload_params`) are copied to the device one
-        layer at a time, at their use; so are host-resident caches, whose updated layer goes back
-        to host memory."""
+        layer at a time, the next layer's copy issued while a layer computes; host-resident caches
+        are copied in per layer too, and each updated layer goes back to host memory."""
         arrays, static = eqx.partition(self.layers, eqx.is_array)
         homes = jax.tree.map(on_host, cache)
 
-        def body(h, xs):
-            layer_arrays, layer_cache = xs
+        def run(h, layer_arrays, layer_cache):
             layer = eqx.combine(layer_arrays, static)
             layer_cache = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, layer_cache, homes)
             with jax.named_scope("layer"):
                 h, layer_cache = layer.decode(h, layer_cache, **kwargs)
             return h, jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, layer_cache, homes)
 
-        if self.n_layers > 1:
-            return jax.lax.scan(body, x, (arrays, cache))
-        x, layer_cache = body(x, jax.tree.map(lambda a: a[0], (arrays, cache)))
-        return x, jax.tree.map(lambda a: a[None], layer_cache)
+        if self.n_layers == 1:
+            x, layer_cache = run(x, *jax.tree.map(lambda a: a[0], (arrays, cache)))
+            return x, jax.tree.map(lambda a: a[None], layer_cache)
+        if not any_on_host(arrays):
+            return jax.lax.scan(lambda h, xs: run(h, *xs), x, (arrays, cache))
+
+        # Host-resident weights: iteration i issues the copy of layer i + 1 before computing
+        # layer i with the copy carried in, so the copy overlaps the compute.
+        def prefetching(carry, layer_cache):
+            h, current, i = carry
+            upcoming = fetch_layer(arrays, jnp.minimum(i + 1, self.n_layers - 1))
+            h, layer_cache = run(h, current, layer_cache)
+            return (h, upcoming, i + 1), layer_cache
+
+        start = (x, fetch_layer(arrays, 0), jnp.int32(0))
+        (x, _, _), cache = jax.lax.scan(prefetching, start, cache)
+        return x, cache
 
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
