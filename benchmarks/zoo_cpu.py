@@ -1,21 +1,23 @@
-"""CPU benchmark of the zoo: compile time versus depth, and training throughput against PyTorch.
+"""CPU benchmark of the zoo: training throughput against a minimal JAX step and PyTorch, memory of
+long-context training, and (optionally) compile time versus depth.
 
-Two measurements, both on the CPU this runs on:
+Three measurements, on the CPU this runs on:
 
-1. **Compile time** of a jitted AdamW train step (``value_and_grad`` of :func:`zoo.lm_loss`
-   plus an ``optax.adamw`` update) for the GPT-2 124M width at several depths, with the layers
-   scanned (``scan_layers=True``, the default) and unrolled in a Python loop
-   (``scan_layers=False``). Tracing + lowering and XLA compilation are timed separately. The
-   model is abstract (``zoo.abstract_model``), so no parameters are allocated.
-2. **Training throughput** (tokens/s, float32, full step: forward, loss, backward, AdamW) of
-   GPT-2 124M and a ~125M Llama-shaped model (``LlamaConfig.preset("small")``, GQA), side by
-   side with the Hugging Face ``transformers`` PyTorch implementation of the same config,
-   trained with ``torch.optim.AdamW`` (same hyperparameters as ``optax.adamw``). Both
-   frameworks use every usable core. The zoo and torch steps are interleaved (zoo, torch, zoo,
-   ...) after the warm-up, so that other load on the machine slows both alike; tokens/s is
-   computed from the median step time. The 1-minute load average is recorded: on a shared
-   machine, numbers taken under load are noisy (torch's OpenMP threads suffer most from it).
-   ``taskset -c 0 python benchmarks/zoo_cpu.py ...`` gives a one-core comparison.
+1. **Training throughput** (tokens/s, float32, full step: forward, loss, backward, AdamW) of one
+   Llama-shaped config (default: d_model 512, 4 layers, 8 heads (4 key/value heads), d_ff 1536,
+   vocab 8192, batch 8 x 256), three ways side by side: the zoo (``value_and_grad`` of
+   :func:`zoo.lm_loss` + ``optax.adamw``), the hand-written pure-JAX step of the same math in
+   ``benchmarks/minimal_step.py`` (same initial weights, same optimizer), and Hugging Face
+   ``transformers`` on PyTorch (``LlamaForCausalLM`` + ``torch.optim.AdamW``, same
+   hyperparameters). After the warm-up the three take turns step by step (zoo, minimal, torch,
+   zoo, ...), so that other load on the machine slows all alike; tokens/s is computed from the
+   median step time, and the process CPU time per step is recorded too (less sensitive to load).
+2. **Memory** (compiled memory analysis, nothing run): the temporaries of ``value_and_grad`` of
+   :func:`zoo.lm_loss` for a 1-layer Llama of the 1B width at vocab 131072 and seq 8192, with the
+   whole logits or the chunked loss, and ``"xla"`` or ``"blockwise"`` attention, as a multiple of
+   the float32 logits ``(seq, vocab)``.
+3. **Compile time** (``--compile-study``): a jitted AdamW train step for the GPT-2 124M width at
+   several depths, layers scanned and unrolled.
 
 Results are printed as a table and written to ``benchmarks/results/zoo_cpu.json`` and
 ``benchmarks/results/zoo_cpu.md`` (``zoo_cpu_quick.*`` with ``--quick``).
@@ -24,9 +26,9 @@ Requirements (beyond the zoo's own): ``torch`` (a CPU build) and ``transformers`
 
 Usage::
 
-    .venv/bin/python benchmarks/zoo_cpu.py            # full run (10-25 min on 2 cores)
-    .venv/bin/python benchmarks/zoo_cpu.py --quick    # tiny sizes, a ~1 minute smoke test
-    .venv/bin/python benchmarks/zoo_cpu.py --skip-compile --steps 5 --batch 4 --seq 512
+    .venv/bin/python -m benchmarks.zoo_cpu                  # throughput + memory (~8 min on 2 cores)
+    .venv/bin/python -m benchmarks.zoo_cpu --quick          # tiny sizes, a smoke test
+    .venv/bin/python -m benchmarks.zoo_cpu --compile-study  # also the compile-time study (+15 min)
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ import numpy as np
 import optax
 
 import zoo
+
+try:
+    from benchmarks import minimal_step
+except ImportError:  # run as a script: benchmarks/ itself is on the path
+    import minimal_step
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -129,6 +136,25 @@ class ZooTrainer:
     def step(self) -> float:
         self.params, self.opt_state, loss = self._step(self.params, self.opt_state, self.tokens)
         return float(loss)  # blocks until the step is done
+
+
+class MinimalTrainer:
+    """``benchmarks/minimal_step.py``'s train step from the zoo model's initial weights."""
+
+    def __init__(self, cfg: zoo.LlamaConfig, tokens: np.ndarray):
+        optimizer = make_optimizer()
+        self.params = jax.tree.map(jnp.copy, minimal_step.init_params(cfg, key=jax.random.key(0)))
+        self.n_params = count_params(self.params)
+        self.opt_state = optimizer.init(self.params)
+        self.tokens = jnp.asarray(tokens)
+        t0 = time.perf_counter()
+        step = minimal_step.make_train_step(cfg, optimizer)
+        self._step = step.lower(self.params, self.opt_state, self.tokens).compile()
+        self.compile_s = time.perf_counter() - t0
+
+    def step(self) -> float:
+        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, self.tokens)
+        return float(loss)
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,63 +329,104 @@ def run_compile_study(args) -> dict:
     }
 
 
+def bench_config(args) -> zoo.LlamaConfig:
+    """The throughput study's Llama config (plain: no rope scaling, untied head)."""
+    return zoo.LlamaConfig.preset(
+        "small",
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        d_ff=args.d_ff,
+        max_seq_len=args.seq,
+    )
+
+
 def run_throughput_study(args) -> dict:
     import torch
 
     torch.set_num_threads(usable_cores())  # XLA's thread pool also uses every usable core
-    models = {
-        "gpt2": zoo.GPT2Config.preset(args.gpt2_preset),
-        "llama": zoo.LlamaConfig.preset(args.llama_preset),
-    }
+    cfg = bench_config(args)
     print(
-        f"\n== Training throughput: float32, batch {args.batch} x seq {args.seq}, "
-        f"{args.warmup} warm-up + {args.steps} timed steps, zoo and torch steps interleaved"
+        f"\n== Training throughput: Llama d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
+        f"({cfg.n_kv_heads} kv), d_ff {cfg.d_ff}, vocab {cfg.vocab_size}; float32 AdamW, batch {args.batch} x seq "
+        f"{args.seq}; {args.warmup} warm-up + {args.steps} timed rounds of zoo, minimal JAX, torch in turn"
     )
-    rng = np.random.default_rng(0)
-    results = {}
-    for name, cfg in models.items():
-        tokens = rng.integers(0, cfg.vocab_size, size=(args.batch, args.seq + 1), dtype=np.int32)
-        load_before = os.getloadavg()[0]
-        zoo_t, torch_t = ZooTrainer(cfg, tokens), TorchTrainer(cfg, tokens)
-        zoo_r, torch_r = (_summary(r, tokens) for r in time_interleaved([zoo_t, torch_t], args.steps, args.warmup))
-        zoo_r["compile_s"] = zoo_t.compile_s
-        torch_r["attn_implementation"] = torch_t.attn_implementation
-        del zoo_t, torch_t
-        gc.collect()
-        r = results[name] = {
-            "preset": args.gpt2_preset if name == "gpt2" else args.llama_preset,
-            "config": cfg.to_dict(),
-            "n_params_config": cfg.n_params(),
-            "ln_vocab": math.log(cfg.vocab_size),
-            "zoo": zoo_r,
-            "torch": torch_r,
-            "ratio_zoo_over_torch": zoo_r["tokens_per_s"] / torch_r["tokens_per_s"],
-            "ratio_zoo_over_torch_best": zoo_r["tokens_per_s_best"] / torch_r["tokens_per_s_best"],
-            "ratio_zoo_over_torch_per_cpu_s": zoo_r["tokens_per_cpu_s"] / torch_r["tokens_per_cpu_s"],
-            "params_match": zoo_r["n_params"] == torch_r["n_params"] == cfg.n_params(),
-            "loadavg_1min": [load_before, os.getloadavg()[0]],
-        }
-        print(
-            f"  {name:6} params zoo {zoo_r['n_params']:,} / torch {torch_r['n_params']:,}"
-            f" ({'match' if r['params_match'] else 'MISMATCH'});"
-            f" init loss zoo {zoo_r['loss_init']:.3f} / torch {torch_r['loss_init']:.3f}"
-            f" (ln V = {r['ln_vocab']:.3f})"
-        )
-        for fw, fr in (("zoo", zoo_r), ("torch", torch_r)):
-            print(f"         {fw:5} step times (s): " + " ".join(f"{t:.2f}" for t in fr["step_times_s"]))
-        print(
-            f"         zoo {zoo_r['tokens_per_s']:8.1f} tok/s (compile {zoo_r['compile_s']:.1f} s)   "
-            f"torch {torch_r['tokens_per_s']:8.1f} tok/s   zoo/torch {r['ratio_zoo_over_torch']:.2f}"
-            f"   (load avg {load_before:.1f} -> {r['loadavg_1min'][1]:.1f})"
-        )
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(args.batch, args.seq + 1), dtype=np.int32)
+    load_before = os.getloadavg()[0]
+    trainers = {
+        "zoo": ZooTrainer(cfg, tokens),
+        "minimal": MinimalTrainer(cfg, tokens),
+        "torch": TorchTrainer(cfg, tokens),
+    }
+    runs = time_interleaved(list(trainers.values()), args.steps, args.warmup)
+    results = {name: _summary(r, tokens) for name, r in zip(trainers, runs, strict=True)}
+    for name in ("zoo", "minimal"):
+        results[name]["compile_s"] = trainers[name].compile_s
+    results["torch"]["attn_implementation"] = trainers["torch"].attn_implementation
+    del trainers
+    gc.collect()
+    z, m, t = results["zoo"], results["minimal"], results["torch"]
+    ratios = {
+        "zoo_step_over_minimal_step": z["step_s_median"] / m["step_s_median"],
+        "zoo_step_over_minimal_step_cpu_s": statistics.median(z["step_cpu_s"]) / statistics.median(m["step_cpu_s"]),
+        "zoo_step_over_minimal_step_fastest": z["step_s_min"] / m["step_s_min"],
+        "zoo_over_torch_tokens_per_s": z["tokens_per_s"] / t["tokens_per_s"],
+        "zoo_over_torch_tokens_per_s_fastest": z["tokens_per_s_best"] / t["tokens_per_s_best"],
+        "minimal_over_torch_tokens_per_s": m["tokens_per_s"] / t["tokens_per_s"],
+    }
+    for name, r in results.items():
+        print(f"  {name:8} step times (s): " + " ".join(f"{x:.2f}" for x in r["step_times_s"]))
+    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     return {
+        "config": cfg.to_dict(),
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
         "warmup": args.warmup,
         "torch_threads": torch.get_num_threads(),
         "tokens_per_s": "batch * seq / median step time",
-        "models": results,
+        "params_match": z["n_params"] == m["n_params"] == t["n_params"] == cfg.n_params(),
+        "ln_vocab": math.log(cfg.vocab_size),
+        "loadavg_1min": [load_before, os.getloadavg()[0]],
+        "results": results,
+        "ratios": ratios,
+    }
+
+
+def run_memory_study(args) -> dict:
+    """Compiled temporaries of value_and_grad(lm_loss) for a 1-layer Llama (1B width) at long context."""
+    seq, vocab = args.memory_seq, args.memory_vocab
+    print(f"\n== Memory: value_and_grad(lm_loss), 1-layer Llama 1B width, vocab {vocab}, batch 1 x seq {seq}")
+    logits = 4 * seq * vocab
+    rows = []
+    for attention, chunk in (("xla", 0), ("blockwise", 0), ("xla", 1024), ("blockwise", 1024), ("blockwise", 256)):
+        cfg = zoo.LlamaConfig.preset("1b", n_layers=1, vocab_size=vocab, max_seq_len=seq, attention=attention)
+        params, static = eqx.partition(zoo.abstract_model(cfg), _is_leaf_array)
+
+        def grad(p, t, static=static, chunk=chunk):
+            return jax.value_and_grad(lambda p: zoo.lm_loss(eqx.combine(p, static), t, chunk=chunk))(p)
+
+        tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
+        memory = jax.jit(grad).lower(params, tokens).compile().memory_analysis()
+        row = {
+            "attention": attention,
+            "loss_chunk": chunk,
+            "temp_bytes": memory.temp_size_in_bytes,
+            "temp_over_logits": memory.temp_size_in_bytes / logits,
+        }
+        print(f"  attention {attention:9} loss_chunk {chunk:5}: temporaries {row['temp_bytes'] / 2**30:6.2f} GiB"
+              f" = {row['temp_over_logits']:.2f} x the fp32 logits")  # fmt: skip
+        rows.append(row)
+    head = 4 * cfg.d_model * vocab
+    return {
+        "seq": seq,
+        "vocab": vocab,
+        "d_model": cfg.d_model,
+        "logits_bytes": logits,
+        "head_bytes": head,
+        "rows": rows,
     }
 
 
@@ -438,30 +505,57 @@ def markdown(report: dict) -> str:
         lines += ["", "Ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in c["ratios"].items()), ""]
     if "throughput" in report:
         t = report["throughput"]
+        c, r = t["config"], t["results"]
         lines += [
-            f"### Training throughput (float32, AdamW, batch {t['batch']} x seq {t['seq']}, "
-            f"median of {t['steps']} timed steps, zoo and torch steps interleaved)",
+            f"### Training throughput (Llama d_model {c['d_model']}, {c['n_layers']} layers, {c['n_heads']} heads "
+            f"({c['n_kv_heads']} kv), d_ff {c['d_ff']}, vocab {c['vocab_size']}; float32, AdamW, batch {t['batch']} "
+            f"x seq {t['seq']}; median of {t['steps']} rounds, the three steps in turn)",
             "",
-            "| model | params (zoo = HF) | zoo tok/s | torch tok/s | zoo / torch | best-step ratio "
-            "| ratio per CPU-s | init loss zoo / torch (ln V) |",
-            "|:---|---:|---:|---:|---:|---:|---:|:---|",
+            "| step | tok/s (median step) | median step (s) | fastest step (s) | CPU s per step "
+            "| step time / minimal's: median, fastest, CPU s | tok/s / torch's: median, fastest | init loss |",
+            "|:---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for name, r in t["models"].items():
-            z, tr = r["zoo"], r["torch"]
-            params = f"{z['n_params'] / 1e6:.1f}M" + ("" if r["params_match"] else f" / {tr['n_params'] / 1e6:.1f}M")
+        names = {"zoo": "zoo (`zoo.lm_loss`)", "minimal": "minimal JAX (`benchmarks/minimal_step.py`)"}
+        names["torch"] = "transformers + torch"
+        m, tr = r["minimal"], r["torch"]
+        for name, x in r.items():
             lines.append(
-                f"| {name} {r['preset']} | {params} | {z['tokens_per_s']:.0f} | {tr['tokens_per_s']:.0f} "
-                f"| {r['ratio_zoo_over_torch']:.2f} | {r['ratio_zoo_over_torch_best']:.2f} "
-                f"| {z['tokens_per_cpu_s'] / tr['tokens_per_cpu_s']:.2f} "
-                f"| {z['loss_init']:.3f} / {tr['loss_init']:.3f} ({r['ln_vocab']:.3f}) |"
+                f"| {names[name]} | {x['tokens_per_s']:.0f} | {x['step_s_median']:.2f} | {x['step_s_min']:.2f} "
+                f"| {statistics.median(x['step_cpu_s']):.2f} "
+                f"| {x['step_s_median'] / m['step_s_median']:.2f}, {x['step_s_min'] / m['step_s_min']:.2f}, "
+                f"{statistics.median(x['step_cpu_s']) / statistics.median(m['step_cpu_s']):.2f} "
+                f"| {x['tokens_per_s'] / tr['tokens_per_s']:.2f}, "
+                f"{x['tokens_per_s_best'] / tr['tokens_per_s_best']:.2f} "
+                f"| {x['loss_init']:.3f} |"
             )
-        loads = [x for r in t["models"].values() for x in r["loadavg_1min"]]
         lines += [
             "",
-            f"{t['torch_threads']} torch threads, XLA's default thread pool. "
-            f"1-minute load average during the runs: {min(loads):.1f} to {max(loads):.1f}. "
-            "Best-step ratio: from each framework's fastest step. Ratio per CPU-s: tokens per second of "
-            "process CPU time (user + system), less sensitive to other load (but spinning threads count).",
+            f"Parameters {r['zoo']['n_params']:,} ({'equal in all three' if t['params_match'] else 'MISMATCH'}); "
+            f"ln V = {t['ln_vocab']:.3f}. {t['torch_threads']} torch threads, XLA's default thread pool; "
+            f"1-minute load average {t['loadavg_1min'][0]:.1f} before, {t['loadavg_1min'][1]:.1f} after. "
+            "On a shared machine other load lands on some rounds and not others: the fastest-step ratios "
+            "and the CPU seconds per step are the steadier comparisons.",
+            "",
+        ]
+    if "memory" in report:
+        m = report["memory"]
+        lines += [
+            f"### Long-context memory (compiled, CPU): value_and_grad(lm_loss), 1-layer Llama, d_model "
+            f"{m['d_model']}, vocab {m['vocab']}, batch 1 x seq {m['seq']}",
+            "",
+            "| attention | loss_chunk | temporaries (GiB) | x fp32 logits |",
+            "|:---|---:|---:|---:|",
+        ]
+        for row in m["rows"]:
+            lines.append(
+                f"| {row['attention']} | {row['loss_chunk'] or 'whole'} | {row['temp_bytes'] / 2**30:.2f} "
+                f"| {row['temp_over_logits']:.2f} |"
+            )
+        lines += [
+            "",
+            f"fp32 logits: {m['logits_bytes'] / 2**30:.1f} GiB. The chunked loss still holds the head's gradient "
+            f"({m['head_bytes'] / 2**30:.2f} GiB, d_model / seq = {m['head_bytes'] / m['logits_bytes']:.2f} x the "
+            "logits) and the layer's own activations.",
             "",
         ]
     return "\n".join(lines)
@@ -474,13 +568,20 @@ def _cores(env: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a ~1 minute smoke test")
-    p.add_argument("--steps", type=int, default=3, help="timed train steps per model (default 3)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation (default 2)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    p.add_argument("--steps", type=int, default=8, help="timed rounds (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after compilation (default 2)")
     p.add_argument("--batch", type=int, default=8, help="throughput batch size (default 8)")
     p.add_argument("--seq", type=int, default=256, help="throughput sequence length (default 256)")
-    p.add_argument("--gpt2-preset", default="124m")
-    p.add_argument("--llama-preset", default="small")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-kv-heads", type=int, default=4)
+    p.add_argument("--d-ff", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--memory-seq", type=int, default=8192, help="memory study sequence length (default 8192)")
+    p.add_argument("--memory-vocab", type=int, default=131072, help="memory study vocabulary (default 131072)")
+    p.add_argument("--compile-study", action="store_true", help="also run the compile-time study (slow)")
     p.add_argument("--compile-preset", default="124m", help="GPT-2 preset whose width the compile study uses")
     p.add_argument("--compile-batch", type=int, default=1)
     p.add_argument("--compile-seq", type=int, default=64)
@@ -492,13 +593,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=300.0,
         help="skip a loop-mode depth whose compile is predicted (quadratically) to take longer (default 300)",
     )
-    p.add_argument("--skip-compile", action="store_true", help="skip the compile-time study")
+    p.add_argument("--skip-memory", action="store_true", help="skip the memory study")
     p.add_argument("--skip-throughput", action="store_true", help="skip the throughput study")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for zoo_cpu.json and zoo_cpu.md")
     args = p.parse_args(argv)
     if args.quick:
-        args.gpt2_preset = args.llama_preset = args.compile_preset = "tiny"
+        args.compile_preset = "tiny"
         args.batch, args.seq, args.steps, args.warmup = 2, 32, 2, 1
+        args.d_model, args.n_layers, args.n_heads, args.n_kv_heads, args.d_ff, args.vocab = 64, 2, 4, 2, 192, 256
+        args.memory_seq, args.memory_vocab = 512, 4096
         args.compile_seq = 32
         args.scan_layers, args.loop_layers = [2, 4, 8], [2, 4]
     return args
@@ -517,10 +620,12 @@ def main(argv=None) -> None:
         f"jax {env['jax']} {env['jax_devices']}, torch {env.get('torch', '-')}, "
         f"transformers {env.get('transformers', '-')}"
     )
-    if not args.skip_compile:
-        report["compile"] = run_compile_study(args)
     if not args.skip_throughput:
         report["throughput"] = run_throughput_study(args)
+    if not args.skip_memory:
+        report["memory"] = run_memory_study(args)
+    if args.compile_study:
+        report["compile"] = run_compile_study(args)
 
     md = markdown(report)
     print("\n" + md)

@@ -80,14 +80,18 @@ def test_bad_arguments_are_clear_errors():
     q, k, v = qkv(3, 3, 4, 2)
     with pytest.raises(ValueError, match="both q_pos and k_pos"):
         nn.attend(q, k, v, q_pos=jnp.arange(3))
-    with pytest.raises(ValueError, match=r"unknown attention implementation 'flash'; choose one of \['xla'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown attention implementation 'flash'; choose one of \['xla', 'cudnn', 'blockwise'\]"
+    ):
         nn.attend(q, k, v, implementation="flash")
 
 
 def test_a_config_with_an_unknown_attention_implementation_is_refused():
     import zoo
 
-    with pytest.raises(ValueError, match=r"LlamaConfig.attention must be one of \['xla'\], got 'flash'"):
+    with pytest.raises(
+        ValueError, match=r"LlamaConfig.attention must be one of \['xla', 'cudnn', 'blockwise'\], got 'flash'"
+    ):
         zoo.LlamaConfig.preset("tiny", attention="flash")
     cfg = zoo.GPT2Config.preset("tiny", attention="xla")
     assert type(cfg).from_dict(cfg.to_dict()) == cfg

@@ -54,7 +54,9 @@ def test_offloaded_training_matches_plain():
     assert losses[1] < losses[0]
     for a, b in zip(_floats(trained), _floats(plain), strict=True):
         assert a.sharding.memory_kind == "pinned_host"
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        # 1e-5 is a thousandth of one AdamW step (lr 1e-2): float32 rounding in another order, which
+        # Adam's normalisation enlarges where a gradient is near zero, stays far below it.
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     kinds = trained.stack.layers.attn.kind
     assert kinds is None  # the tiny Qwen3-MoE has one attention kind: no per-layer leaf
 

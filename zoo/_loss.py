@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Num
 
+from .nn._linear import folded_batch
 from .nn._placement import on_host
 
 
@@ -81,7 +82,8 @@ def lm_loss(
     if mask is not None and mask.shape != targets.shape:
         raise ValueError(f"mask {mask.shape} must have the shape of targets {targets.shape}")
     if not chunk or chunk >= targets.size:
-        logits = jax.vmap(model)(inputs)
+        with folded_batch():  # the vmap below comes before any differentiation
+            logits = jax.vmap(model)(inputs)
         with jax.named_scope("loss"):
             return cross_entropy(logits, targets, mask)
     for name in ("hidden", "head"):
@@ -90,7 +92,8 @@ def lm_loss(
                 f"lm_loss(chunk={chunk}) needs a model with hidden(tokens) and head(x); "
                 f"{type(model).__name__} has no {name}(); use chunk=0"
             )
-    x = jax.vmap(model.hidden)(inputs)  # (batch, seq, d)
+    with folded_batch():
+        x = jax.vmap(model.hidden)(inputs)  # (batch, seq, d)
     with jax.named_scope("loss"):
         return chunked_cross_entropy(model.head, x, targets, mask, chunk=chunk)
 

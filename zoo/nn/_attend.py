@@ -5,6 +5,17 @@ the same sequence) and for decoding with a KV cache (queries at some positions, 
 some cache slots empty). Which keys a query sees is decided from positions only: key ``j`` is
 visible to query ``i`` when ``k_pos[j] <= q_pos[i]``, ``q_pos[i] - k_pos[j] < window`` (with a
 sliding window) and ``k_pos[j] >= 0`` (a negative position marks an empty cache slot).
+
+Three implementations compute the same thing (:data:`IMPLEMENTATIONS`):
+
+- ``"xla"``: the scores written out whole, ``(queries, keys)`` per head, through
+  `jax.nn.dot_product_attention` (or an explicit softmax where it cannot express the mask).
+- ``"cudnn"``: NVIDIA's fused attention kernel, through ``jax.nn.dot_product_attention(...,
+  implementation="cudnn")``: GPU only, bfloat16 or float16, head widths a multiple of 8 up to
+  128 (256 from Hopper on), no soft-capping.
+- ``"blockwise"``: the keys ``block`` at a time with an online softmax, in plain JAX on every
+  backend, forward and backward in memory that grows with ``queries x block``, not with
+  ``queries x keys`` (``zoo/nn/_attend_blockwise.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +24,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-#: Attention implementations a config may select.
-IMPLEMENTATIONS = ("xla",)
+from ._attend_blockwise import blockwise_attend
+
+#: Attention implementations a config may select (see :func:`zoo.nn.attend`).
+IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
+
+#: Keys per block of the ``"blockwise"`` implementation, unless a caller says otherwise.
+DEFAULT_BLOCK = 512
+
+_CUDNN_DTYPES = ("bfloat16", "float16")
+_CUDNN_MAX_HEAD_DIM = 256  # on Hopper and later; JAX itself refuses more than 128 before them
 
 
 def check_implementation(name: str) -> str:
@@ -24,7 +43,7 @@ def check_implementation(name: str) -> str:
     return name
 
 
-def visible(q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], window: int | None) -> jax.Array:
+def visible(q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], window: int | Int[Array, ""] | None) -> jax.Array:
     """``(q, k)`` booleans: which keys each query attends to (causal, windowed, non-empty slots)."""
     diff = q_pos[:, None] - k_pos[None, :]
     ok = (diff >= 0) & (k_pos[None, :] >= 0)
@@ -40,10 +59,11 @@ def attend(
     *,
     q_pos: Int[Array, " q"] | None = None,
     k_pos: Int[Array, " k"] | None = None,
-    window: int | None = None,
+    window: int | Int[Array, ""] | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     implementation: str = "xla",
+    block: int = DEFAULT_BLOCK,
 ) -> Float[Array, "q heads dim"]:
     """Causal grouped-query attention of ``q`` over ``k``, ``v``.
 
@@ -58,7 +78,11 @@ def attend(
     - `window`: sliding window: a query sees itself and the ``window - 1`` keys before it.
     - `softcap`: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
     - `scale`: score scale (default ``dim ** -0.5``).
-    - `implementation`: ``"xla"`` (see :data:`IMPLEMENTATIONS`).
+    - `implementation`: ``"xla"``, ``"cudnn"`` or ``"blockwise"`` (see the module docstring);
+      ``"cudnn"`` raises a `ValueError` naming what it cannot do here (platform, dtype, head
+      width, soft-capping). It computes self-attention only: with positions (decoding over a
+      cache) the ``"xla"`` form is used.
+    - `block`: keys per block of the ``"blockwise"`` implementation.
 
     **Returns:** ``(q, heads, dim)`` in the dtype of ``q``.
 
@@ -69,6 +93,7 @@ def attend(
     from zoo.nn import attend
     q = jnp.ones((5, 4, 8)); kv = jnp.ones((5, 2, 8))
     out = attend(q, kv, kv, window=3)    # (5, 4, 8)
+    same = attend(q, kv, kv, window=3, implementation="blockwise", block=2)
     ```
     """
     check_implementation(implementation)
@@ -77,16 +102,47 @@ def attend(
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:
         raise ValueError(f"attend: {heads} query heads do not divide into {kv_heads} key/value heads")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"attend: block must be a positive int, got {block!r}")
     dim = q.shape[-1]
     scale = dim**-0.5 if scale is None else scale
+    if implementation == "blockwise":
+        if q_pos is None:
+            q_pos = k_pos = jnp.arange(q.shape[0], dtype=jnp.int32)
+        return blockwise_attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale, block=block)
+    local = None if window is None else (window - 1, 0)
+    if implementation == "cudnn" and q_pos is None:
+        _check_cudnn(q, softcap)
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
+        )
     if q_pos is None and softcap is None:
         # Same sequence, no soft-capping: XLA's fused-pattern attention (the form every
         # transform and the planner's byte model are calibrated against).
-        local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=local)
     if q_pos is None:
         q_pos = k_pos = jnp.arange(q.shape[0], dtype=jnp.int32)
     return _explicit(q, k, v, visible(q_pos, k_pos, window), softcap=softcap, scale=scale)
+
+
+def _check_cudnn(q, softcap) -> None:
+    """A `ValueError` naming what the cuDNN kernel cannot do with these inputs on this platform."""
+    platform = jax.default_backend()
+    problems = []
+    if platform != "gpu":
+        problems.append(f"it runs on NVIDIA GPUs, and this platform is {platform!r}")
+    if q.dtype.name not in _CUDNN_DTYPES:
+        problems.append(f"it takes {' or '.join(_CUDNN_DTYPES)}, and the queries are {q.dtype.name}")
+    if q.shape[-1] > _CUDNN_MAX_HEAD_DIM or q.shape[-1] % 8:
+        problems.append(f"it takes head widths that are multiples of 8 up to {_CUDNN_MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if softcap is not None:
+        problems.append("it has no score soft-capping (softcap)")
+    if problems:
+        raise ValueError(
+            "attention implementation 'cudnn' cannot be used here: "
+            + "; ".join(problems)
+            + f". Choose one of {[i for i in IMPLEMENTATIONS if i != 'cudnn']} (they run everywhere)."
+        )
 
 
 def _explicit(q, k, v, mask, *, softcap, scale):

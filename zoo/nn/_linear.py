@@ -1,6 +1,18 @@
-"""Dense projections and token embeddings."""
+"""Dense projections and token embeddings, and the matmul they share.
+
+**Why the matmul flattens its rows.** A layer here acts on one sequence and is batched with
+`jax.vmap`, which turns ``x @ w`` into a matmul with two row axes, ``(batch, seq, in)``. Its weight
+gradient then contracts over two axes, which XLA rewrites with a transpose of the activations (on
+CPU, about a fifth of a small Llama's train step: ``benchmarks/zoo_cpu.py``). :func:`matmul`
+flattens every leading axis into one row axis, and, inside :func:`folded_batch` (which
+:func:`zoo.lm_loss` enters), lets `jax.vmap` fold its batch axis into those rows too, so every
+weight gradient is a single 2-D matmul.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import equinox as eqx
 import jax
@@ -8,8 +20,57 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._jax_compat import innermost_transform_is_vmap
 from ._axes import AxisNamed
 from ._placement import use_param
+
+_FOLD = contextvars.ContextVar("zoo_fold_batch_into_rows", default=False)
+
+
+@contextlib.contextmanager
+def folded_batch():
+    """Within this context, :func:`matmul` calls that `jax.vmap` batches fold the batch axis into
+    the matmul's rows (one 2-D matmul for the whole batch) instead of keeping it as a second row
+    axis. Values and gradients are unchanged; the weight gradients avoid a transpose.
+
+    Enter it around ``jax.vmap(model)(...)`` when that vmap is applied before any differentiation
+    of the model's layers (``grad(vmap(model))``, as :func:`zoo.lm_loss` does), since the folding is
+    a `jax.custom_batching.custom_vmap`, which JAX differentiates only once batched. Outside it,
+    the folding happens where it is known to be safe: at a call made directly under `jax.vmap`.
+    """
+    token = _FOLD.set(True)
+    try:
+        yield
+    finally:
+        _FOLD.reset(token)
+
+
+def _rows_matmul(x, w):
+    """``x @ w`` with all leading axes of ``x`` as the rows of one 2-D matmul."""
+    if x.ndim <= 2:
+        return x @ w
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+@jax.custom_batching.custom_vmap
+def _folding_matmul(x, w):
+    return _rows_matmul(x, w)
+
+
+@_folding_matmul.def_vmap
+def _fold(axis_size, in_batched, x, w):
+    x_batched, w_batched = in_batched
+    if w_batched:  # a weight per example (vmapped over the weights): a batched matmul
+        return jax.vmap(_rows_matmul, in_axes=(0 if x_batched else None, 0))(x, w), True
+    return _rows_matmul(x, w), True  # x: (batch, ..., in): the batch joins the rows
+
+
+def matmul(x: Float[Array, "*rows in"], w: Float[Array, "in out"]) -> Float[Array, "*rows out"]:
+    """``x @ w`` over the last axis of ``x``, computed as one 2-D matmul over all of its leading
+    positions (and, under `jax.vmap` where allowed, the batch's too; see :func:`folded_batch`)."""
+    if _FOLD.get() or innermost_transform_is_vmap():
+        return _folding_matmul(x, w)
+    return _rows_matmul(x, w)
 
 
 class Linear(AxisNamed):
@@ -48,7 +109,7 @@ class Linear(AxisNamed):
         self.axes = tuple(axes)
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        y = x @ use_param(self.weight, x.dtype)
+        y = matmul(x, use_param(self.weight, x.dtype))
         if self.bias is not None:
             y = y + use_param(self.bias, x.dtype).reshape((1,) * (y.ndim - 1) + self.bias.shape)
         return y
@@ -92,7 +153,7 @@ class Embedding(AxisNamed):
 
     def attend(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq num"]:
         """Project activations onto the table (a tied output head): ``x @ weight.T``."""
-        return x @ use_param(self.weight, x.dtype).T
+        return matmul(x, use_param(self.weight, x.dtype).T)
 
     def logical_axes(self) -> Embedding:
         return eqx.tree_at(lambda m: m.weight, self, P(*self.axes))

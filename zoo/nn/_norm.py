@@ -16,6 +16,12 @@ def _upcast(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def _mean_square(h):
+    """``mean(h * h)`` over the last axis. (Written as a product: the derivative of `jnp.square`
+    would keep a new ``2 * h`` array for the backward pass, where ``h * h`` keeps ``h`` itself.)"""
+    return jnp.mean(h * h, axis=-1, keepdims=True)
+
+
 def _param(p, like):
     """A ``(dim,)`` parameter, upcast and given leading unit axes to broadcast against ``like``."""
     p = use_param(p, jnp.promote_types(p.dtype, jnp.float32))
@@ -45,8 +51,9 @@ class LayerNorm(AxisNamed):
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         h = _upcast(x)
         mean = jnp.mean(h, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-        h = (h - mean) * jax.lax.rsqrt(var + self.eps) * _param(self.weight, h)
+        centered = h - mean
+        var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+        h = centered * jax.lax.rsqrt(var + self.eps) * _param(self.weight, h)
         if self.bias is not None:
             h = h + _param(self.bias, h)
         return h.astype(x.dtype)
@@ -75,7 +82,7 @@ class RMSNorm(AxisNamed):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         h = _upcast(x)
-        h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
+        h = h * jax.lax.rsqrt(_mean_square(h) + self.eps)
         return (h * _param(self.weight, h)).astype(x.dtype)
 
     def logical_axes(self) -> RMSNorm:
@@ -122,7 +129,7 @@ class OffsetRMSNorm(AxisNamed):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         h = _upcast(x)
-        h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
+        h = h * jax.lax.rsqrt(_mean_square(h) + self.eps)
         return (h * (self.offset + _param(self.weight, h))).astype(x.dtype)
 
     def logical_axes(self) -> OffsetRMSNorm:

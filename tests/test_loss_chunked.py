@@ -1,0 +1,82 @@
+"""Chunked cross-entropy: the same value and gradients as the whole loss, and memory that does not
+grow with seq x vocab."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zoo
+
+
+def _whole_and_chunked(x, w, t, mask, chunk):
+    def whole(x, w):
+        return zoo.cross_entropy(x @ w, t, mask)
+
+    def chunked(x, w):
+        return zoo.chunked_cross_entropy(lambda h: h @ w, x, t, mask, chunk=chunk)
+
+    return [jax.jit(jax.value_and_grad(f, (0, 1)))(x, w) for f in (whole, chunked)]
+
+
+@pytest.mark.parametrize(("chunk", "masked"), [(7, False), (5, True), (64, False)])
+def test_chunked_cross_entropy_equals_the_whole_one(chunk, masked):
+    """3 x 11 = 33 positions: chunks of 7 and 5 leave a padded last chunk; 64 is one chunk."""
+    rng = np.random.default_rng(chunk)
+    x = jnp.asarray(rng.standard_normal((3, 11, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 50)), jnp.float32)
+    t = jnp.asarray(rng.integers(0, 50, (3, 11)), jnp.int32)
+    mask = jnp.asarray(rng.random((3, 11)) < 0.6) if masked else None
+    (lw, (gxw, gww)), (lc, (gxc, gwc)) = _whole_and_chunked(x, w, t, mask, chunk)
+    np.testing.assert_allclose(lc, lw, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gxc), np.asarray(gxw), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(gwc), np.asarray(gww), rtol=1e-5, atol=1e-7)
+
+
+def test_lm_loss_chunked_by_the_config_equals_the_whole_loss():
+    """18 predicted positions in chunks of 4 (config.loss_chunk); chunk=0 overrides the config."""
+    cfg = zoo.LlamaConfig.preset("tiny", n_layers=1, tie_embeddings=True, loss_chunk=4)
+    model = zoo.Llama(cfg, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
+    grad = lambda c: eqx.filter_jit(eqx.filter_value_and_grad(lambda m: zoo.lm_loss(m, tokens, chunk=c)))(model)
+    (lw, gw), (lc, gc) = grad(0), grad(None)
+    np.testing.assert_allclose(lc, lw, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(gw), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_bad_chunks_are_clear_errors():
+    x, t = jnp.zeros((2, 3, 4)), jnp.zeros((2, 3), jnp.int32)
+    for bad in (0, -2, True):
+        with pytest.raises(ValueError, match=f"chunk must be a positive int, got {bad!r}"):
+            zoo.chunked_cross_entropy(lambda h: h, x, t, chunk=bad)
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny", n_layers=1), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"chunk must be a positive number of tokens .* got -1"):
+        zoo.lm_loss(model, jnp.zeros((1, 5), jnp.int32), chunk=-1)
+    with pytest.raises(ValueError, match=r"LlamaConfig.loss_chunk must be a number of tokens >= 0 .*got -4"):
+        zoo.LlamaConfig.preset("tiny", loss_chunk=-4)
+
+
+def _temp_bytes(n, vocab, chunk, d=32):
+    """Compiled temporaries of value_and_grad of the loss of n positions over a vocab (CPU)."""
+    s = jax.ShapeDtypeStruct
+    t = s((n,), jnp.int32)
+
+    def loss(x, w, t):
+        if chunk:
+            return zoo.chunked_cross_entropy(lambda h: h @ w, x, t, chunk=chunk)
+        return zoo.cross_entropy(x @ w, t)
+
+    compiled = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(s((n, d), jnp.float32), s((d, vocab), jnp.float32), t)
+    return compiled.compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_loss_memory_does_not_grow_with_seq_times_vocab():
+    small, big = (512, 2048), (2048, 8192)  # 16x the logits
+    whole = [_temp_bytes(*shape, chunk=0) for shape in (small, big)]
+    chunked = [_temp_bytes(*shape, chunk=128) for shape in (small, big)]
+    assert whole[1] > 12 * whole[0]
+    assert whole[1] >= 4 * 2048 * 8192  # at least the fp32 logits
+    assert chunked[1] < 6 * chunked[0]  # grows with the vocab (x4: chunk logits, the head gradient), not x16
+    assert chunked[1] < 0.25 * 4 * 2048 * 8192
