@@ -96,6 +96,20 @@ def test_a_llama_with_blockwise_attention_has_the_xla_ones_loss():
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
 
 
+def test_gemma3_local_and_global_layers_blockwise_equal_xla_in_loss_and_gradients():
+    """Layers of different windows select theirs inside the scan (a traced window)."""
+    cfg = zoo.config_from_name("gemma3:tiny", n_layers=3, max_seq_len=64)
+    assert len({kind.window for kind in cfg.attention_kinds()[0]}) > 1
+    tokens = jax.random.randint(jax.random.key(1), (2, 21), 0, cfg.vocab_size)
+    run = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))
+    (loss_x, grads_x), (loss_b, grads_b) = (
+        run(zoo.build_model(cfg.replace(attention=a), key=jax.random.key(0)), tokens) for a in ("xla", "blockwise")
+    )
+    np.testing.assert_allclose(loss_b, loss_x, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_b), jax.tree.leaves(grads_x), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_cudnn_is_refused_clearly_off_gpu_and_for_float32_and_softcap():
     q, k, v = qkv(4, 4, 2, 2)
     with pytest.raises(

@@ -78,23 +78,6 @@ def rotate(x: Float[Array, "seq heads dim"], positions: Int[Array, " seq"], inv_
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _windowed_attention(q, k, v, positions, window, *, softcap, scale):
-    """Causal grouped-query attention with a traced window: as :func:`zoo.nn.attend`'s explicit
-    path (float32 scores), for a window chosen per layer inside a scan."""
-    n, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    qg = q.reshape(n, kv_heads, heads // kv_heads, dim)  # (q, kv, group, dim)
-    scores = jnp.einsum("qhgd,khd->hgqk", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    diff = positions[:, None] - positions[None, :]
-    mask = (diff >= 0) & (diff < window)
-    scores = jnp.where(mask[None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("hgqk,khd->qhgd", probs.astype(v.dtype), v)
-    return out.reshape(n, heads, dim)
-
-
 class SelfAttention(eqx.Module):
     """Causal self-attention with rotary positions, optional query/key head norms, optional score
     soft-capping and per-layer kinds (see the module docstring).
@@ -214,12 +197,18 @@ class SelfAttention(eqx.Module):
         if positions is None:
             positions = jnp.arange(seq, dtype=jnp.int32)
         q, k, v, window = self._qkv(x, positions)
-        if self.kind is None:
-            ctx = nn.attend(
-                q, k, v, window=window, softcap=self.softcap, scale=self.scale, implementation=self.implementation
+        # Several kinds: the window is this layer's, selected inside the scan (a traced value),
+        # which only the explicit and blockwise forms take; they see it through the positions.
+        per_layer = {} if self.kind is None else {"q_pos": positions, "k_pos": positions}
+        if per_layer and self.implementation == "cudnn":
+            raise ValueError(
+                "attention implementation 'cudnn' needs one window for all layers; this model's layers "
+                f"differ ({[kind.window for kind in self.kinds]}): use 'xla' or 'blockwise'"
             )
-        else:
-            ctx = _windowed_attention(q, k, v, positions, window, softcap=self.softcap, scale=self.scale)
+        ctx = nn.attend(
+            q, k, v, window=window, softcap=self.softcap, scale=self.scale, implementation=self.implementation,
+            **per_layer,
+        )  # fmt: skip
         ctx = checkpoint_name(ctx.reshape(seq, self.n_heads * self.head_dim), "attn_context")
         return checkpoint_name(self.o_proj(ctx), "attn_out")
 

@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+#: The window of a global layer: no query reaches this far back.
+_NO_WINDOW = int(np.iinfo(np.int32).max)
+
 _NEG_INF = -jnp.inf
 
 
@@ -32,6 +35,7 @@ def blockwise_attend(q, k, v, q_pos, k_pos, *, window, softcap, scale, block):
     qb, qpb = _blocks(qg, q_pos, block)  # padded queries see nothing, and are dropped below
     kb, kpb = _blocks(k, k_pos, block)
     vb, _ = _blocks(v, k_pos, block)
+    window = jnp.asarray(_NO_WINDOW if window is None else window, jnp.int32)  # may be traced (per layer)
     out = _attend(qb, kb, vb, qpb, kpb, window, softcap, float(scale))
     return out.reshape(-1, heads, v.shape[-1])[:n_q]
 
@@ -57,8 +61,7 @@ def _scores(qc, kc, qp, kp, window, softcap, scale):
         raw = softcap * capped
     diff = qp[:, None] - kp[None, :]
     mask = (diff >= 0) & (kp[None, :] >= 0)
-    if window is not None:
-        mask = mask & (diff < window)
+    mask = mask & (diff < window)
     return jnp.where(mask, raw, _NEG_INF), mask, capped
 
 
@@ -96,20 +99,20 @@ def _forward(qb, kb, vb, qpb, kpb, window, softcap, scale):
     return jax.lax.map(lambda a: _forward_block(*a, kb, vb, kpb, window, softcap, scale), (qb, qpb))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _attend(qb, kb, vb, qpb, kpb, window, softcap, scale):
     return _forward(qb, kb, vb, qpb, kpb, window, softcap, scale)[0]
 
 
 def _attend_fwd(qb, kb, vb, qpb, kpb, window, softcap, scale):
     out, lse = _forward(qb, kb, vb, qpb, kpb, window, softcap, scale)
-    return out, (qb, kb, vb, qpb, kpb, out, lse)
+    return out, (qb, kb, vb, qpb, kpb, window, out, lse)
 
 
-def _attend_bwd(window, softcap, scale, res, d_out):
+def _attend_bwd(softcap, scale, res, d_out):
     """Key blocks outer (each one's key and value gradients summed over the query blocks), query
     blocks inner (each one's query gradient summed over the key blocks, in the outer carry)."""
-    qb, kb, vb, qpb, kpb, out, lse = res
+    qb, kb, vb, qpb, kpb, window, out, lse = res
     do = jnp.transpose(d_out, (0, 2, 3, 1, 4)).astype(jnp.float32)  # (nqb, kv, group, q, dim)
     delta = jnp.sum(do * jnp.transpose(out, (0, 2, 3, 1, 4)).astype(jnp.float32), axis=-1)
 
@@ -135,7 +138,7 @@ def _attend_bwd(window, softcap, scale, res, d_out):
 
     dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32), (kb, vb, kpb))
     float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)
-    return dq.astype(qb.dtype), dk, dv, float0(qpb), float0(kpb)
+    return dq.astype(qb.dtype), dk, dv, float0(qpb), float0(kpb), float0(window)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
