@@ -58,6 +58,8 @@ PUBLIC = [
     transforms.plan,
     transforms.plan_generate,
     zoo.generate,
+    zoo.nn.attend,
+    zoo.chunked_cross_entropy,
     zoo.nn.SwiGLU,
     transforms.Plan.apply,
     transforms.Plan.predict,

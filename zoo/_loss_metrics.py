@@ -16,6 +16,7 @@ import jax
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from ._loss import cross_entropy, lm_loss
+from .nn._linear import folded_batch
 from .nn._moe import router_losses
 
 
@@ -68,8 +69,9 @@ def lm_loss_and_metrics(
             raise ValueError(f"aux_weights given, but {type(model).__name__} has no router losses")
         ce = lm_loss(model, tokens, mask)
         return ce, {"cross_entropy": ce}
-    x, stats = jax.vmap(model.hidden_and_router_stats)(tokens[:, :-1])
-    logits = jax.vmap(model.head)(x)
+    with folded_batch():  # the vmaps come before any differentiation (see zoo.nn._linear)
+        x, stats = jax.vmap(model.hidden_and_router_stats)(tokens[:, :-1])
+        logits = jax.vmap(model.head)(x)
     with jax.named_scope("loss"):
         ce = cross_entropy(logits, tokens[:, 1:], mask)
         aux, terms = router_loss_terms(model, stats, aux_weights)
