@@ -99,6 +99,21 @@ def save_hf(
             raise ValueError(f"extra_config may not change the architecture field {key!r} ({hf[key]!r} -> {value!r})")
         hf[key] = value
     entries = _weights.table(config, "transformer." if hf["model_type"] == "gpt2" else "")
+    leaves, expected = _checked_leaves(model, config, entries)
+    plan = _tensor_plan(entries, config, leaves, expected, dtype)
+    stored = {d for _, _, d, _ in plan}
+    if len(stored) == 1:  # the dtype transformers loads the weights in by default
+        hf["dtype"] = hf["torch_dtype"] = stored.pop().name
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_shards(directory, plan, shard_bytes(max_shard_size))
+    (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def _checked_leaves(model, config, entries) -> tuple[dict, dict]:
+    """The model's array leaves by path and the ones its config implies; a `ValueError` listing
+    every leaf whose shape (or, for leaves rebuilt from the config, value) disagrees."""
     leaves = _weights.leaf_paths(eqx.filter(model, eqx.is_array))
     expected = _weights.leaf_paths(abstract_model(config))
     derived = _weights.derived(config)  # rebuilt from config.json on load: must agree with it
@@ -116,28 +131,32 @@ def save_hf(
     ]
     if mismatched:
         raise ValueError("the model's arrays do not match its config:\n  " + "\n  ".join(mismatched))
-    store = None if dtype is None else np.dtype(param_dtype_name(dtype))
+    return leaves, expected
 
+
+def _tensor_plan(entries, config, leaves, expected, dtype) -> list:
+    """``(name, shape, dtype, produce)`` of every checkpoint tensor; ``produce()`` fetches the
+    leaves it needs (at most three held at once, for GPT-2's fused ``c_attn``)."""
+    store = None if dtype is None else np.dtype(param_dtype_name(dtype))
     cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
 
     def get_leaf(path: str) -> np.ndarray:
-        # Holds the leaves of the current entry (at most three, for GPT-2's fused c_attn).
         if path not in cache:
             if len(cache) >= 3:
                 cache.popitem(last=False)
             cache[path] = np.asarray(jax.device_get(leaves[path]))
         return cache[path]
 
-    plan = []  # (name, shape, dtype, produce)
+    plan = []
     for entry, name, produce in _weights.checkpoint_tensors(entries, config.n_layers, get_leaf):
         tensor_dtype = store or np.dtype(leaves[entry.leaves[0]].dtype)
         plan.append((name, _weights.checkpoint_shape(entry, expected), tensor_dtype, produce))
+    return plan
 
-    stored = {d for _, _, d, _ in plan}
-    if len(stored) == 1:  # the dtype transformers loads the weights in by default
-        hf["dtype"] = hf["torch_dtype"] = stored.pop().name
 
-    limit = shard_bytes(max_shard_size)
+def _write_shards(directory: pathlib.Path, plan: list, limit: int) -> None:
+    """The tensors of ``plan`` in files of at most ``limit`` bytes (one file, or shards and an
+    index); weight files of an earlier save, which would make the directory ambiguous, go."""
     groups: list[list] = [[]]
     size = 0
     for item in plan:
@@ -149,9 +168,6 @@ def save_hf(
         size += nbytes
     n = len(groups)
     files = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     for file, group in zip(files, groups, strict=True):
         producers = {name: (d, produce) for name, _, d, produce in group}
 
@@ -166,11 +182,8 @@ def save_hf(
             "weight_map": {name: file for file, group in zip(files, groups, strict=True) for name, *_ in group},
         }
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    # Weight files of an earlier save would make the directory ambiguous.
     for stale in directory.iterdir():
         if stale.name not in files and (
             stale.name == SINGLE_FILE or (stale.name == INDEX_FILE and n == 1) or _SHARD.fullmatch(stale.name)
         ):
             stale.unlink()
-    (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    return directory
