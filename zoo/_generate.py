@@ -107,16 +107,23 @@ def _split(key):
     return key, sub
 
 
+def _batched_decode(model):
+    """``model.decode`` over a batch: tokens and positions batched on axis 0, the stacked caches
+    on axis 1 (after the layer axis)."""
+    return jax.vmap(model.decode, in_axes=(0, 0, 1), out_axes=(0, 1))
+
+
 @eqx.filter_jit
 def _prefill(model, tokens, positions, lengths, key, temperature, top_p, *, slots, dtype, memory_kind, top_k, greedy):
     """Fill the caches with the padded prompts ``(batch, prompt)``; the first new token of each."""
     TRACES["prefill"] += 1
     cache = model.init_cache(slots, dtype)
     batch = tokens.shape[0]
-    cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)), cache)
+    # (layers, batch, ...): the scan over layers slices the leading axis, each slice one layer's batch.
+    cache = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], batch, *a.shape[1:])), cache)
     if memory_kind == "pinned_host":
         cache = jax.device_put(cache, jax.memory.Space.Host)
-    logits, cache = jax.vmap(model.decode)(tokens, positions, cache)
+    logits, cache = _batched_decode(model)(tokens, positions, cache)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = _split(key)
     return _pick(last, sub, temperature, top_k, top_p, greedy), cache, key
@@ -140,7 +147,7 @@ def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, 
         i, out, cache, done, key = state
         token = out[:, i - 1]
         positions = lengths + i - 1
-        logits, cache = jax.vmap(model.decode)(token[:, None], positions[:, None], cache)
+        logits, cache = _batched_decode(model)(token[:, None], positions[:, None], cache)
         key, sub = _split(key)
         new = _pick(logits[:, 0], sub, temperature, top_k, top_p, greedy)
         if stream:
@@ -239,11 +246,13 @@ def generate(
         model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths), None if greedy else key, temp, p_keep,
         slots=slots, dtype=dtype, memory_kind=memory_kind, top_k=top_k, greedy=greedy,
     )  # fmt: skip
-    stop = jnp.asarray(sorted({int(t) for t in stop_tokens}) or [-1], jnp.int32)
+    stops = sorted({int(t) for t in stop_tokens})
+    stop = np.full((_bucket(len(stops), 4),), -1, np.int32)  # padded: the count compiles per bucket only
+    stop[: len(stops)] = stops
     _STREAMS.append(_Streamer(on_token))
     try:
         out, steps = _decode(
-            model, cache, first, jnp.asarray(lengths), jnp.int32(max_new_tokens), stop, key, temp, p_keep,
+            model, cache, first, jnp.asarray(lengths), jnp.int32(max_new_tokens), jnp.asarray(stop), key, temp, p_keep,
             slots=slots, top_k=top_k, greedy=greedy, stream=on_token is not None,
         )  # fmt: skip
         out = np.asarray(out)[:, : int(steps)]
