@@ -94,6 +94,27 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(window):
     np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=1e-5, rtol=0)
 
 
+def test_local_layers_keep_a_ring_of_their_window_and_global_ones_every_position():
+    cfg = zoo.config_from_name("gemma3:tiny", n_layers=4)
+    model = zoo.build_model(cfg, key=jax.random.key(4))
+    cache = model.init_cache(64)
+    assert isinstance(cache, zoo.nn.LayeredKVCache)
+    local = [cfg.types_per_layer()[i] == "sliding_attention" for i in range(cfg.n_layers)]
+    assert cache.is_windowed == tuple(local)
+    assert cache.windowed.k.shape[:2] == (sum(local), cfg.sliding_window)
+    assert cache.full.k.shape[:2] == (cfg.n_layers - sum(local), 64)
+    tokens = jax.random.randint(jax.random.key(5), (30,), 0, cfg.vocab_size)  # past the window (8)
+    logits, cache = model.decode(tokens[:20], jnp.arange(20, dtype=jnp.int32), cache)
+    steps = [logits]
+    for i in range(20, 30):
+        logits, cache = model.decode(tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=1e-5, rtol=0)
+    offloaded = transforms.offload_params(model)
+    host = zoo.generate(offloaded, tokens[:20], max_new_tokens=6, cache_memory_kind="pinned_host")
+    np.testing.assert_array_equal(host, zoo.generate(model, tokens[:20], max_new_tokens=6))
+
+
 def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(llama):
     prompt = jnp.arange(5, 12)
     greedy = zoo.generate(llama, prompt, max_new_tokens=6)

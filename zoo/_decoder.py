@@ -259,9 +259,22 @@ class RotaryDecoder(eqx.Module):
 
     def init_cache(self, length: int, dtype=None, memory_kind: str | None = None):
         """Empty KV caches for generating up to ``length`` tokens (see :func:`zoo.generate`),
-        stacked over layers, in ``dtype`` (default: the compute dtype)."""
-        dtype = self.config.compute_jnp_dtype if dtype is None else dtype
-        return self.stack.init_cache(length, dtype, memory_kind)
+        stacked over layers, in ``dtype`` (default: the compute dtype). When the layers differ in
+        window (local and global layers), a :class:`zoo.nn.LayeredKVCache`: ring buffers of the
+        window for the local layers, full length for the global ones (in host memory,
+        ``memory_kind="pinned_host"``, every layer keeps full length: one stacked layout that
+        streams one layer at a time)."""
+        c = self.config
+        dtype = c.compute_jnp_dtype if dtype is None else dtype
+        kinds, per_layer = c.attention_kinds()
+        windows = {kind.window for kind in kinds}
+        if per_layer is None or len(windows - {None}) != 1 or None not in windows or memory_kind == "pinned_host":
+            return self.stack.init_cache(length, dtype, memory_kind)
+        window = next(w for w in windows if w is not None)
+        is_windowed = [kinds[k].window is not None for k in per_layer]
+        if memory_kind not in (None, "device"):
+            raise ValueError(f"unknown memory kind {memory_kind!r}; choose one of ['device', 'pinned_host']")
+        return nn.LayeredKVCache.empty(is_windowed, window, length, c.n_kv_heads, c.head_size, dtype)
 
     def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
         """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .nn import LayeredKVCache
+
 #: Times each program was traced (one trace per compilation), for tests and diagnostics.
 TRACES: collections.Counter = collections.Counter()
 
@@ -118,6 +120,9 @@ def _prefill(model, tokens, positions, lengths, key, temperature, top_p, *, slot
     """Fill the caches with the padded prompts ``(batch, prompt)``; the first new token of each."""
     TRACES["prefill"] += 1
     cache = model.init_cache(slots, dtype)
+    if memory_kind == "pinned_host" and isinstance(cache, LayeredKVCache):
+        # Host caches stream in one layer at a time as scan slices: one stacked layout for all.
+        cache = model.stack.init_cache(slots, dtype)
     batch = tokens.shape[0]
     # (layers, batch, ...): the scan over layers slices the leading axis, each slice one layer's batch.
     cache = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], batch, *a.shape[1:])), cache)

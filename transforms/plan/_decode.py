@@ -5,11 +5,11 @@ Everything is arithmetic on shapes, like the training model in ``_bytes.py``.
 
 **The KV cache.** Each layer keeps its keys and values for every position of the context
 (prompt + new tokens): ``2 * kv_heads * head_dim * positions * batch`` elements in the cache
-dtype (the compute dtype unless given). When every layer has the same sliding window, the caches
-are ring buffers of the window, so their positions are ``min(window, context)``, as
-:func:`zoo.generate` keeps them; layers of different windows (Gemma's local and global layers)
-share one stacked cache shape, so each keeps every position (each layer's window comes from the
-model's spec, or its config's per-layer types, see ``_model.layer_windows``). A decode step attends over the
+dtype (the compute dtype unless given). A sliding-window layer keeps a ring buffer of its window,
+so its positions are ``min(window, context)``, as :func:`zoo.generate` keeps them on the device
+(each layer's window comes from the model's spec, or its config's per-layer types, see
+``_model.layer_windows``). (A cache in host memory of a model whose layers differ in window keeps
+every position in every layer: one stacked layout; the planner does not model that difference.) A decode step attends over the
 whole cache buffer (positions not yet written are masked), so it reads the whole cache.
 
 **Placements.** Weights are on the device, or streamed: every floating weight lives in
@@ -80,10 +80,9 @@ PLACEMENTS = tuple(Placement(w, c) for w in ("device", "stream") for c in ("devi
 
 def cache_layer_bytes(g: Geometry, *, batch: int, context: int, itemsize: int) -> list[int]:
     """Bytes of each layer's KV cache: ``2 * kv_heads * head_dim * positions * batch * itemsize``,
-    positions capped at the window when all layers share one (a ring buffer each)."""
+    positions capped at the layer's window (a ring buffer)."""
     windows = g.windows or (None,) * g.n_layers
-    ring = windows[0] if len(set(windows)) == 1 and windows[0] else context
-    return [2 * g.kv * min(context, ring) * batch * itemsize for _ in windows]
+    return [2 * g.kv * min(context, w or context) * batch * itemsize for w in windows]
 
 
 def active_experts(n_experts: int, k: int, tokens: int) -> float:

@@ -7,6 +7,7 @@ from ._axes import AxisNamed as AxisNamed
 from ._axes import logical_axes as logical_axes
 from ._block import Block as Block
 from ._kv_cache import KVCache as KVCache
+from ._kv_cache import LayeredKVCache as LayeredKVCache
 from ._linear import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._lora import LoRALinear as LoRALinear

@@ -7,7 +7,9 @@ window it is a ring buffer that keeps exactly the keys the window can still see.
 positions, never slot order (see :func:`zoo.nn.attend`), so a ring needs no rotation.
 
 Inside a :class:`zoo.nn.Stack` the caches of all layers are one :class:`KVCache` whose arrays
-carry a leading layer axis, scanned with the weights.
+carry a leading layer axis, scanned with the weights. Layers of different windows cannot share
+one stacked shape; their caches are a :class:`LayeredKVCache`: the windowed layers' ring buffers
+stacked together, the others' full caches together.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._attend import attend
@@ -101,3 +104,34 @@ def cached_attention(
     k_pos = jnp.concatenate([cache.pos, positions])
     ctx = attend(q, keys, values, q_pos=positions, k_pos=k_pos, window=window, softcap=softcap, scale=scale)
     return ctx.astype(q.dtype), write(cache, k, v, positions)
+
+
+class LayeredKVCache(eqx.Module):
+    """The caches of a stack whose layers differ in window (Gemma's local and global layers):
+    ring buffers of the window for the windowed layers (``windowed``, stacked over them) and
+    full-length caches for the others (``full``), with each layer's group and index within it
+    (static). :meth:`zoo.nn.Stack.decode` reads and writes layer ``i``'s cache in its group."""
+
+    windowed: KVCache
+    full: KVCache
+    is_windowed: tuple[bool, ...] = eqx.field(static=True)
+
+    @classmethod
+    def empty(cls, is_windowed, window: int, length: int, kv_heads: int, head_dim: int, dtype) -> LayeredKVCache:
+        """Empty caches: ``window`` slots for the windowed layers, ``length`` for the others."""
+        is_windowed = tuple(bool(w) for w in is_windowed)
+
+        def stacked(n: int, slots: int) -> KVCache:
+            one = KVCache.empty(slots, kv_heads, head_dim, dtype)
+            return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), one)
+
+        n_windowed = sum(is_windowed)
+        return cls(
+            stacked(n_windowed, min(window, length)), stacked(len(is_windowed) - n_windowed, length), is_windowed
+        )
+
+    def layer_index(self) -> tuple[jax.Array, jax.Array]:
+        """Per layer: whether it is windowed, and its index within its group (int32 arrays)."""
+        flags = np.array(self.is_windowed, bool)
+        index = np.where(flags, np.cumsum(flags) - 1, np.cumsum(~flags) - 1).astype(np.int32)
+        return jnp.asarray(flags), jnp.asarray(index)

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
+from ._kv_cache import LayeredKVCache
 from ._placement import any_on_host, is_arraylike, on_host
 from ._prefetch import fetch_layer, prefetched_scan
 from ._remat import Remat
@@ -189,6 +190,8 @@ class Stack(AxisNamed):
         Host-resident weights (:func:`transforms.offload_params`) are copied to the device one
         layer at a time, the next layer's copy issued while a layer computes; host-resident caches
         are copied in per layer too, and each updated layer goes back to host memory."""
+        if isinstance(cache, LayeredKVCache):
+            return _decode_layered(self, x, cache, kwargs)
         arrays, static = eqx.partition(self.layers, eqx.is_array)
         homes = jax.tree.map(on_host, cache)
 
@@ -219,6 +222,36 @@ class Stack(AxisNamed):
 
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
+
+
+def _decode_layered(stack: Stack, x, cache: LayeredKVCache, kwargs):
+    """:meth:`Stack.decode` with a :class:`LayeredKVCache`: the two groups of caches ride in the
+    scan's carry, and each layer reads and writes its own slot of its group (a `lax.cond` on the
+    layer's group: only that branch runs)."""
+    arrays, static = eqx.partition(stack.layers, eqx.is_array)
+    flags, index = cache.layer_index()
+
+    def branch(windowed: bool):
+        def run(h, groups, layer_arrays, i):
+            group = groups[0] if windowed else groups[1]
+            home = jax.tree.map(on_host, group)
+            mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), group)
+            mine = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, mine, home)
+            with jax.named_scope("layer"):
+                h, mine = eqx.combine(layer_arrays, static).decode(h, mine, **kwargs)
+            mine = jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, mine, home)
+            group = jax.tree.map(lambda a, m: jax.lax.dynamic_update_index_in_dim(a, m, i, 0), group, mine)
+            return h, ((group, groups[1]) if windowed else (groups[0], group))
+
+        return run
+
+    def body(carry, xs):
+        h, groups = carry
+        layer_arrays, flag, i = xs
+        return jax.lax.cond(flag, branch(True), branch(False), h, groups, layer_arrays, i), None
+
+    (x, (windowed, full)), _ = jax.lax.scan(body, (x, (cache.windowed, cache.full)), (arrays, flags, index))
+    return x, LayeredKVCache(windowed, full, cache.is_windowed)
 
 
 def _memory_space(kind: str):
