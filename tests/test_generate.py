@@ -104,10 +104,11 @@ def test_local_layers_keep_a_ring_of_their_window_and_global_ones_every_position
     assert cache.windowed.k.shape[:2] == (sum(local), cfg.sliding_window)
     assert cache.full.k.shape[:2] == (cfg.n_layers - sum(local), 64)
     tokens = jax.random.randint(jax.random.key(5), (30,), 0, cfg.vocab_size)  # past the window (8)
-    logits, cache = model.decode(tokens[:20], jnp.arange(20, dtype=jnp.int32), cache)
+    decode = eqx.filter_jit(lambda m, t, p, c: m.decode(t, p, c))
+    logits, cache = decode(model, tokens[:20], jnp.arange(20, dtype=jnp.int32), cache)
     steps = [logits]
     for i in range(20, 30):
-        logits, cache = model.decode(tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
+        logits, cache = decode(model, tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=1e-5, rtol=0)
     offloaded = transforms.offload_params(model)

@@ -224,8 +224,26 @@ ACTIVATION_OPTIONS: dict[str, dict[str, str]] = {
 }
 
 
+class PhaseTotals:
+    """For estimates with per-phase device bytes (``phases``: phase -> component -> bytes) and
+    host bytes (``host``: component -> bytes): the phase with the most device bytes, its total,
+    and the host total."""
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.phases[self.peak_phase].values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+
 @dataclasses.dataclass
-class Estimate:
+class Estimate(PhaseTotals):
     """The model's numbers for one candidate (bytes per device)."""
 
     candidate: Candidate
@@ -240,18 +258,6 @@ class Estimate:
     #: The streamed update's copies per layer iteration: {"to_device": bytes, "to_host": bytes}
     #: (None without a streamed update). The device holds two layers of "to_device" at a time.
     stream_layer: dict[str, int] | None = None
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(self.phases[self.peak_phase].values())
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(self.host.values())
 
     @property
     def step_s(self) -> float:

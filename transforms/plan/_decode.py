@@ -9,8 +9,9 @@ dtype (the compute dtype unless given). A sliding-window layer keeps a ring buff
 so its positions are ``min(window, context)``, as :func:`zoo.generate` keeps them on the device
 (each layer's window comes from the model's spec, or its config's per-layer types, see
 ``_model.layer_windows``). (A cache in host memory of a model whose layers differ in window keeps
-every position in every layer: one stacked layout; the planner does not model that difference.) A decode step attends over the
-whole cache buffer (positions not yet written are masked), so it reads the whole cache.
+every position in every layer: one stacked layout; the planner does not model that difference.)
+A decode step attends over the whole cache buffer (positions not yet written are masked), so it
+reads the whole cache.
 
 **Placements.** Weights are on the device, or streamed: every floating weight lives in
 ``pinned_host`` (as :func:`transforms.offload_params` places them) and the stacked layers are
@@ -45,6 +46,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from ._bytes import PhaseTotals
 from ._model import Geometry
 
 NORM_ITEMSIZE = 4
@@ -117,7 +119,7 @@ def layer_working_bytes(g: Geometry, *, batch: int, queries: int, keys: int) -> 
 
 
 @dataclasses.dataclass
-class DecodeEstimate:
+class DecodeEstimate(PhaseTotals):
     """The numbers of one placement (bytes on one device; times are lower bounds)."""
 
     placement: Placement
@@ -132,18 +134,6 @@ class DecodeEstimate:
     limit: str  # what sets it: "memory bandwidth", "host link" or "compute"
     prefill_s: float  # lower bound of the prefill (compute or weight reads)
     batch: int
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(self.phases[self.peak_phase].values())
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(self.host.values())
 
     @property
     def tokens_per_s(self) -> float:
