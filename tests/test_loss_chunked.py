@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import zoo
+from zoo.nn._placement import is_arraylike
 
 
 def _whole_and_chunked(x, w, t, mask, chunk):
@@ -80,3 +81,23 @@ def test_chunked_loss_memory_does_not_grow_with_seq_times_vocab():
     assert whole[1] >= 4 * 2048 * 8192  # at least the fp32 logits
     assert chunked[1] < 6 * chunked[0]  # grows with the vocab (x4: chunk logits, the head gradient), not x16
     assert chunked[1] < 0.25 * 4 * 2048 * 8192
+
+
+def test_a_long_context_step_needs_under_a_quarter_of_the_logits_in_temporaries():
+    """value_and_grad(lm_loss) of a 1-layer Llama at vocab 131072 and 8192 tokens: with blockwise
+    attention and the loss over 512 tokens at a time, XLA's temporaries stay under a quarter of the
+    full float32 logits; with the whole logits and the XLA attention they exceed them twice over."""
+    logits = 8192 * 131072 * 4
+
+    def temporaries(**options):
+        cfg = zoo.config_from_name("llama:tiny", n_layers=1, vocab_size=131072, max_seq_len=8192, **options)
+        arrays, static = eqx.partition(zoo.abstract_model(cfg), is_arraylike)  # shapes only
+
+        def step(a, t):
+            return eqx.filter_value_and_grad(zoo.lm_loss)(eqx.combine(a, static), t)
+
+        compiled = jax.jit(step).trace(arrays, jax.ShapeDtypeStruct((1, 8193), jnp.int32)).lower().compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temporaries(attention="blockwise", loss_chunk=512) < 0.25 * logits
+    assert temporaries() > 2 * logits
