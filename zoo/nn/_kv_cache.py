@@ -58,9 +58,9 @@ def write(cache: KVCache, k, v, positions: Int[Array, " t"]) -> KVCache:
         slot = jnp.where(p >= 0, p % slots, 0)
         keep = p < 0
 
-        def put(buffer, new):
-            updated = jax.lax.dynamic_update_index_in_dim(buffer, new[0], slot, axis=0)
-            return jnp.where(keep, buffer, updated)
+        def put(buffer, new):  # padding writes the slot's own value back: no whole-buffer select
+            value = jnp.where(keep, jax.lax.dynamic_index_in_dim(buffer, slot, keepdims=False), new[0])
+            return jax.lax.dynamic_update_index_in_dim(buffer, value, slot, axis=0)
 
         return KVCache(put(cache.k, k), put(cache.v, v), put(cache.pos, positions))
     first, last = positions[0], jnp.max(positions)
