@@ -20,3 +20,13 @@ def check_tokens(tokens, max_seq_len: int, name: str) -> None:
         raise ValueError(f"{name}: sequence length {tokens.shape[0]} exceeds max_seq_len={max_seq_len}")
     if tokens.shape[0] == 0:
         raise ValueError(f"{name}: empty sequence")
+
+
+class StackCache:
+    """``init_cache`` for a model whose layers are one ``self.stack`` (a :class:`zoo.nn.Stack`)."""
+
+    def init_cache(self, length: int, dtype=None, memory_kind: str | None = None):
+        """Empty KV caches for generating up to ``length`` tokens (see :func:`zoo.generate`),
+        stacked over layers, in ``dtype`` (default: the compute dtype)."""
+        dtype = self.config.compute_jnp_dtype if dtype is None else dtype
+        return self.stack.init_cache(length, dtype, memory_kind)

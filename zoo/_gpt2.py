@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._common import check_tokens
+from ._common import StackCache, check_tokens
 from ._config import GPT2Config
 from .nn._spec import ModelSpec
 
 
-class GPT2(eqx.Module):
+class GPT2(StackCache, eqx.Module):
     """A GPT-2 decoder: token + learned position embeddings, pre-norm blocks scanned over depth,
     final LayerNorm, output head tied to the token embedding.
 
@@ -110,12 +110,6 @@ class GPT2(eqx.Module):
         """The output head (tied to the token embedding): hidden states to logits."""
         with jax.named_scope("lm_head"):
             return self.wte.attend(x)
-
-    def init_cache(self, length: int, dtype=None, memory_kind: str | None = None):
-        """Empty KV caches for generating up to ``length`` tokens (see :func:`zoo.generate`),
-        stacked over layers, in ``dtype`` (default: the compute dtype)."""
-        dtype = self.config.compute_jnp_dtype if dtype is None else dtype
-        return self.stack.init_cache(length, dtype, memory_kind)
 
     def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
         """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._common import check_tokens
+from ._common import StackCache, check_tokens
 from ._config import LlamaConfig
 from .nn._spec import ModelSpec
 
 
-class Llama(eqx.Module):
+class Llama(StackCache, eqx.Module):
     """A Llama decoder: token embedding, pre-norm blocks (RMSNorm, rotary GQA attention,
     SwiGLU) scanned over depth, final RMSNorm, output head (tied or separate).
 
@@ -127,12 +127,6 @@ class Llama(eqx.Module):
         """The output head: hidden states to logits (any number of positions)."""
         with jax.named_scope("lm_head"):
             return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-
-    def init_cache(self, length: int, dtype=None, memory_kind: str | None = None):
-        """Empty KV caches for generating up to ``length`` tokens (see :func:`zoo.generate`),
-        stacked over layers, in ``dtype`` (default: the compute dtype)."""
-        dtype = self.config.compute_jnp_dtype if dtype is None else dtype
-        return self.stack.init_cache(length, dtype, memory_kind)
 
     def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
         """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``
