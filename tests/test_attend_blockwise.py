@@ -131,3 +131,26 @@ def test_bad_block_is_a_clear_error():
     for bad in (0, -3, True):
         with pytest.raises(ValueError, match=f"block must be a positive int, got {bad!r}"):
             nn.attend(q, k, v, implementation="blockwise", block=bad)
+
+
+def _largest_value(jaxpr) -> int:
+    """The most elements of any value a jaxpr (or one nested in it) computes."""
+    from transforms._report import _sub_jaxprs
+
+    most = 0
+    for eqn in jaxpr.eqns:
+        most = max([most, *(int(np.prod(v.aval.shape)) for v in eqn.outvars)])
+        most = max([most, *(_largest_value(sub) for sub in _sub_jaxprs(eqn))])
+    return most
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_scan_over_layers_keeps_no_queries_by_keys_array(layers):
+    """The positions are the same in every layer; differentiating the scan over layers once
+    hoisted the visibility masks of all block pairs out of it as one (queries x keys) array."""
+    seq = 4096  # one block's scores: heads x 512 x 512 = seq * seq / 16 elements
+    cfg = zoo.config_from_name("llama:tiny", n_layers=layers, max_seq_len=seq, attention="blockwise")
+    arrays, static = eqx.partition(zoo.abstract_model(cfg), zoo.nn._placement.is_arraylike)
+    step = lambda a, t: eqx.filter_value_and_grad(zoo.lm_loss)(eqx.combine(a, static), t)
+    jaxpr = jax.make_jaxpr(step)(arrays, jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)).jaxpr
+    assert _largest_value(jaxpr) < seq * seq // 4

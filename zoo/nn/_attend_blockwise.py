@@ -31,6 +31,11 @@ def blockwise_attend(q, k, v, q_pos, k_pos, *, window, softcap, scale, block):
     by ``block`` keys at a time; positions decide visibility as in :func:`zoo.nn.attend`."""
     n_q, heads, dim = q.shape
     kv_heads = k.shape[1]
+    # The positions are the same in every layer. Left alone, differentiating a scan over layers
+    # hoists everything computed from them alone out of the loop, stacked: the visibility mask of
+    # every (query block, key block) pair, a (queries x keys) array. Tying them to the queries
+    # keeps that work inside the loop, one block at a time.
+    q_pos, k_pos, q = jax.lax.optimization_barrier((q_pos, k_pos, q))
     qg = q.reshape(n_q, kv_heads, heads // kv_heads, dim)
     qb, qpb = _blocks(qg, q_pos, block)  # padded queries see nothing, and are dropped below
     kb, kpb = _blocks(k, k_pos, block)
