@@ -53,10 +53,46 @@ def test_bad_chunks_are_clear_errors():
         with pytest.raises(ValueError, match=f"chunk must be a positive int, got {bad!r}"):
             zoo.chunked_cross_entropy(lambda h: h, x, t, chunk=bad)
     model = zoo.Llama(zoo.LlamaConfig.preset("tiny", n_layers=1), key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"chunk must be a positive number of tokens .* got -1"):
-        zoo.lm_loss(model, jnp.zeros((1, 5), jnp.int32), chunk=-1)
-    with pytest.raises(ValueError, match=r"LlamaConfig.loss_chunk must be a number of tokens >= 0 .*got -4"):
-        zoo.LlamaConfig.preset("tiny", loss_chunk=-4)
+    for bad in (-1, "big"):
+        with pytest.raises(ValueError, match=rf"lm_loss: a loss chunk must be .* or 'auto', got {bad!r}"):
+            zoo.lm_loss(model, jnp.zeros((1, 5), jnp.int32), chunk=bad)
+    for bad in (-4, "whole"):
+        with pytest.raises(ValueError, match=rf"LlamaConfig.loss_chunk must be .* or 'auto', got {bad!r}"):
+            zoo.LlamaConfig.preset("tiny", loss_chunk=bad)
+
+
+@pytest.mark.parametrize("vocab", [50257, 128256, 262144])
+def test_auto_chunks_hold_at_most_256_mib_of_logits_in_as_few_even_chunks_as_possible(vocab):
+    budget = 256 * 2**20
+    most = budget // (4 * vocab)  # tokens of float32 logits that fit the budget
+    for tokens in (1, most, most + 1, 3 * most - 1, 8 * 1024, 8 * 4096 + 7):
+        chunk = zoo.loss_chunk_for("auto", tokens, vocab)
+        if tokens * vocab * 4 <= budget:
+            assert chunk == 0, tokens
+            continue
+        n = -(-tokens // chunk)
+        assert 0 < chunk * vocab * 4 <= budget, tokens
+        assert (n - 1) * most < tokens  # no fewer chunks could hold them
+        assert n * chunk - tokens < n  # padding under one row per chunk
+    assert zoo.loss_chunk_for(0, 10**6, vocab) == 0 and zoo.loss_chunk_for(7, 3, vocab) == 7
+
+
+def test_configs_chunk_the_loss_by_default_and_moe_losses_chunk_too():
+    assert zoo.LlamaConfig.preset("tiny").loss_chunk == "auto"
+    assert zoo.config_from_name("llama:1b").loss_chunk == "auto"
+    cfg = zoo.config_from_name("mixtral:tiny", n_layers=1)
+    model = zoo.Mixtral(cfg, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
+
+    def grad(chunk):
+        f = lambda m: zoo.lm_loss_and_metrics(m, tokens, chunk=chunk)
+        return eqx.filter_jit(eqx.filter_value_and_grad(f, has_aux=True))(model)
+
+    ((lw, mw), gw), ((lc, mc), gc) = grad(0), grad(4)
+    np.testing.assert_allclose(lc, lw, rtol=1e-6)
+    np.testing.assert_allclose(mc["cross_entropy"], mw["cross_entropy"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(gw), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 def _temp_bytes(n, vocab, chunk, d=32):
@@ -85,8 +121,9 @@ def test_chunked_loss_memory_does_not_grow_with_seq_times_vocab():
 
 def test_a_long_context_step_needs_under_a_quarter_of_the_logits_in_temporaries():
     """value_and_grad(lm_loss) of a 1-layer Llama at vocab 131072 and 8192 tokens: with blockwise
-    attention and the loss over 512 tokens at a time, XLA's temporaries stay under a quarter of the
-    full float32 logits; with the whole logits and the XLA attention they exceed them twice over."""
+    attention and the config's default loss chunk ("auto": 512 tokens here), XLA's temporaries stay
+    under a quarter of the full float32 logits; with the whole logits and the XLA attention they
+    exceed them twice over."""
     logits = 8192 * 131072 * 4
 
     def temporaries(**options):
@@ -99,5 +136,5 @@ def test_a_long_context_step_needs_under_a_quarter_of_the_logits_in_temporaries(
         compiled = jax.jit(step).trace(arrays, jax.ShapeDtypeStruct((1, 8193), jnp.int32)).lower().compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    assert temporaries(attention="blockwise", loss_chunk=512) < 0.25 * logits
-    assert temporaries() > 2 * logits
+    assert temporaries(attention="blockwise") < 0.25 * logits
+    assert temporaries(loss_chunk=0) > 2 * logits

@@ -510,7 +510,12 @@ def test_plan_components_and_per_layer_activations():
     assert all(a["where"] == "device" for a in base.activations.values())
     cfg = p.config
     assert base.activations["k_proj"]["per_layer"] == 8192 * cfg.n_kv_heads * cfg.head_size * 4
-    assert base.phases["loss"]["logits"] == 8192 * cfg.vocab_size * (4 + 4)  # log-softmax and its cotangent
+    # The log-softmax and its cotangent, for one chunk of the default ("auto") chunked loss.
+    rows = zoo.loss_chunk_for(cfg.loss_chunk, 8192, cfg.vocab_size)
+    assert cfg.loss_chunk == "auto" and 0 < rows < 8192 and rows * cfg.vocab_size * 4 <= 256 * 2**20
+    assert base.phases["loss"]["logits"] == rows * cfg.vocab_size * (4 + 4)
+    whole = transforms.plan(cfg.replace(loss_chunk=0), batch=1, seq=8192, device="h200").baseline.estimate
+    assert whole.phases["loss"]["logits"] == 8192 * cfg.vocab_size * (4 + 4)
     assert base.phases["update"]["gradients"] == 4 * cfg.n_params()
     assert base.phases["backward"]["optimizer state"] == 8 * cfg.n_params() + 4  # two moments + count
 

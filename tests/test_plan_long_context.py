@@ -91,4 +91,20 @@ def test_the_cli_reads_attention_and_loss_chunk(capsys):
     argv = ["--model", "llama:1b", "--batch", "1", "--seq", "4096", "--device", "h100"]
     assert main([*argv, "--attention", "blockwise", "--loss-chunk", "512"]) == 0
     out = capsys.readouterr().out
-    assert "no offload (attention blockwise, loss chunk 512)" in out
+    assert "no offload (attention blockwise, whole logits)" in out
+    assert "(model as configured; loss chunk 512)" in out
+    assert main([*argv, "--loss-chunk", "auto"]) == 0
+    assert "(model as configured; loss chunk auto)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--loss-chunk", "big"])
+    assert "expected a number of tokens or 'auto', got 'big'" in capsys.readouterr().err
+
+
+def test_the_default_auto_chunk_is_what_the_planner_counts():
+    """The planner sizes the logits of the default ("auto") config as zoo.lm_loss will chunk them."""
+    cfg = zoo.LlamaConfig.preset("tiny", vocab_size=131072, max_seq_len=4096)
+    batch, seq = 2, 1024
+    chunk = zoo.loss_chunk_for("auto", batch * seq, cfg.vocab_size)
+    assert 0 < chunk < batch * seq
+    assert _estimate(cfg, seq, batch).phases["loss"]["logits"] == chunk * cfg.vocab_size * (4 + 4)
+    assert _estimate(cfg, 8, 1).phases["loss"]["logits"] == 8 * cfg.vocab_size * (4 + 4)  # small: whole

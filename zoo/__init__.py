@@ -33,6 +33,7 @@ from ._llama import Llama as Llama
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._loss import cross_entropy as cross_entropy
 from ._loss import lm_loss as lm_loss
+from ._loss import loss_chunk_for as loss_chunk_for
 from ._loss_metrics import lm_loss_and_metrics as lm_loss_and_metrics
 from ._mixtral import Mixtral as Mixtral
 from ._mixtral import MixtralConfig as MixtralConfig

@@ -40,8 +40,9 @@ class DecoderConfig:
     # How attention scores are computed: one of zoo.nn.ATTENTION_IMPLEMENTATIONS (see zoo.nn.attend).
     attention: str = "xla"
     # Tokens per chunk of the next-token loss (zoo.lm_loss): the output head and cross-entropy run
-    # over this many tokens at a time, so the (batch, seq, vocab) logits never exist. 0: all at once.
-    loss_chunk: int = 0
+    # over this many tokens at a time, so the (batch, seq, vocab) logits never exist. 0: all at once;
+    # "auto": at most 256 MiB of float32 logits at a time (zoo.loss_chunk_for).
+    loss_chunk: int | str = "auto"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
 
@@ -56,10 +57,11 @@ class DecoderConfig:
                 f"{type(self).__name__}.attention must be one of {list(ATTENTION_IMPLEMENTATIONS)}, "
                 f"got {self.attention!r}"
             )
-        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
+        chunk = self.loss_chunk
+        if chunk != "auto" and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
             raise ValueError(
-                f"{type(self).__name__}.loss_chunk must be a number of tokens >= 0 (0: no chunking), "
-                f"got {self.loss_chunk!r}"
+                f"{type(self).__name__}.loss_chunk must be a number of tokens >= 0 (0: no chunking) or 'auto', "
+                f"got {chunk!r}"
             )
         if not self.norm_eps > 0:
             raise ValueError(f"{type(self).__name__}.norm_eps must be > 0, got {self.norm_eps!r}")

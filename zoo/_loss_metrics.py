@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import jax
 from jaxtyping import Array, Bool, Float, Int, Num
 
-from ._loss import cross_entropy, lm_loss
+from ._loss import chunked_cross_entropy, cross_entropy, lm_loss, resolve_chunk
 from .nn._linear import folded_batch
 from .nn._moe import router_losses
 
@@ -45,12 +45,14 @@ def lm_loss_and_metrics(
     mask: Bool[Array, "batch seq"] | Num[Array, "batch seq"] | None = None,
     *,
     aux_weights: Mapping[str, float] | None = None,
+    chunk: int | str | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """``(loss, metrics)``: the cross-entropy of predicting ``tokens[:, 1:]``, plus, for a
     mixture-of-experts model, the weighted router losses (:func:`router_loss_terms`), and each term
     as a metric (``cross_entropy``; ``load_balancing_loss`` and ``router_z_loss`` for MoE models).
     For a dense model the loss equals :func:`zoo.lm_loss`'s. The router losses ignore ``mask``
-    (they count every token, as ``transformers`` does without an attention mask).
+    (they count every token, as ``transformers`` does without an attention mask). ``chunk`` chunks
+    the cross-entropy as in :func:`zoo.lm_loss` (default: the config's ``loss_chunk``).
 
     **Example:**
 
@@ -67,12 +69,19 @@ def lm_loss_and_metrics(
     if not has_router_losses(model):
         if aux_weights:
             raise ValueError(f"aux_weights given, but {type(model).__name__} has no router losses")
-        ce = lm_loss(model, tokens, mask)
+        ce = lm_loss(model, tokens, mask, chunk=chunk)
         return ce, {"cross_entropy": ce}
+    targets = tokens[:, 1:]
+    if mask is not None and mask.shape != targets.shape:
+        raise ValueError(f"mask {mask.shape} must have the shape of targets {targets.shape}")
+    chunk = resolve_chunk(model, chunk, targets.size, "lm_loss_and_metrics")
     with folded_batch():  # the vmaps come before any differentiation (see zoo.nn._linear)
         x, stats = jax.vmap(model.hidden_and_router_stats)(tokens[:, :-1])
-        logits = jax.vmap(model.head)(x)
+        logits = None if chunk else jax.vmap(model.head)(x)
     with jax.named_scope("loss"):
-        ce = cross_entropy(logits, tokens[:, 1:], mask)
+        if chunk:
+            ce = chunked_cross_entropy(model.head, x, targets, mask, chunk=chunk)
+        else:
+            ce = cross_entropy(logits, targets, mask)
         aux, terms = router_loss_terms(model, stats, aux_weights)
     return ce + aux, {"cross_entropy": ce, **terms}

@@ -26,6 +26,16 @@ from ._generate import plan_generate
 from ._search import plan as make_plan
 
 
+def _loss_chunk(text: str) -> int | str:
+    """``--loss-chunk``: a number of tokens (0: whole logits) or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m transforms.plan",
@@ -59,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradients clipped to this global norm (the streamed update's extra pass is counted)",
     )
     p.add_argument("--attention", default=None, help="override the config's attention implementation")
-    p.add_argument("--loss-chunk", type=int, default=None, help="override the config's loss_chunk (tokens)")
+    p.add_argument(
+        "--loss-chunk", type=_loss_chunk, default=None, help="override the config's loss_chunk (tokens, 0 or 'auto')"
+    )
     p.add_argument("--max-seq-len", type=int, default=None, help="override the config's max_seq_len")
     p.add_argument("--param-dtype", default=None, help="override the preset's param_dtype")
     p.add_argument("--compute-dtype", default=None, help="override the preset's compute_dtype")

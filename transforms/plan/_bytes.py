@@ -61,8 +61,9 @@ float32 log-normaliser per query and head instead of the probabilities (no causa
 the recomputed forward keeps nothing of its blocks, and the backward pass holds one float32 block
 of scores, ``H*S*block*4`` (``block`` = ``config.attention_block`` or the implementation's
 default, 512; on XLA:CPU the gradient of blockwise attention alone needs 0.8x that). With
-``config.loss_chunk`` the loss holds the logits of one chunk of ``loss_chunk`` tokens (of the
-flattened batch) instead of all ``batch * S``. Other implementations (``"xla"``, ``"cudnn"``)
+``config.loss_chunk`` the loss holds the logits of one chunk of tokens (of the flattened batch;
+``"auto"`` resolved by :func:`zoo.loss_chunk_for`, as ``zoo.lm_loss`` does) instead of all
+``batch * S``. Other implementations (``"xla"``, ``"cudnn"``)
 are counted as materialising the full score matrix, which is what ``"xla"`` does.
 
 **Working buffers** (the transient part of each phase's peak):

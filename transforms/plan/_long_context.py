@@ -2,11 +2,13 @@
 
 Three rows, for the plan's batch and device budget:
 
-- *no offload*: the model as configured, no transform at all;
+- *no offload*: the model's attention as configured, the whole logits (no loss chunk, whatever the
+  config says), no transform at all: the step without the long-context tools;
 - *planned*: the model as configured, any candidate the planner tries;
 - *long context*: the config's attention switched to ``"blockwise"`` (scores ``seq x block``
   instead of ``seq x seq``), the loss chunked (``loss_chunk`` tokens of logits at a time instead
-  of ``batch x seq``; the config's chunk, or :data:`LONG_CONTEXT_CHUNK` if it has none) and the
+  of ``batch x seq``; the config's chunk if it gives a number, else the most tokens that ``"auto"`` puts in one chunk,
+  :func:`zoo._loss.auto_chunk_tokens`) and the
   layer inputs offloaded to host memory (``offload_activations`` preset ``block_input``; on a
   unified-memory device, where nothing is offloaded, recomputation of everything else instead),
   with or without offloading the weights and the optimizer state (the planner's choice among
@@ -21,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from zoo._loss import auto_chunk_tokens
+
 from ._bytes import Candidate
 
-#: Tokens per loss chunk for the long-context row when the config does not chunk its loss.
-LONG_CONTEXT_CHUNK = 1024
 #: The longest sequence searched.
 SEARCH_LIMIT = 2**22
 
@@ -42,7 +44,7 @@ class LongContext:
     loss_chunk: int
     block: int
     attention: str  # the config's attention implementation
-    config_chunk: int  # the config's loss chunk (0: none)
+    config_chunk: int | str  # the config's loss chunk (0: none; "auto")
     max_seq_len: int | None
 
     @property
@@ -79,8 +81,9 @@ def long_context(ctx, batch: int) -> LongContext:
     """The three rows (see the module docstring) for planning context ``ctx``."""
     g = ctx.geometry
     policy = "recompute_all" if ctx.device.unified else "offload:block_input"
-    chunk = g.loss_chunk or LONG_CONTEXT_CHUNK
+    chunk = g.loss_chunk if isinstance(g.loss_chunk, int) and g.loss_chunk else auto_chunk_tokens(g.vocab)
     tools = dataclasses.replace(g, attention="blockwise", loss_chunk=chunk)
+    whole = dataclasses.replace(g, loss_chunk=0)
     with_tools = [c for c in ctx.candidates if c.activations == policy and c.custom is None]
     long_ctx = dataclasses.replace(ctx, geometry=tools, candidates=with_tools)
     long = _longest(long_ctx, batch)
@@ -89,7 +92,7 @@ def long_context(ctx, batch: int) -> LongContext:
     chosen = min(fitting, key=lambda r: (r.estimate.step_s, r.estimate.candidate.n_transforms), default=None)
     return LongContext(
         batch=batch,
-        plain=_longest(dataclasses.replace(ctx, candidates=[Candidate()]), batch),
+        plain=_longest(dataclasses.replace(ctx, geometry=whole, candidates=[Candidate()]), batch),
         planned=_longest(ctx, batch),
         long=long,
         policy=policy,
@@ -110,15 +113,15 @@ def render_long_context(lc: LongContext) -> list[str]:
             return "nothing fits"
         return f">= {seq:,} tokens" if seq >= SEARCH_LIMIT else f"{seq:,} tokens"
 
-    how = "whole logits" if not lc.config_chunk else f"loss chunk {lc.config_chunk}"
+    chunk = "" if lc.config_chunk == 0 else f"; loss chunk {lc.config_chunk}"
     acts = "recompute all but block_input" if lc.policy == "recompute_all" else "offload block_input"
     others = [t for t in lc.long_transforms.split(" + ") if t and not t.startswith("activations:")]
     if others:
         acts += " (with " + " + ".join(others) + ")"
     gain = f" ({lc.gain:.1f}x)" if lc.gain else ""
     rows = [
-        [f"no offload (attention {lc.attention}, {how})", n(lc.plain)],
-        ["the planner's choice at each length (model as configured)", n(lc.planned)],
+        [f"no offload (attention {lc.attention}, whole logits)", n(lc.plain)],
+        [f"the planner's choice at each length (model as configured{chunk})", n(lc.planned)],
         [
             f"{acts} + chunked loss ({lc.loss_chunk} tokens) + blockwise attention (block {lc.block})",
             n(lc.long) + gain,

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zoo import loss_chunk_for
 from zoo.nn._attend import DEFAULT_BLOCK
 
 from .._memory import is_arraylike, is_floating
@@ -131,7 +132,7 @@ class Geometry:
     expert_stack_bytes: int = 0  # bytes of the experts' weights, all layers
     attention: str = "xla"  # the config's attention implementation
     attention_block: int = DEFAULT_BLOCK  # keys per block of the "blockwise" implementation
-    loss_chunk: int = 0  # tokens per chunk of the chunked loss (0: the whole logits at once)
+    loss_chunk: int | str = 0  # tokens per loss chunk (0: the whole logits; "auto": zoo.loss_chunk_for)
 
     @property
     def q(self) -> int:
@@ -169,7 +170,8 @@ class Geometry:
 
     def logit_rows(self, tokens: int) -> int:
         """Positions whose logits exist at once when the loss runs over ``tokens`` positions."""
-        return min(tokens, self.loss_chunk) if self.loss_chunk else tokens
+        chunk = loss_chunk_for(self.loss_chunk, tokens, self.vocab)
+        return min(tokens, chunk) if chunk else tokens
 
     def width(self, name: str) -> int:
         """Elements per token of the named activation ``name``."""
