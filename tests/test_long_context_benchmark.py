@@ -5,10 +5,12 @@ import json
 
 import pytest
 
+import zoo
 from benchmarks import long_context_cpu
 
 
-def test_the_tools_fit_a_longer_sequence_in_the_same_budget(tmp_path):
+def test_the_tools_fit_a_longer_sequence_in_the_same_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(zoo._loss, "_device_count", lambda: 1)  # as the benchmark runs (the tests have 8)
     report = long_context_cpu.main(["--quick", "--seqs", "256", "1024", "--out", str(tmp_path)])
     rows = {(r["seq"], r["variant"]): r for r in report["rows"]}
     assert set(rows) == {(s, v) for s in (256, 1024) for v in ("without", "with")}

@@ -119,7 +119,23 @@ def test_chunked_loss_memory_does_not_grow_with_seq_times_vocab():
     assert chunked[1] < 0.25 * 4 * 2048 * 8192
 
 
-def test_a_long_context_step_needs_under_a_quarter_of_the_logits_in_temporaries():
+@pytest.fixture
+def one_device(monkeypatch):
+    """The tests run on 8 virtual CPU devices, where "auto" leaves the logits whole: as on one."""
+    monkeypatch.setattr(zoo._loss, "_device_count", lambda: 1)
+
+
+def test_auto_leaves_the_logits_whole_on_several_devices():
+    assert zoo.loss_chunk_for("auto", 8192, 128256) == 512
+    assert zoo.loss_chunk_for("auto", 8192, 128256, devices=2) == 0
+    assert zoo.loss_chunk_for(512, 8192, 128256, devices=2) == 512  # a number is a number
+    cfg = zoo.config_from_name("llama:tiny", vocab_size=2**20, n_layers=1)
+    model = zoo.abstract_model(cfg)
+    assert jax.device_count() == 8 and zoo._loss.resolve_chunk(model, None, 2048, "t") == 0
+    assert zoo._loss.resolve_chunk(model, 64, 2048, "t") == 64
+
+
+def test_a_long_context_step_needs_under_a_quarter_of_the_logits_in_temporaries(one_device):
     """value_and_grad(lm_loss) of a 1-layer Llama at vocab 131072 and 8192 tokens: with blockwise
     attention and the config's default loss chunk ("auto": 512 tokens here), XLA's temporaries stay
     under a quarter of the full float32 logits; with the whole logits and the XLA attention they

@@ -20,9 +20,10 @@ def auto_chunk_tokens(vocab_size: int) -> int:
     return max(1, AUTO_CHUNK_LOGIT_BYTES // (4 * vocab_size))
 
 
-def loss_chunk_for(setting: int | str, tokens: int, vocab_size: int) -> int:
+def loss_chunk_for(setting: int | str, tokens: int, vocab_size: int, *, devices: int = 1) -> int:
     """Tokens per chunk that a loss-chunk ``setting`` gives for ``tokens`` predicted positions
-    (the whole flattened batch) over ``vocab_size`` classes; 0 means the whole logits at once.
+    (the whole flattened batch) over ``vocab_size`` classes on ``devices`` devices; 0 means the
+    whole logits at once.
 
     ``setting`` is a number of tokens (0: never chunk) or ``"auto"``: the loss holds at most
     :data:`AUTO_CHUNK_LOGIT_BYTES` (256 MiB) of float32 logits at a time. Logits that fit are
@@ -32,6 +33,11 @@ def loss_chunk_for(setting: int | str, tokens: int, vocab_size: int) -> int:
     fast as the whole one (within 3% at vocab 8192 and 32768 over 2048 tokens), so "auto" only
     leaves small logits whole. The planner uses this function too, so its estimates match what
     runs.
+
+    With more than one device ``"auto"`` computes the whole logits: the chunks are taken from
+    the flattened batch, so a batch split across devices would be gathered onto each of them
+    and its loss computed on every one. (An explicit number still chunks; see
+    :func:`chunked_cross_entropy`.)
 
     **Example:**
 
@@ -44,7 +50,7 @@ def loss_chunk_for(setting: int | str, tokens: int, vocab_size: int) -> int:
     """
     if setting == "auto":
         cap = auto_chunk_tokens(vocab_size)
-        if tokens <= cap:
+        if tokens <= cap or devices > 1:
             return 0
         n_chunks = -(-tokens // cap)
         return -(-tokens // n_chunks)
@@ -133,6 +139,12 @@ def lm_loss(
         return chunked_cross_entropy(model.head, x, targets, mask, chunk=chunk)
 
 
+def _device_count() -> int:
+    """The devices of this run, which ``"auto"`` chunking depends on (tests, which run on eight
+    virtual CPU devices, replace this)."""
+    return jax.device_count()
+
+
 def resolve_chunk(model, chunk: int | str | None, tokens: int, caller: str) -> int:
     """The tokens per loss chunk for ``model`` over ``tokens`` positions (0: whole logits), from
     ``chunk`` (None: the config's ``loss_chunk``, or 0 without a config); an explicit chunk that
@@ -143,7 +155,7 @@ def resolve_chunk(model, chunk: int | str | None, tokens: int, caller: str) -> i
     if setting == "auto" and vocab is None:
         return 0  # no config to size the logits by
     try:
-        chunk = loss_chunk_for(setting, tokens, vocab or 0)
+        chunk = loss_chunk_for(setting, tokens, vocab or 0, devices=_device_count())
     except ValueError as e:
         raise ValueError(f"{caller}: {e}") from None
     if not chunk or chunk >= tokens:
@@ -178,6 +190,11 @@ def chunked_cross_entropy(
 
     ``head`` maps ``(n, embed)`` to ``(n, vocab)`` for any ``n`` (a zoo model's ``head``); its
     weights may live in host memory (they are moved to the device once for the whole loss).
+
+    The chunks are cut from the flattened positions, so on several devices a batch sharded
+    across them is gathered: each device then computes the whole loss (the same value and
+    gradients, more work and memory). Chunk on one device; with a sharded batch leave the
+    logits whole (``chunk=0``, or ``"auto"``, which does so on more than one device).
 
     **Example:**
 

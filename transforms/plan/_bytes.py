@@ -598,7 +598,7 @@ def device_phases(
     loss["gradients"] = accum_buf + head_grad
     loss["saved activations"] = saved_dev
     loss["other residuals"] = other
-    rows = g.logit_rows(sh.mb * sh.S)  # a chunked loss holds one chunk's logits at a time
+    rows = g.logit_rows(sh.mb * sh.S, sh.fsdp)  # a chunked loss holds one chunk's logits at a time
     loss["logits"] = rows * g.vocab * 4 + rows * g.vocab * (4 + (g.c if g.c != 4 else 0))
     # With weights in host memory the head's weight is fetched again for its gradient.
     loss["working buffers"] = int(gather + (head_grad if cand.params else 0))

@@ -168,9 +168,10 @@ class Geometry:
         or one block of them with the blockwise implementation."""
         return min(S, self.attention_block) if self.attention == "blockwise" else S
 
-    def logit_rows(self, tokens: int) -> int:
-        """Positions whose logits exist at once when the loss runs over ``tokens`` positions."""
-        chunk = loss_chunk_for(self.loss_chunk, tokens, self.vocab)
+    def logit_rows(self, tokens: int, devices: int = 1) -> int:
+        """Positions whose logits exist at once when the loss runs over ``tokens`` positions (of
+        one device, one of ``devices``)."""
+        chunk = loss_chunk_for(self.loss_chunk, tokens, self.vocab, devices=devices)
         return min(tokens, chunk) if chunk else tokens
 
     def width(self, name: str) -> int:
