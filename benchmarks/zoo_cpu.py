@@ -116,6 +116,17 @@ def time_compile(cfg: zoo.DecoderConfig, batch: int, seq: int) -> dict:
     }
 
 
+def compiled_cost(compiled) -> dict:
+    """What XLA says a compiled step costs, free of timing noise: FLOPs, bytes accessed, temporaries."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict in older jax
+    return {
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+    }
+
+
 def count_params(tree) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
 
@@ -364,6 +375,7 @@ def run_throughput_study(args) -> dict:
     results = {name: _summary(r, tokens) for name, r in zip(trainers, runs, strict=True)}
     for name in ("zoo", "minimal"):
         results[name]["compile_s"] = trainers[name].compile_s
+        results[name]["compiled_cost"] = compiled_cost(trainers[name]._step)
     results["torch"]["attn_implementation"] = trainers["torch"].attn_implementation
     del trainers
     gc.collect()
@@ -376,6 +388,8 @@ def run_throughput_study(args) -> dict:
         "zoo_over_torch_tokens_per_s_fastest": z["tokens_per_s_best"] / t["tokens_per_s_best"],
         "minimal_over_torch_tokens_per_s": m["tokens_per_s"] / t["tokens_per_s"],
     }
+    for key in ("flops", "bytes_accessed", "temp_bytes"):
+        ratios[f"zoo_over_minimal_compiled_{key}"] = z["compiled_cost"][key] / m["compiled_cost"][key]
     for name, r in results.items():
         print(f"  {name:8} step times (s): " + " ".join(f"{x:.2f}" for x in r["step_times_s"]))
     print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
@@ -537,6 +551,14 @@ def markdown(report: dict) -> str:
             "and the CPU seconds per step are the steadier comparisons.",
             "",
         ]
+        zc, mc = r["zoo"].get("compiled_cost"), r["minimal"].get("compiled_cost")
+        if zc and mc:
+            lines += [
+                "What XLA's cost analysis says of the two compiled JAX steps (no timing noise): zoo / minimal = "
+                f"{zc['flops'] / mc['flops']:.3f} in FLOPs, {zc['bytes_accessed'] / mc['bytes_accessed']:.3f} in "
+                f"bytes accessed, {zc['temp_bytes'] / mc['temp_bytes']:.3f} in temporaries.",
+                "",
+            ]
     if "memory" in report:
         m = report["memory"]
         lines += [
