@@ -104,6 +104,18 @@ def test_program_lowered_for_cuda_places_buffers_in_pinned_host(prefetch):
     assert '_xla_buffer_placement = "device"' in text  # weights and residuals fetched back
 
 
+def test_a_chunked_loss_over_host_weights_lowers_for_cuda_with_the_head_fetched_once():
+    m = transforms.offload_params(model())
+    params, static = eqx.partition(m, eqx.is_array)
+    grad = lambda p, t: jax.value_and_grad(lambda p: zoo.lm_loss(eqx.combine(p, static), t, chunk=8))(p)
+    moves = list(device_puts(jax.make_jaxpr(grad)(params, tokens()).jaxpr))
+    head = (D, CFG.vocab_size)
+    # The head's weight comes to the device once, outside the loop over chunks.
+    assert [move for move in moves if move[3] == head and move[1:3] == (H, DEV)] == [(False, H, DEV, head)]
+    text = jax.jit(grad).trace(params, tokens()).lower(lowering_platforms=("cuda",)).as_text()
+    assert 'mhlo.memory_kind = "pinned_host"' in text and '_xla_buffer_placement = "device"' in text
+
+
 def nbytes(tree):
     return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
 

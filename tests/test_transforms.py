@@ -177,3 +177,21 @@ def test_transforms_compose_in_any_order():
     # The same model, so the same program (and numbers): compared as traced, nothing to compile.
     jaxpr = lambda m: str(jax.make_jaxpr(eqx.filter_value_and_grad(zoo.lm_loss))(m, tokens_for()))
     assert jaxpr(a) == jaxpr(b)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_chunked_loss_with_every_transform_matches_the_whole_loss_without_any(family):
+    """What a large vocabulary gets by default on one device: the chunked loss, here with the
+    head's weights in host memory (tied ones for GPT-2), offloaded activations and state."""
+    ref = reference(family)
+    model, optimizer = setup(family, ALL)
+    step = transforms.train_step(lambda m, t: zoo.lm_loss(m, t, chunk=24), optimizer)  # 128 tokens: 6 chunks
+    state, losses = step.init(model), []
+    for _ in range(STEPS):
+        model, state, metrics = step(model, state, tokens_for())
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
+    assert_close(model, ref["model"], atol=1e-5)
+    assert_close(state, ref["state"], atol=1e-6)
+    check_placement(model, state, ALL)
+    assert step.trace_count == 1
