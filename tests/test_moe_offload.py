@@ -91,3 +91,23 @@ def test_experts_are_streamed_one_layer_at_a_time(prefetch):
     experts = model.stack.layers.mlp.experts.gate.shape[1:]  # one layer: (E, d, f)
     assert any(experts in set(_device_puts(body)) for body in _scan_bodies(jaxpr))
     assert model.stack.layers.mlp.experts.gate.shape not in set(_device_puts(jaxpr))  # never the whole stack
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["at-use", "prefetch"])
+def test_host_weights_recompute_no_expert_matmul(prefetch):
+    """The backward pass with host-resident weights keeps the grouped matmuls' outputs as it keeps
+    the dense ones: it runs as many `ragged_dot`s as the plain one (three would be repeated)."""
+    from transforms._report import _sub_jaxprs
+
+    def grouped_matmuls(model):
+        params, static = eqx.partition(model, eqx.is_array)
+        tokens = jnp.zeros((2, 9), jnp.int32)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: _loss(eqx.combine(p, static), tokens)))(params).jaxpr
+
+        def count(j):
+            return sum((e.primitive.name == "ragged_dot_general") + sum(map(count, _sub_jaxprs(e))) for e in j.eqns)
+
+        return count(jaxpr)
+
+    plain = _model()
+    assert grouped_matmuls(transforms.offload_params(plain, prefetch=prefetch)) == grouped_matmuls(plain) > 0

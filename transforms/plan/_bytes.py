@@ -51,8 +51,9 @@ itself saves (``saved_residuals``), byte for byte, for both families in float32 
 ``experts_per_token`` (``k``) experts, so the MLP's per-token widths above are ``k * f``; without
 a transform the layer also keeps the router's logits and float32 probabilities, each token's
 choices and weights, the sort order and its inverse, and the ``S * k`` gathered input rows and
-expert outputs; with weights in host memory only the named ``expert_hidden`` and
-``router_logits`` (the grouped matmuls are not saved). Expert weights count in the parameter
+expert outputs; with weights in host memory the named ``expert_hidden`` and
+``router_logits`` and the grouped matmuls' outputs (gate, up and expert outputs, as the dense
+matmuls' outputs are saved), so that no expert matmul is recomputed. Expert weights count in the parameter
 bytes, the streamed layer and the weight casts whole (every expert of a layer moves together);
 FLOPs count ``k`` experts and the router.
 
@@ -318,10 +319,15 @@ def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
         "attention scores (float32)": g.heads * S * (4 if g.attention == "blockwise" else S * 4),
         "attn_context": _sd(S, g.q, c),
         "attn_residual": _sd(S, g.d, c),
-        # The experts' grouped matmuls (ragged_dot) are not saved by the dots policy, only named values.
-        "mlp pre-activations": 0 if g.moe else g.n_mlp_in * _sd(S, g.f, c),
+        # With experts, the grouped matmuls' outputs per (token, expert) pair: gate and up, and the
+        # expert outputs (ragged_dot, saved like the dense matmuls' outputs).
+        "mlp pre-activations": g.n_mlp_in * _sd(S, g.f_active, c),
         "mlp_hidden": _sd(S, g.f_active, c),
-        **({"router_logits": _sd(S, g.n_experts, c)} if g.moe else {}),
+        **(
+            {"router_logits": _sd(S, g.n_experts, c), "expert outputs": _sd(S * g.experts_per_token, g.d, c)}
+            if g.moe
+            else {}
+        ),
     }
 
 

@@ -18,6 +18,13 @@ from ._prefetch import fetch_layer, prefetched_scan
 from ._remat import Remat
 
 
+def _grouped_matmuls_saveable(prim, *_, **__) -> bool:
+    """A checkpoint policy that saves the outputs of grouped matmuls (`jax.lax.ragged_dot`: a
+    mixture of experts' gate, up and down projections), which ``dots_saveable`` leaves to be
+    recomputed."""
+    return prim.name == "ragged_dot_general"
+
+
 class Stack(AxisNamed):
     """``n_layers`` identical layers whose arrays carry a leading layer axis.
 
@@ -139,11 +146,13 @@ class Stack(AxisNamed):
         if self.remat is not None:
             return self.remat.policy()  # saves only named activations, never a weight copy
         if any_on_host(arrays):
-            # "Save everything" minus the weights: keep every matmul output and named
-            # activation, recompute elementwise work and fetch each weight again. (A policy
-            # of "anything except PARAM_NAME" would still keep the untagged copy itself.)
-            return jax.checkpoint_policies.save_from_both_policies(
-                jax.checkpoint_policies.dots_saveable,
+            # "Save everything" minus the weights: keep every matmul output (the experts'
+            # grouped ones too) and named activation, recompute elementwise work and fetch each
+            # weight again. (A policy of "anything except PARAM_NAME" would still keep the
+            # untagged copy itself.)
+            both = jax.checkpoint_policies.save_from_both_policies
+            return both(
+                both(jax.checkpoint_policies.dots_saveable, _grouped_matmuls_saveable),
                 jax.checkpoint_policies.save_only_these_names(*self.checkpoint_names),
             )
         return None
