@@ -60,6 +60,7 @@ PUBLIC = [
     zoo.generate,
     zoo.nn.attend,
     zoo.chunked_cross_entropy,
+    zoo.loss_chunk_for,
     zoo.nn.SwiGLU,
     transforms.Plan.apply,
     transforms.Plan.predict,
