@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -18,11 +19,20 @@ from ._prefetch import fetch_layer, prefetched_scan
 from ._remat import Remat
 
 
+@functools.cache
+def _grouped_matmul_primitives() -> frozenset:
+    """The primitives `jax.lax.ragged_dot` binds, read from its jaxpr (their names and number are
+    JAX's business and may change between versions)."""
+    lhs, rhs = jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((1, 2, 2), jnp.float32)
+    jaxpr = jax.make_jaxpr(jax.lax.ragged_dot)(lhs, rhs, jax.ShapeDtypeStruct((1,), jnp.int32))
+    return frozenset(e.primitive for e in jaxpr.eqns if "ragged" in e.primitive.name)
+
+
 def _grouped_matmuls_saveable(prim, *_, **__) -> bool:
     """A checkpoint policy that saves the outputs of grouped matmuls (`jax.lax.ragged_dot`: a
     mixture of experts' gate, up and down projections), which ``dots_saveable`` leaves to be
     recomputed."""
-    return prim.name == "ragged_dot_general"
+    return prim in _grouped_matmul_primitives()
 
 
 class Stack(AxisNamed):
