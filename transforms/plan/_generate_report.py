@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._report import format_bytes
-from ._report import _fmt_s, _table
+from ._report import _fmt_s, _table, footer
 
 PHASES = ("prefill", "decode")
 
@@ -69,12 +69,4 @@ def render(plan) -> str:
     header = ["placement", "device", "host", "h2d/step", "tokens/s", "bound by", "fits"]
     lines += ["  " + s for s in _table(header, rows, {1, 2, 3, 4})]
     lines.append("")
-    if plan.suggestions:
-        lines.append("What would fit:")
-        lines += [f"  - {s}" for s in plan.suggestions]
-        lines.append("")
-    if plan.env:
-        lines.append("Environment: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
-    lines.append("Notes:")
-    lines += [f"  - {n}" for n in plan.notes]
-    return "\n".join(lines)
+    return "\n".join(lines + footer(plan))

@@ -57,6 +57,12 @@ def render(plan) -> str:
     lines += _components(plan)
     lines += _candidates(plan)
     lines += render_long_context(plan.long_context)
+    return "\n".join(lines + footer(plan))
+
+
+def footer(plan) -> list[str]:
+    """The end of a training or generation plan's report: what would fit, environment, notes."""
+    lines = []
     if plan.suggestions:
         lines.append("What would fit:")
         lines += [f"  - {s}" for s in plan.suggestions]
@@ -65,7 +71,7 @@ def render(plan) -> str:
         lines.append("Environment: " + " ".join(f"{k}={v}" for k, v in plan.env.items()))
     lines.append("Notes:")
     lines += [f"  - {n}" for n in plan.notes]
-    return "\n".join(lines)
+    return lines
 
 
 def _header(plan) -> list[str]:
