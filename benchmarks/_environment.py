@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -112,3 +113,11 @@ def software() -> dict:
         "environment_variables": env_vars(),
         "git_commit": git_commit(),
     }
+
+
+def write_results(out: Path, stem: str, report: dict, text: str) -> None:
+    """Write a benchmark's ``report`` to ``out/stem.json`` and its table ``text`` to ``out/stem.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(text)
+    print(f"wrote {out / stem}.json and .md", flush=True)

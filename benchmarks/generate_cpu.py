@@ -39,7 +39,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -310,11 +309,7 @@ def main(argv=None) -> dict:
     report = run_benchmark(args)
     text = table(report)
     print(text)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = "generate_cpu_quick" if args.quick else "generate_cpu"
-    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS_DIR / f"{stem}.md").write_text(text)
-    print(f"wrote {RESULTS_DIR / stem}.json and .md", flush=True)
+    env.write_results(RESULTS_DIR, "generate_cpu_quick" if args.quick else "generate_cpu", report, text)
     return report
 
 

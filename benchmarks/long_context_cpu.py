@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -185,11 +184,7 @@ def main(argv=None) -> dict:
     report = run_benchmark(args)
     text = table(report)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "long_context_cpu_quick" if args.quick else "long_context_cpu"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(text)
-    print(f"wrote {args.out / stem}.json and .md", flush=True)
+    env.write_results(args.out, "long_context_cpu_quick" if args.quick else "long_context_cpu", report, text)
     return report
 
 

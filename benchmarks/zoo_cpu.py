@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import math
 import os
 import platform
@@ -51,6 +50,7 @@ import numpy as np
 import optax
 
 import zoo
+from benchmarks import _environment as benchmark_env
 
 try:
     from benchmarks import minimal_step
@@ -357,7 +357,7 @@ def bench_config(args) -> zoo.LlamaConfig:
 def run_throughput_study(args) -> dict:
     import torch
 
-    torch.set_num_threads(usable_cores())  # XLA's thread pool also uses every usable core
+    torch.set_num_threads(benchmark_env.usable_cores())  # XLA's thread pool also uses every usable core
     cfg = bench_config(args)
     print(
         f"\n== Training throughput: Llama d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
@@ -444,22 +444,14 @@ def run_memory_study(args) -> dict:
     }
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask), which is what XLA sizes its thread pool by."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def environment() -> dict:
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "usable_cores": usable_cores(),
-        "cpu_model": _cpu_model(),
+        "usable_cores": benchmark_env.usable_cores(),
+        "cpu_model": benchmark_env.cpu_model(),
         "jax": jax.__version__,
         "jax_devices": [str(d) for d in jax.devices()],
         "jax_default_matmul_precision": str(jax.config.jax_default_matmul_precision),
@@ -478,16 +470,6 @@ def environment() -> dict:
     except ImportError:
         pass
     return env
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def markdown(report: dict) -> str:
@@ -651,13 +633,10 @@ def main(argv=None) -> None:
 
     md = markdown(report)
     print("\n" + md)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "zoo_cpu" + ("_quick" if args.quick else "")
     if env["usable_cores"] < (os.cpu_count() or 1):  # e.g. under `taskset`
         stem += f"_{env['usable_cores']}core"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(md)
-    print(f"wrote {args.out / f'{stem}.json'} and {args.out / f'{stem}.md'}")
+    benchmark_env.write_results(args.out, stem, report, md)
 
 
 if __name__ == "__main__":
