@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
+from ._loss import loss_chunk_for
 from .nn import ATTENTION_IMPLEMENTATIONS, Llama3RopeScaling
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,12 +58,10 @@ class DecoderConfig:
                 f"{type(self).__name__}.attention must be one of {list(ATTENTION_IMPLEMENTATIONS)}, "
                 f"got {self.attention!r}"
             )
-        chunk = self.loss_chunk
-        if chunk != "auto" and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
-            raise ValueError(
-                f"{type(self).__name__}.loss_chunk must be a number of tokens >= 0 (0: no chunking) or 'auto', "
-                f"got {chunk!r}"
-            )
+        try:
+            loss_chunk_for(self.loss_chunk, 1, self.vocab_size)  # the one check of a loss-chunk setting
+        except ValueError as e:
+            raise ValueError(f"{type(self).__name__}.loss_chunk {str(e).removeprefix('a loss chunk ')}") from None
         if not self.norm_eps > 0:
             raise ValueError(f"{type(self).__name__}.norm_eps must be > 0, got {self.norm_eps!r}")
         if not self.init_std > 0:

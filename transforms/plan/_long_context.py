@@ -7,10 +7,10 @@ Three rows, for the plan's batch and device budget:
 - *planned*: the model as configured, any candidate the planner tries;
 - *long context*: the config's attention switched to ``"blockwise"`` (scores ``seq x block``
   instead of ``seq x seq``), the loss chunked (``loss_chunk`` tokens of logits at a time instead
-  of ``batch x seq``; the config's chunk if it gives a number, else the most tokens that ``"auto"`` puts in one chunk,
-  :func:`zoo._loss.auto_chunk_tokens`) and the
-  layer inputs offloaded to host memory (``offload_activations`` preset ``block_input``; on a
-  unified-memory device, where nothing is offloaded, recomputation of everything else instead),
+  of ``batch x seq``; the config's chunk if it gives a number, else the most tokens that
+  ``"auto"`` puts in one chunk, :func:`zoo._loss.auto_chunk_tokens`) and the layer inputs
+  offloaded to host memory (``offload_activations`` preset ``block_input``; on a unified-memory
+  device, where nothing is offloaded, recomputation of everything else instead),
   with or without offloading the weights and the optimizer state (the planner's choice among
   those; for a model whose weights and state fit, none).
 
