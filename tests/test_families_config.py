@@ -26,7 +26,14 @@ def test_families_and_names_are_registered():
     names = zoo.model_names()
     for family in NEW:
         assert family in zoo.FAMILIES and f"{family}:tiny" in names
-    for name in ("qwen3:0.6b", "mixtral:8x7b", "qwen3-moe:30b-a3b", "gemma2:2b", "gemma3:1b", "gemma3:27b"):
+    for name in (
+        "qwen3:0.6b",
+        "mixtral:8x7b",
+        "qwen3-moe:30b-a3b",
+        "gemma2:2b",
+        "gemma3:1b",
+        "gemma3:27b",
+    ):
         assert name in names
         config = zoo.config_from_name(name)
         assert type(config).family == name.split(":")[0]
@@ -88,7 +95,7 @@ def test_layer_types_repeat_over_depth():
     assert config.types_per_layer() == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
     kinds, per_layer = config.attention_kinds()
     assert [k.window for k in kinds] == [512, None] and per_layer == [0, 0, 0, 0, 0, 1, 0, 0]
-    assert (kinds[0].rope_theta, kinds[1].rope_theta) == (10000.0, 1e6)
+    assert (kinds[0].rotary.theta, kinds[1].rotary.theta) == (10000.0, 1e6)
 
 
 def test_config_round_trips_through_a_dict():

@@ -209,3 +209,18 @@ def test_unsupported_features_are_refused_naming_the_field(reference, tmp_path, 
     directory = _edited(reference(name).directory, tmp_path / "edited", **changes)
     with pytest.raises(ValueError, match=re.escape(field)):
         zoo.load_hf(directory)
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "field"),
+    [
+        ("qwen3:tiny", dict(qkv_bias=True), "Qwen3Config.o_bias"),
+        ("gemma2:tiny", dict(mlp_bias=True), "Gemma2Config.mlp_bias"),
+        ("mixtral:tiny", dict(router_z_loss_coef=0.1), "MixtralConfig.router_z_loss_coef"),
+    ],
+)
+def test_a_config_its_model_type_cannot_hold_is_not_saved_naming_the_field(tmp_path, name, change, field):
+    model = zoo.abstract_model(zoo.config_from_name(name, **change))
+    with pytest.raises(ValueError, match=re.escape(field)):
+        zoo.save_hf(model, tmp_path)
+    assert not (tmp_path / "config.json").exists()

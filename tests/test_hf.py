@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import zoo
 import zoo.hf
-from zoo.hf import _weights
+from zoo.hf import _table, _weights
 
 torch.set_num_threads(1)
 
@@ -144,7 +144,7 @@ def _checkpoint_tensors(tree, config, model_type):
     """The arrays of ``tree`` (a model or its gradients) under their checkpoint names, by the
     same table `zoo.load_hf` uses."""
     leaves = _weights.leaf_paths(tree)
-    entries = _weights.table(config, "transformer." if model_type == "gpt2" else "")
+    entries = _table.table(config, "transformer." if model_type == "gpt2" else "")
     get = lambda path: np.asarray(leaves[path].astype(jnp.float32))
     return {name: produce() for _, name, produce in _weights.checkpoint_tensors(entries, config.n_layers, get)}
 

@@ -94,12 +94,12 @@ def test_decode_reads_only_the_experts_its_tokens_use(batch):
 
 
 def test_saved_residuals_of_an_moe_layer_follow_what_jax_saves():
-    """Per layer: the planner's saved bytes within 1% of JAX's residuals (the router statistics
-    packed below the residual stream are left out)."""
+    """Per layer: the planner's saved bytes within 1% of JAX's residuals (the batch differs from the
+    depth, so that only per-layer residuals have the depth as their leading axis)."""
     from jax._src.ad_checkpoint import saved_residuals
 
     cfg = zoo.config_from_name("mixtral:tiny").replace(n_layers=2)
-    batch, seq = 2, 32
+    batch, seq = 3, 32
     p = transforms.plan(cfg, batch=batch, seq=seq, device="h100")
     tokens = jnp.zeros((batch, seq + 1), jnp.int32)
     for cand in (Candidate(), Candidate(params=True)):

@@ -19,7 +19,6 @@ from ._build import config_from_name as config_from_name
 from ._build import model_names as model_names
 from ._config import DecoderConfig as DecoderConfig
 from ._config import GPT2Config as GPT2Config
-from ._config import LlamaConfig as LlamaConfig
 from ._describe import LayerSpec as LayerSpec
 from ._describe import ModelSpec as ModelSpec
 from ._describe import describe as describe
@@ -30,6 +29,7 @@ from ._gemma import Gemma3Config as Gemma3Config
 from ._generate import generate as generate
 from ._gpt2 import GPT2 as GPT2
 from ._llama import Llama as Llama
+from ._llama import LlamaConfig as LlamaConfig
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._loss import cross_entropy as cross_entropy
 from ._loss import lm_loss as lm_loss

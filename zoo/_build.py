@@ -5,10 +5,10 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 
-from ._config import DecoderConfig, GPT2Config, LlamaConfig
+from ._config import DecoderConfig, GPT2Config
 from ._gemma import Gemma2, Gemma2Config, Gemma3, Gemma3Config
 from ._gpt2 import GPT2
-from ._llama import Llama
+from ._llama import Llama, LlamaConfig
 from ._mixtral import Mixtral, MixtralConfig
 from ._qwen3 import Qwen3, Qwen3Config, Qwen3Moe, Qwen3MoeConfig
 

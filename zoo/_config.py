@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from ._loss import loss_chunk_for
-from .nn import ATTENTION_IMPLEMENTATIONS, Llama3RopeScaling
+from .nn import ATTENTION_IMPLEMENTATIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -22,7 +22,8 @@ def _positive(cfg, *names: str) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    """Settings shared by the decoder families. Use :class:`GPT2Config` or :class:`LlamaConfig`."""
+    """Settings shared by the decoder families: :class:`GPT2Config`, and the rotary families'
+    base ``zoo._decoder.RotaryDecoderConfig`` (:class:`LlamaConfig`, :class:`Qwen3Config`, ...)."""
 
     vocab_size: int
     d_model: int
@@ -174,153 +175,4 @@ class GPT2Config(DecoderConfig):
         total = layers * per_layer + 2 * d
         if embeddings:
             total += self.vocab_size * d + self.max_seq_len * d
-        return total
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LlamaConfig(DecoderConfig):
-    """Llama: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
-
-    Mistral- and Qwen2-shaped models are configs of this family (``sliding_window``,
-    ``qkv_bias``). Defaults are a ~1B Llama-3.2 shape. Presets: ``tiny`` (tests), ``small``
-    (~125M, for CPU benchmarks), ``1b``, ``3b``, ``8b`` (Llama-3-8B), ``mistral-7b``,
-    ``qwen2-0.5b``.
-
-    **Example:**
-
-    ```python
-    import zoo
-    cfg = zoo.LlamaConfig.preset("8b")
-    cfg.n_params() / 1e9  # ~8.03
-    ```
-    """
-
-    vocab_size: int = 128256
-    d_model: int = 2048
-    n_layers: int = 16
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    head_dim: int | None = None  # default d_model // n_heads
-    d_ff: int = 8192
-    max_seq_len: int = 8192
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: Llama3RopeScaling | None = None
-    tie_embeddings: bool = True
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    sliding_window: int | None = None
-
-    family: ClassVar[str] = "llama"
-
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(
-            vocab_size=256,
-            d_model=64,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            d_ff=192,
-            max_seq_len=128,
-            rope_theta=10000.0,
-            tie_embeddings=False,
-        ),
-        "small": dict(
-            vocab_size=32000,
-            d_model=768,
-            n_layers=12,
-            n_heads=12,
-            n_kv_heads=4,
-            d_ff=2048,
-            max_seq_len=2048,
-            rope_theta=10000.0,
-            tie_embeddings=False,
-        ),
-        "1b": dict(rope_scaling=Llama3RopeScaling(factor=32.0)),
-        "3b": dict(d_model=3072, n_layers=28, n_heads=24, d_ff=8192, rope_scaling=Llama3RopeScaling(factor=32.0)),
-        "8b": dict(d_model=4096, n_layers=32, n_heads=32, d_ff=14336, tie_embeddings=False),
-        "mistral-7b": dict(
-            vocab_size=32000,
-            d_model=4096,
-            n_layers=32,
-            n_heads=32,
-            n_kv_heads=8,
-            d_ff=14336,
-            max_seq_len=32768,
-            rope_theta=10000.0,
-            tie_embeddings=False,
-            sliding_window=4096,
-        ),
-        "qwen2-0.5b": dict(
-            vocab_size=151936,
-            d_model=896,
-            n_layers=24,
-            n_heads=14,
-            n_kv_heads=2,
-            d_ff=4864,
-            max_seq_len=32768,
-            norm_eps=1e-6,
-            rope_theta=1000000.0,
-            qkv_bias=True,
-        ),
-    }
-
-    def __post_init__(self):
-        super().__post_init__()
-        _positive(self, "n_kv_heads")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"LlamaConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            )
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(
-                    f"LlamaConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
-                    "unless head_dim is given"
-                )
-        else:
-            _positive(self, "head_dim")
-        if self.head_size % 2:
-            raise ValueError(f"LlamaConfig head_dim must be even for rotary embeddings, got {self.head_size}")
-        if self.sliding_window is not None:
-            _positive(self, "sliding_window")
-        if not self.rope_theta > 0:
-            raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
-            raise TypeError(
-                f"LlamaConfig.rope_scaling must be a zoo.nn.Llama3RopeScaling or None, got {self.rope_scaling!r}"
-            )
-
-    @property
-    def head_size(self) -> int:
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        if self.rope_scaling is not None:
-            out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]):
-        data = dict(data)
-        if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = Llama3RopeScaling(**data["rope_scaling"])
-        return super().from_dict(data)
-
-    def n_params(self, *, embeddings: bool = True) -> int:
-        """Number of parameters (``embeddings=False`` leaves out the token table, and the
-        untied output head)."""
-        d, f, hd = self.d_model, self.d_ff, self.head_size
-        q, kv = self.n_heads * hd, self.n_kv_heads * hd
-        attn = d * q + 2 * d * kv + q * d
-        if self.qkv_bias:
-            attn += q + 2 * kv
-        if self.o_bias:
-            attn += d
-        mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
-        total = self.n_layers * (2 * d + attn + mlp) + d
-        if embeddings:
-            total += self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total

@@ -1,8 +1,11 @@
-"""What the Qwen3, Mixtral, Qwen3-MoE and Gemma families share: a config base and a model base.
+"""What every rotary family shares: one config base and one model class.
 
-A family is a config class (its fields and presets, and class-level traits: query/key norms, the
-``1 + w`` norm, post-norms, GeGLU, embedding scaling) and a model class that only names it; the
-layers are :class:`zoo._blocks.DecoderLayer` s in one :class:`zoo.nn.Stack`.
+A family (Llama, Qwen3, Mixtral, Qwen3-MoE, Gemma 2 and 3, ...) is a config class: its defaults,
+its presets, and class-level traits (query/key norms, the ``1 + w`` norm, which norms a layer has,
+GeGLU, embedding scaling). The model class only names its config; its layers are
+:class:`zoo.nn.Block` s of one :class:`zoo.nn.Attention` and one :class:`zoo.nn.FeedForward`,
+scanned in one :class:`zoo.nn.Stack`. A mixture-of-experts family's config builds a
+:class:`zoo.nn.MoE` as the feed-forward; its router statistics ride in the stack's carry.
 """
 
 from __future__ import annotations
@@ -17,42 +20,65 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._blocks import AttentionKind, DecoderLayer, SelfAttention, pack_stats, unpack_stats, zero_stats
 from ._common import check_tokens
 from ._config import DecoderConfig, _positive
 from ._jax_compat import innermost_transform_is_vmap
 from .nn._spec import ModelSpec
 
+#: The shape of every rotary family's ``tiny`` preset (tests and examples), which a family adjusts.
+TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128, rope_theta=1e4)
+
 #: Values of a config's ``layer_types`` (the spelling of ``transformers``' ``layer_types``).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+_OPTIONAL_POSITIVE = (
+    "rope_scaling_factor",
+    "local_rope_theta",
+    "query_pre_attn_scalar",
+    "attn_softcap",
+    "final_softcap",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RotaryDecoderConfig(DecoderConfig):
-    """Settings shared by the Qwen3, Mixtral, Qwen3-MoE and Gemma families (see each family's config).
+    """Settings shared by the rotary families (see each family's config for its defaults).
 
-    ``layer_types`` gives each layer ``"full_attention"`` or ``"sliding_attention"`` (windowed by
-    ``sliding_window``), repeating cyclically over depth: ``("sliding_attention",) * 5 +
-    ("full_attention",)`` is Gemma 3's five local layers per global one at any depth. ``None``
-    windows every layer when ``sliding_window`` is set, none otherwise. Sliding layers use
-    ``local_rope_theta`` (without scaling) when it is set; otherwise every layer uses
-    ``rope_theta`` and ``rope_scaling_factor`` (linear scaling: positions divided by it).
+    - ``n_kv_heads``, ``head_dim`` (``None``: ``d_model // n_heads``): attention widths.
+    - ``rope_theta``; ``rope_scaling`` (a :class:`zoo.nn.Llama3RopeScaling`) or
+      ``rope_scaling_factor`` (linear: positions divided by it).
+    - ``layer_types`` gives each layer ``"full_attention"`` or ``"sliding_attention"`` (windowed
+      by ``sliding_window``), repeating cyclically over depth: ``("sliding_attention",) * 5 +
+      ("full_attention",)`` is Gemma 3's five local layers per global one at any depth. ``None``
+      windows every layer when ``sliding_window`` is set, none otherwise. Sliding layers use
+      ``local_rope_theta`` (without scaling) when it is set.
+    - ``qkv_bias``, ``o_bias``, ``mlp_bias``: biases on the q/k/v, o and MLP projections.
+    - ``query_pre_attn_scalar``: scores scaled by its inverse square root (``None``: by
+      ``head_dim ** -0.5``); ``attn_softcap``, ``final_softcap``: scores and logits become
+      ``cap * tanh(x / cap)`` (``None``: not capped).
     """
 
     n_kv_heads: int
     head_dim: int | None = None  # None (also stored for an explicit d_model // n_heads): d_model // n_heads
     rope_theta: float = 10000.0
+    rope_scaling: nn.Llama3RopeScaling | None = None
     rope_scaling_factor: float | None = None
     local_rope_theta: float | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     tie_embeddings: bool = False
-    attention_bias: bool = False  # biases on the q, k, v and o projections
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     # Traits of the family, not settings.
-    QK_NORM: ClassVar[bool] = False  # RMSNorm over each query and key head
+    QK_NORM: ClassVar[str | None] = None  # RMSNorm over each query and key "head", or the whole "projection"
     NORM_OFFSET: ClassVar[float] = 0.0  # 1.0: norms scale by (1 + w) (Gemma)
-    POST_NORMS: ClassVar[bool] = False  # norms after the attention and the MLP too (Gemma)
+    PRE_NORMS: ClassVar[bool] = True  # norms before the attention and the MLP (all but OLMo 2)
+    POST_NORMS: ClassVar[bool] = False  # norms after the attention and the MLP (Gemma, OLMo 2)
     GELU: ClassVar[bool] = False  # GeGLU instead of SwiGLU (Gemma)
     EMBED_SCALE: ClassVar[bool] = False  # embeddings multiplied by sqrt(d_model) (Gemma)
 
@@ -73,12 +99,19 @@ class RotaryDecoderConfig(DecoderConfig):
                 object.__setattr__(self, "head_dim", None)  # the default, spelled one way: configs compare equal
         if self.head_size % 2:
             raise ValueError(f"{name} head_dim must be even for rotary embeddings, got {self.head_size}")
-        for field in ("rope_theta", "local_rope_theta", "rope_scaling_factor"):
+        if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
+            raise ValueError(f"{name}.rope_theta must be a positive number, got {self.rope_theta!r}")
+        for field in _OPTIONAL_POSITIVE:
             value = getattr(self, field)
             if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(
-                    f"{name}.{field} must be a positive number{'' if field == 'rope_theta' else ' or None'}"
+                raise ValueError(f"{name}.{field} must be a positive number or None, got {value!r}")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, nn.Llama3RopeScaling):
+                raise TypeError(
+                    f"{name}.rope_scaling must be a zoo.nn.Llama3RopeScaling or None, got {self.rope_scaling!r}"
                 )
+            if self.rope_scaling_factor is not None:
+                raise ValueError(f"{name} takes rope_scaling (Llama 3) or rope_scaling_factor (linear), not both")
         if self.sliding_window is not None:
             _positive(self, "sliding_window")
         if self.layer_types is not None:
@@ -101,23 +134,46 @@ class RotaryDecoderConfig(DecoderConfig):
             return [LAYER_TYPES[self.sliding_window is not None]] * self.n_layers
         return [self.layer_types[i % len(self.layer_types)] for i in range(self.n_layers)]
 
-    def attention_kinds(self) -> tuple[tuple[AttentionKind, ...], list[int] | None]:
-        """The distinct :class:`zoo._blocks.AttentionKind` s and each layer's index among them
+    def attention_kinds(self) -> tuple[tuple[nn.AttentionKind, ...], list[int] | None]:
+        """The distinct :class:`zoo.nn.AttentionKind` s and each layer's index among them
         (``None`` when every layer is alike)."""
         factor = 1.0 if self.rope_scaling_factor is None else float(self.rope_scaling_factor)
-        full = AttentionKind(None, float(self.rope_theta), factor)
+        rotary = nn.RotaryEmbedding(self.head_size, theta=self.rope_theta, scaling=self.rope_scaling, factor=factor)
+        full = nn.AttentionKind(None, rotary)
         if self.local_rope_theta is None:
-            sliding = AttentionKind(self.sliding_window, float(self.rope_theta), factor)
+            sliding = nn.AttentionKind(self.sliding_window, rotary)
         else:
-            sliding = AttentionKind(self.sliding_window, float(self.local_rope_theta), 1.0)
+            local = nn.RotaryEmbedding(self.head_size, theta=self.local_rope_theta)
+            sliding = nn.AttentionKind(self.sliding_window, local)
         per_layer = [full if t == "full_attention" else sliding for t in self.types_per_layer()]
         kinds = tuple(dict.fromkeys(per_layer))
         return kinds, None if len(kinds) == 1 else [kinds.index(k) for k in per_layer]
+
+    def norm(self, dim: int, axis: str | None = "embed") -> eqx.Module:
+        """A norm of this family over ``dim`` (``axis``: its logical axis name)."""
+        if self.NORM_OFFSET == 0.0 and axis == "embed":
+            return nn.RMSNorm(dim, eps=self.norm_eps, dtype=self.param_jnp_dtype)
+        return nn.OffsetRMSNorm(dim, eps=self.norm_eps, offset=self.NORM_OFFSET, axis=axis, dtype=self.param_jnp_dtype)
+
+    def feed_forward(self, *, init_std: float, out_init_std: float, key: PRNGKeyArray) -> nn.FeedForward:
+        """One layer's feed-forward: SwiGLU or GeGLU (``GELU``) here; experts in :class:`MoEConfig`."""
+        mlp = nn.GeGLU if self.GELU else nn.SwiGLU
+        return mlp(
+            self.d_model,
+            self.d_ff,
+            use_bias=self.mlp_bias,
+            init_std=init_std,
+            out_init_std=out_init_std,
+            dtype=self.param_jnp_dtype,
+            key=key,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         if self.layer_types is not None:
             out["layer_types"] = list(self.layer_types)
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         return out
 
     @classmethod
@@ -125,15 +181,24 @@ class RotaryDecoderConfig(DecoderConfig):
         data = dict(data)
         if data.get("layer_types") is not None:
             data["layer_types"] = tuple(data["layer_types"])
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = nn.Llama3RopeScaling(**data["rope_scaling"])
+        if "attention_bias" in data:  # written before the q/k/v and o biases were separate fields
+            bias = bool(data.pop("attention_bias"))
+            data.setdefault("qkv_bias", bias)
+            data.setdefault("o_bias", bias)
         return super().from_dict(data)
 
     def _layer_params(self, experts: int) -> int:
-        d, hd = self.d_model, self.head_size
+        d, hd, f = self.d_model, self.head_size, self.d_ff
         q, kv = self.n_heads * hd, self.n_kv_heads * hd
-        attn = 2 * d * q + 2 * d * kv + ((q + 2 * kv + d) if self.attention_bias else 0)
-        attn += 2 * hd if self.QK_NORM else 0
-        norms = (4 if self.POST_NORMS else 2) * d
-        return attn + norms + experts * 3 * d * self.d_ff
+        attn = 2 * d * q + 2 * d * kv + ((q + 2 * kv) if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        if self.QK_NORM == "head":
+            attn += 2 * hd
+        elif self.QK_NORM == "projection":
+            attn += q + kv
+        norms = ((2 if self.PRE_NORMS else 0) + (2 if self.POST_NORMS else 0)) * d
+        return attn + norms + experts * (3 * d * f + ((2 * f + d) if self.mlp_bias else 0))
 
     def n_params(self, *, embeddings: bool = True) -> int:
         """Number of parameters (``embeddings=False`` leaves out the token table and an untied head)."""
@@ -164,10 +229,26 @@ class MoEConfig(RotaryDecoderConfig):
             raise ValueError(
                 f"{name}.experts_per_token ({self.experts_per_token}) exceeds n_experts ({self.n_experts})"
             )
+        if self.mlp_bias:
+            raise ValueError(f"{name}.mlp_bias: the zoo's experts have no biases")
         for field in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(self, field)
             if not (isinstance(value, int | float) and value >= 0):
                 raise ValueError(f"{name}.{field} must be a number >= 0, got {value!r}")
+
+    def feed_forward(self, *, init_std: float, out_init_std: float, key: PRNGKeyArray) -> nn.FeedForward:
+        """One layer's mixture of experts."""
+        return nn.MoE(
+            self.d_model,
+            self.d_ff,
+            n_experts=self.n_experts,
+            experts_per_token=self.experts_per_token,
+            normalize_weights=self.normalize_router_weights,
+            init_std=init_std,
+            out_init_std=out_init_std,
+            dtype=self.param_jnp_dtype,
+            key=key,
+        )
 
     def n_params(self, *, embeddings: bool = True) -> int:
         """Number of parameters, every expert counted (see :meth:`n_active_params`)."""
@@ -193,10 +274,11 @@ class MoEConfig(RotaryDecoderConfig):
 
 
 class RotaryDecoder(eqx.Module):
-    """The model of the families above: token embedding, :class:`zoo._blocks.DecoderLayer` s
-    scanned over depth, final norm, output head (tied or separate), optional final-logit soft-cap.
+    """The model of the rotary families: token embedding, :class:`zoo.nn.Block` s scanned over
+    depth, final norm, output head (tied or separate), optional final-logit soft-cap.
 
     Subclasses name their config class (``CONFIG``); everything else follows from the config.
+    Call on one sequence of token ids; batch with `jax.vmap`.
     """
 
     embed: nn.Embedding
@@ -208,7 +290,7 @@ class RotaryDecoder(eqx.Module):
     CONFIG: ClassVar[type] = RotaryDecoderConfig
 
     def __init__(self, config: RotaryDecoderConfig, *, key: PRNGKeyArray):
-        if type(config) is not self.CONFIG:
+        if not isinstance(config, self.CONFIG):
             raise TypeError(f"{type(self).__name__} needs a {self.CONFIG.__name__}, got {type(config).__name__}")
         c = config
         dtype = c.param_jnp_dtype
@@ -222,7 +304,7 @@ class RotaryDecoder(eqx.Module):
             layers = eqx.filter_vmap(make)(keys, jnp.asarray(per_layer, jnp.int32))
         self.embed = nn.Embedding(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype, key=k_emb)
         self.stack = nn.Stack(layers=layers, n_layers=c.n_layers, scan=c.scan_layers)
-        self.norm = _norm(c, c.d_model)
+        self.norm = c.norm(c.d_model)
         self.lm_head = (
             None
             if c.tie_embeddings
@@ -238,7 +320,8 @@ class RotaryDecoder(eqx.Module):
         return self.stack.checkpoint_names
 
     def describe(self) -> ModelSpec:
-        """The :class:`zoo.ModelSpec` the memory planner reads."""
+        """The :class:`zoo.ModelSpec` the memory planner reads (depth, widths, dtypes, the layer);
+        the output head is the token embedding (transposed) when ``tie_embeddings``."""
         c = self.config
         return ModelSpec.from_stack(
             self.stack,
@@ -279,25 +362,22 @@ class RotaryDecoder(eqx.Module):
     def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
         """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``
         of the tokens before them; returns ``(logits, cache)`` with the new tokens cached."""
-        kwargs = {"batched": innermost_transform_is_vmap()} if isinstance(self.config, MoEConfig) else {}
-        x, cache = self.stack.decode(self._embed(tokens), cache, positions=positions, **kwargs)
+        batched = innermost_transform_is_vmap()
+        x, cache = self.stack.decode(self._embed(tokens), cache, positions=positions, batched=batched)
         return self.head(self.norm(x)), cache
 
     def _run(self, tokens, positions):
-        """``(hidden, router statistics or None)``: the final hidden states and, for an MoE model,
-        the router statistics summed over its layers."""
+        """``(hidden, carry)``: the final hidden states and what the layers accumulated beside
+        them (a mixture of experts' router statistics, summed over the layers; else empty)."""
         c = self.config
         check_tokens(tokens, c.max_seq_len, type(self).__name__)
         if positions is None:
             positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        x = self._embed(tokens)
-        if not isinstance(c, MoEConfig):
-            return self.norm(self.stack(x, positions=positions)), None
         # Decided here, outside the scan: whether this call is vmapped (see zoo.nn.MoE).
         batched = innermost_transform_is_vmap()
-        out = self.stack(pack_stats(x, zero_stats(c.n_experts)), positions=positions, batched=batched)
-        x, stats = unpack_stats(out, c.n_experts)
-        return self.norm(x), {**stats, "layers": jnp.asarray(float(c.n_layers), jnp.float32)}
+        carry = self.stack.layers.zero_carry()
+        x, carry = self.stack(self._embed(tokens), carry=carry, positions=positions, batched=batched)
+        return self.norm(x), carry
 
     def hidden(
         self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
@@ -310,7 +390,7 @@ class RotaryDecoder(eqx.Module):
         ``final_softcap * tanh(logits / final_softcap)`` when the config has a ``final_softcap``."""
         with jax.named_scope("lm_head"):
             logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-            cap = getattr(self.config, "final_softcap", None)
+            cap = self.config.final_softcap
             if cap is not None:
                 h = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
                 logits = (cap * jnp.tanh(h / cap)).astype(logits.dtype)
@@ -339,13 +419,14 @@ class MoEDecoder(RotaryDecoder):
         """The final hidden states and the router statistics of one sequence, summed over the
         layers (see :func:`zoo.nn.router_losses`, which turns those of a batch into the auxiliary
         losses)."""
-        return self._run(tokens, positions)
+        x, stats = self._run(tokens, positions)
+        return x, {**stats, "layers": jnp.asarray(float(self.config.n_layers), jnp.float32)}
 
     def logits_and_router_stats(
         self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
     ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
         """The logits and the router statistics of one sequence (see :meth:`hidden_and_router_stats`)."""
-        x, stats = self._run(tokens, positions)
+        x, stats = self.hidden_and_router_stats(tokens, positions=positions)
         return self.head(x), stats
 
     @property
@@ -355,56 +436,40 @@ class MoEDecoder(RotaryDecoder):
         return {"load_balancing_loss": c.router_aux_loss_coef, "router_z_loss": c.router_z_loss_coef}
 
 
-def _norm(c: RotaryDecoderConfig, dim: int, axis: str | None = "embed"):
-    if c.NORM_OFFSET == 0.0 and axis == "embed":
-        return nn.RMSNorm(dim, eps=c.norm_eps, dtype=c.param_jnp_dtype)
-    return nn.OffsetRMSNorm(dim, eps=c.norm_eps, offset=c.NORM_OFFSET, axis=axis, dtype=c.param_jnp_dtype)
-
-
 def _layer_factory(c: RotaryDecoderConfig, kinds):
-    """``(key, kind index or None) -> DecoderLayer`` for config ``c``."""
-    dtype = c.param_jnp_dtype
+    """``(key, kind index or None) -> Block`` for config ``c``."""
     out_std = c.init_std / math.sqrt(2 * c.n_layers)
-    scalar = getattr(c, "query_pre_attn_scalar", None)
+    scalar = c.query_pre_attn_scalar
 
     def make(key, kind):
         ka, km = jax.random.split(key)
-        attn = SelfAttention(
+        attn = nn.Attention(
             c.d_model,
             c.n_heads,
-            c.n_kv_heads,
-            c.head_size,
+            n_kv_heads=c.n_kv_heads,
+            head_dim=c.head_size,
+            qkv_bias=c.qkv_bias,
+            o_bias=c.o_bias,
             kinds=kinds,
             kind=kind,
-            bias=c.attention_bias,
-            head_norm=(lambda dim: _norm(c, dim, axis=None)) if c.QK_NORM else None,
-            softcap=getattr(c, "attn_softcap", None),
+            head_norm=None if c.QK_NORM is None else (lambda dim: c.norm(dim, axis=None)),
+            norm_over=c.QK_NORM or "head",
+            softcap=c.attn_softcap,
             scale=None if scalar is None else scalar**-0.5,
             implementation=c.attention,
             init_std=c.init_std,
             out_init_std=out_std,
-            dtype=dtype,
+            dtype=c.param_jnp_dtype,
             key=ka,
         )
-        common = dict(init_std=c.init_std, out_init_std=out_std, dtype=dtype, key=km)
-        if isinstance(c, MoEConfig):
-            mlp = nn.MoE(
-                c.d_model,
-                c.d_ff,
-                n_experts=c.n_experts,
-                experts_per_token=c.experts_per_token,
-                normalize_weights=c.normalize_router_weights,
-                **common,
-            )
-        else:
-            mlp = (nn.GeGLU if c.GELU else nn.SwiGLU)(c.d_model, c.d_ff, **common)
-        post = (lambda: _norm(c, c.d_model)) if c.POST_NORMS else (lambda: None)
-        return DecoderLayer(
-            attn_norm=_norm(c, c.d_model),
+        pre = (lambda: c.norm(c.d_model)) if c.PRE_NORMS else (lambda: None)
+        post = (lambda: c.norm(c.d_model)) if c.POST_NORMS else (lambda: None)
+        return nn.Block(
+            attn_norm=pre(),
             attn=attn,
             attn_post_norm=post(),
-            mlp_norm=_norm(c, c.d_model),
-            mlp=mlp,
+            mlp_norm=pre(),
+            mlp=c.feed_forward(init_std=c.init_std, out_init_std=out_std, key=km),
             mlp_post_norm=post(),
         )
 

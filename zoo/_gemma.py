@@ -13,29 +13,15 @@ _SLIDING, _FULL = "sliding_attention", "full_attention"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemmaConfig(RotaryDecoderConfig):
-    """Settings shared by Gemma 2 and Gemma 3 (use :class:`Gemma2Config` or :class:`Gemma3Config`).
+    """Settings shared by Gemma 2 and Gemma 3 (use :class:`Gemma2Config` or :class:`Gemma3Config`);
+    ``query_pre_attn_scalar``, ``attn_softcap`` and ``final_softcap`` as in every rotary family."""
 
-    ``query_pre_attn_scalar``: scores are scaled by its inverse square root (``None``: by
-    ``head_dim ** -0.5``); ``attn_softcap`` and ``final_softcap``: scores and logits become
-    ``cap * tanh(x / cap)`` (``None``: not capped).
-    """
-
-    query_pre_attn_scalar: float | None = None
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
     tie_embeddings: bool = True
 
     NORM_OFFSET: ClassVar[float] = 1.0
     POST_NORMS: ClassVar[bool] = True
     GELU: ClassVar[bool] = True
     EMBED_SCALE: ClassVar[bool] = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        for field in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
-            value = getattr(self, field)
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"{type(self).__name__}.{field} must be a positive number or None, got {value!r}")
 
 
 _TINY = dict(
@@ -151,7 +137,7 @@ class Gemma3Config(GemmaConfig):
     query_pre_attn_scalar: float | None = 256.0
 
     family: ClassVar[str] = "gemma3"
-    QK_NORM: ClassVar[bool] = True
+    QK_NORM: ClassVar[str | None] = "head"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(_TINY, layer_types=(_SLIDING, _FULL)),

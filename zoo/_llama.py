@@ -2,20 +2,88 @@
 
 from __future__ import annotations
 
-import math
-
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+import dataclasses
+from typing import Any, ClassVar
 
 from . import nn
-from ._common import StackCache, check_tokens
-from ._config import LlamaConfig
-from .nn._spec import ModelSpec
+from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
 
 
-class Llama(StackCache, eqx.Module):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(RotaryDecoderConfig):
+    """Llama: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
+
+    Mistral- and Qwen2-shaped models are configs of this family (``sliding_window``,
+    ``qkv_bias``). Defaults are a ~1B Llama-3.2 shape. Presets: ``tiny`` (tests), ``small``
+    (~125M, for CPU benchmarks), ``1b``, ``3b``, ``8b`` (Llama-3-8B), ``mistral-7b``,
+    ``qwen2-0.5b``.
+
+    **Example:**
+
+    ```python
+    import zoo
+    cfg = zoo.LlamaConfig.preset("8b")
+    cfg.n_params() / 1e9  # ~8.03
+    ```
+    """
+
+    vocab_size: int = 128256
+    d_model: int = 2048
+    n_layers: int = 16
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    d_ff: int = 8192
+    max_seq_len: int = 8192
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = True
+
+    family: ClassVar[str] = "llama"
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(TINY, tie_embeddings=False),
+        "small": dict(
+            vocab_size=32000,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            n_kv_heads=4,
+            d_ff=2048,
+            max_seq_len=2048,
+            rope_theta=10000.0,
+            tie_embeddings=False,
+        ),
+        "1b": dict(rope_scaling=nn.Llama3RopeScaling(factor=32.0)),
+        "3b": dict(d_model=3072, n_layers=28, n_heads=24, d_ff=8192, rope_scaling=nn.Llama3RopeScaling(factor=32.0)),
+        "8b": dict(d_model=4096, n_layers=32, n_heads=32, d_ff=14336, tie_embeddings=False),
+        "mistral-7b": dict(
+            vocab_size=32000,
+            d_model=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=8,
+            d_ff=14336,
+            max_seq_len=32768,
+            rope_theta=10000.0,
+            tie_embeddings=False,
+            sliding_window=4096,
+        ),
+        "qwen2-0.5b": dict(
+            vocab_size=151936,
+            d_model=896,
+            n_layers=24,
+            n_heads=14,
+            n_kv_heads=2,
+            d_ff=4864,
+            max_seq_len=32768,
+            norm_eps=1e-6,
+            rope_theta=1000000.0,
+            qkv_bias=True,
+        ),
+    }
+
+
+class Llama(RotaryDecoder):
     """A Llama decoder: token embedding, pre-norm blocks (RMSNorm, rotary GQA attention,
     SwiGLU) scanned over depth, final RMSNorm, output head (tied or separate).
 
@@ -35,107 +103,4 @@ class Llama(StackCache, eqx.Module):
     ```
     """
 
-    embed: nn.Embedding
-    stack: nn.Stack
-    norm: nn.RMSNorm
-    lm_head: nn.Linear | None
-    config: LlamaConfig = eqx.field(static=True)
-
-    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, LlamaConfig):
-            raise TypeError(f"Llama needs a LlamaConfig, got {type(config).__name__}")
-        c = config
-        dtype = c.param_jnp_dtype
-        k_emb, k_stack, k_head = jax.random.split(key, 3)
-        out_std = c.init_std / math.sqrt(2 * c.n_layers)
-        rotary = nn.RotaryEmbedding(c.head_size, theta=c.rope_theta, scaling=c.rope_scaling)
-
-        def make_block(k):
-            ka, km = jax.random.split(k)
-            return nn.Block(
-                attn_norm=nn.RMSNorm(c.d_model, eps=c.norm_eps, dtype=dtype),
-                attn=nn.Attention(
-                    c.d_model,
-                    c.n_heads,
-                    n_kv_heads=c.n_kv_heads,
-                    head_dim=c.head_size,
-                    qkv_bias=c.qkv_bias,
-                    o_bias=c.o_bias,
-                    rotary=rotary,
-                    sliding_window=c.sliding_window,
-                    implementation=c.attention,
-                    init_std=c.init_std,
-                    out_init_std=out_std,
-                    dtype=dtype,
-                    key=ka,
-                ),
-                mlp_norm=nn.RMSNorm(c.d_model, eps=c.norm_eps, dtype=dtype),
-                mlp=nn.SwiGLU(
-                    c.d_model,
-                    c.d_ff,
-                    use_bias=c.mlp_bias,
-                    init_std=c.init_std,
-                    out_init_std=out_std,
-                    dtype=dtype,
-                    key=km,
-                ),
-            )
-
-        self.embed = nn.Embedding(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype, key=k_emb)
-        self.stack = nn.Stack(make_block, c.n_layers, scan=c.scan_layers, key=k_stack)
-        self.norm = nn.RMSNorm(c.d_model, eps=c.norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if c.tie_embeddings
-            else nn.Linear(
-                c.d_model, c.vocab_size, axes=("embed", "vocab"), init_std=c.init_std, dtype=dtype, key=k_head
-            )
-        )
-        self.config = c
-
-    @property
-    def checkpoint_names(self) -> tuple[str, ...]:
-        """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
-        return self.stack.checkpoint_names
-
-    def describe(self) -> ModelSpec:
-        """The :class:`zoo.ModelSpec` the memory planner reads (depth, widths, dtypes, the layer);
-        the output head is the token embedding (transposed) when ``tie_embeddings``."""
-        c = self.config
-        return ModelSpec.from_stack(
-            self.stack,
-            name=c.family,
-            vocab_size=c.vocab_size,
-            tied_head=c.tie_embeddings,
-            compute_dtype=c.compute_dtype,
-            param_dtype=c.param_dtype,
-            max_seq_len=c.max_seq_len,
-        )
-
-    def hidden(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq embed"]:
-        """The final hidden states (after the last norm), before the output head."""
-        c = self.config
-        check_tokens(tokens, c.max_seq_len, "Llama")
-        if positions is None:
-            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        x = self.embed(tokens).astype(c.compute_jnp_dtype)
-        return self.norm(self.stack(x, positions=positions))
-
-    def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
-        """The output head: hidden states to logits (any number of positions)."""
-        with jax.named_scope("lm_head"):
-            return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-
-    def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
-        """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``
-        of the tokens before them; returns ``(logits, cache)`` with the new tokens cached."""
-        x = self.embed(tokens).astype(self.config.compute_jnp_dtype)
-        x, cache = self.stack.decode(x, cache, positions=positions)
-        return self.head(self.norm(x)), cache
-
-    def __call__(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq vocab"]:
-        return self.head(self.hidden(tokens, positions=positions))
+    CONFIG: ClassVar[type] = LlamaConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ._decoder import MoEConfig, MoEDecoder
+from ._decoder import TINY, MoEConfig, MoEDecoder
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,18 +43,7 @@ class MixtralConfig(MoEConfig):
     family: ClassVar[str] = "mixtral"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(
-            vocab_size=256,
-            d_model=64,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            d_ff=96,
-            n_experts=4,
-            experts_per_token=2,
-            max_seq_len=128,
-            rope_theta=10000.0,
-        ),
+        "tiny": dict(TINY, d_ff=96, n_experts=4, experts_per_token=2),
         "8x7b": dict(),
         "8x22b": dict(vocab_size=32768, d_model=6144, n_layers=56, n_heads=48, d_ff=16384, max_seq_len=65536),
     }

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ._decoder import MoEConfig, MoEDecoder, RotaryDecoder, RotaryDecoderConfig
-
-_TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128, rope_theta=10000.0)
+from ._decoder import TINY, MoEConfig, MoEDecoder, RotaryDecoder, RotaryDecoderConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,7 +15,7 @@ class Qwen3Config(RotaryDecoderConfig):
 
     Defaults are Qwen3-0.6B. Presets: ``tiny`` (tests), ``0.6b``, ``1.7b``, ``4b``, ``8b``,
     ``14b``, ``32b``; model names ``qwen3:PRESET``. Fields as :class:`zoo.LlamaConfig`, with
-    ``attention_bias`` (q, k, v and o) and per-layer ``layer_types`` (see the Hugging Face
+    ``qkv_bias`` and ``o_bias`` and per-layer ``layer_types`` (see the Hugging Face
     ``layer_types``).
 
     **Example:**
@@ -42,10 +40,10 @@ class Qwen3Config(RotaryDecoderConfig):
     tie_embeddings: bool = True
 
     family: ClassVar[str] = "qwen3"
-    QK_NORM: ClassVar[bool] = True
+    QK_NORM: ClassVar[str | None] = "head"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(_TINY, head_dim=None, d_ff=192, tie_embeddings=False),
+        "tiny": dict(TINY, head_dim=None, tie_embeddings=False),
         "0.6b": dict(),
         "1.7b": dict(d_model=2048, d_ff=6144),
         "4b": dict(d_model=2560, n_layers=36, n_heads=32, d_ff=9728),
@@ -108,10 +106,10 @@ class Qwen3MoeConfig(MoEConfig):
     router_aux_loss_coef: float = 0.001
 
     family: ClassVar[str] = "qwen3-moe"
-    QK_NORM: ClassVar[bool] = True
+    QK_NORM: ClassVar[str | None] = "head"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(_TINY, head_dim=None, d_ff=32, n_experts=4, experts_per_token=2),
+        "tiny": dict(TINY, head_dim=None, d_ff=32, n_experts=4, experts_per_token=2),
         "30b-a3b": dict(),
         "235b-a22b": dict(d_model=4096, n_layers=94, n_heads=64, d_ff=1536),
     }

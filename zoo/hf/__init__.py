@@ -10,9 +10,11 @@
 - :func:`save_peft_adapter` / :func:`load_peft_adapter` write and read the LoRA adapters of
   :func:`transforms.lora` as PEFT adapter directories.
 
-Configurations are mapped field by field (``zoo.hf._config_map``, ``zoo.hf._families``) and
-tensors by an explicit name table (``zoo.hf._weights``); whatever the zoo cannot represent exactly is refused with an
-error naming it. `transformers` and `torch` are not needed.
+Each model type has one table (``zoo.hf.families``): how its ``config.json`` maps to a zoo config,
+both ways, and which checkpoint tensor holds which zoo leaf. :func:`config_from_hf` reads a
+``config.json`` dict. Whatever the zoo cannot represent exactly is refused with an error naming it;
+a config is saved as a model type only when reading it back gives the same config. `transformers`
+and `torch` are not needed.
 
 **Example:**
 
@@ -26,15 +28,17 @@ assert jnp.array_equal(again.embed.weight, model.embed.weight)
 ```
 """
 
-from ._config_map import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from ._load import load_hf as load_hf
 from ._peft import load_peft_adapter as load_peft_adapter
 from ._peft import save_peft_adapter as save_peft_adapter
 from ._save import save_hf as save_hf
+from ._table import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from ._table import config_from_hf as config_from_hf
 from ._tokenizer import load_hf_tokenizer as load_hf_tokenizer
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "config_from_hf",
     "load_hf",
     "load_hf_tokenizer",
     "load_peft_adapter",

@@ -18,12 +18,11 @@ from .._build import abstract_model
 from .._config import DTYPES
 from .._decoder import RotaryDecoder
 from .._gpt2 import GPT2
-from .._llama import Llama
 from ..nn._placement import is_arraylike
-from . import _weights
-from ._config_map import model_type_of, zoo_config_from_hf
+from . import _table, _weights
 from ._safetensors import DTYPES as ST_DTYPES
 from ._safetensors import Reader, TensorInfo, read_header
+from ._table import config_from_hf, model_type_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -122,7 +121,7 @@ def load_hf(
     rules: Mapping | None = None,
     sharding: Sharding | None = None,
     memory_kind: str | None = None,
-) -> GPT2 | Llama | RotaryDecoder:
+) -> GPT2 | RotaryDecoder:
     """Load a local Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
     Gemma 2 or Gemma 3 text) as a zoo model.
 
@@ -172,19 +171,19 @@ def load_hf(
     model_type_of(hf)
     tensors = read_tensors(directory)
     settings = dict(scan_layers=scan_layers)
-    config = zoo_config_from_hf(hf, **settings)
+    config = config_from_hf(hf, **settings)
     prefix = "transformer." if any(n.startswith("transformer.") for n in tensors) else ""
-    entries = _weights.table(config, prefix)
-    derived = _weights.derived(config)  # leaves rebuilt from the config (per-layer attention kinds)
+    entries = _table.table(config, prefix)
+    derived = _table.derived(config)  # leaves rebuilt from the config (per-layer attention kinds)
     leaves = _weights.leaf_paths(abstract_model(config))
     _weights.check_table(entries, {p: x for p, x in leaves.items() if p not in derived}, config.n_layers)
-    tied = _weights.tied_head_name(config, prefix)
+    tied = _table.tied_head_name(config, prefix)
     _weights.validate(
         tensors,
         entries,
         leaves,
         config.n_layers,
-        ignore=_weights.ignored(config.family),
+        ignore=_table.ignored(hf["model_type"]),
         tied=tied,
         where=str(directory),
     )

@@ -29,7 +29,7 @@ import numpy as np
 from .._gpt2 import GPT2
 from ..nn import Linear
 from ..nn._lora import LoRALinear, add_lora
-from . import _weights
+from . import _table, _weights
 from ._safetensors import Reader, read_header, write_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,7 +67,7 @@ def _modules(model) -> tuple[dict[str, _Module], int]:
     """Zoo projection path -> its PEFT module, for every projection of ``model``; and the depth."""
     config = getattr(model, "config", None)
     try:
-        entries = _weights.table(config, "transformer." if isinstance(model, GPT2) else "")
+        entries = _table.table(config, "transformer." if isinstance(model, GPT2) else "")
     except (TypeError, AttributeError, ValueError):
         raise TypeError(
             f"PEFT adapters are written for the zoo's Hugging Face families, got {type(model).__name__}"

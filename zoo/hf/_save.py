@@ -17,12 +17,11 @@ import numpy as np
 from .._build import abstract_model
 from .._decoder import RotaryDecoder
 from .._gpt2 import GPT2
-from .._llama import Llama
 from ..nn._lora import LoRALinear
-from . import _weights
-from ._config_map import hf_config_from_zoo
+from . import _table, _weights
 from ._load import INDEX_FILE, SINGLE_FILE, param_dtype_name
 from ._safetensors import write_file
+from ._table import hf_config_from_zoo
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -43,7 +42,7 @@ def shard_bytes(size: int | str) -> int:
 
 
 def save_hf(
-    model: GPT2 | Llama | RotaryDecoder,
+    model: GPT2 | RotaryDecoder,
     directory: str | os.PathLike,
     *,
     model_type: str | None = None,
@@ -85,7 +84,7 @@ def save_hf(
         reloaded = zoo.load_hf(d)
     ```
     """
-    if not isinstance(model, GPT2 | Llama | RotaryDecoder):
+    if not isinstance(model, GPT2 | RotaryDecoder):
         raise TypeError(f"save_hf saves a zoo model of a family zoo.load_hf reads, got {type(model).__name__}")
     if any(isinstance(n, LoRALinear) for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoRALinear))):
         raise ValueError(
@@ -98,7 +97,7 @@ def save_hf(
         if key in hf and hf[key] != value:
             raise ValueError(f"extra_config may not change the architecture field {key!r} ({hf[key]!r} -> {value!r})")
         hf[key] = value
-    entries = _weights.table(config, "transformer." if hf["model_type"] == "gpt2" else "")
+    entries = _table.table(config, "transformer." if hf["model_type"] == "gpt2" else "")
     leaves, expected = _checked_leaves(model, config, entries)
     plan = _tensor_plan(entries, config, leaves, expected, dtype)
     stored = {d for _, _, d, _ in plan}
@@ -116,7 +115,7 @@ def _checked_leaves(model, config, entries) -> tuple[dict, dict]:
     every leaf whose shape (or, for leaves rebuilt from the config, value) disagrees."""
     leaves = _weights.leaf_paths(eqx.filter(model, eqx.is_array))
     expected = _weights.leaf_paths(abstract_model(config))
-    derived = _weights.derived(config)  # rebuilt from config.json on load: must agree with it
+    derived = _table.derived(config)  # rebuilt from config.json on load: must agree with it
     _weights.check_table(entries, {p: x for p, x in expected.items() if p not in derived}, config.n_layers)
     mismatched = [
         f"{p}: {tuple(leaves[p].shape) if p in leaves else 'absent'}, config says "

@@ -12,7 +12,8 @@ zoo leaves it holds, and the one transformation between the two:
 - ``{j}`` in the name as well: one tensor per expert of a mixture-of-experts layer, expert ``j``
   at index ``j`` of the leaf's expert axis (the axis after the layer axis).
 
-Leaves that no tensor holds are rebuilt from the config (:func:`derived`): each layer's attention
+Each model type's table lives in ``zoo.hf.families``. Leaves that no tensor holds are rebuilt
+from the config (``zoo.hf._table.derived``): each layer's attention
 kind in models whose layers differ (an int32 per layer).
 
 Nothing is matched by order or reshaped to fit: a tensor must have exactly the shape the table
@@ -31,9 +32,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._config import GPT2Config, LlamaConfig
-from .._decoder import RotaryDecoderConfig
-from . import _families
 from ._safetensors import Reader, TensorInfo
 
 
@@ -73,85 +71,6 @@ class Entry:
 
     def names(self, n_layers: int) -> list[str]:
         return [self.format(p) for p in self.positions(n_layers)]
-
-
-# Non-parameter buffers some checkpoints carry; they hold nothing the zoo needs.
-_IGNORED = {
-    # Causal-mask buffers of GPT-2 checkpoints written by older transformers releases.
-    "gpt2": (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",),
-    # Rotary inverse-frequency buffers of older Llama-family checkpoints (recomputed from the config).
-    "llama": (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
-}
-
-
-def ignored(model_type: str) -> tuple[re.Pattern, ...]:
-    """Patterns of checkpoint names that are skipped (buffers, not parameters)."""
-    family = "gpt2" if model_type == "gpt2" else "llama"
-    return tuple(re.compile(p) for p in _IGNORED[family])
-
-
-def table(config: GPT2Config | LlamaConfig | RotaryDecoderConfig, prefix: str = "") -> list[Entry]:
-    """The entries of every checkpoint tensor of the model ``config`` describes.
-
-    ``prefix`` goes before GPT-2 names (``"transformer."`` for ``GPT2LMHeadModel`` checkpoints,
-    ``""`` for those saved from ``GPT2Model``).
-    """
-    if isinstance(config, RotaryDecoderConfig):
-        return _families.family_table(config, Entry)
-    if isinstance(config, GPT2Config):
-        p, L = prefix, "stack.layers."
-        h = p + "h.{i}."
-        qkv = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
-        return [
-            Entry(p + "wte.weight", ("wte.weight",)),
-            Entry(p + "wpe.weight", ("wpe.weight",)),
-            Entry(h + "ln_1.weight", (L + "attn_norm.weight",)),
-            Entry(h + "ln_1.bias", (L + "attn_norm.bias",)),
-            # Conv1D (in, 3 * d): columns [0, d) are q, [d, 2d) k, [2d, 3d) v.
-            Entry(h + "attn.c_attn.weight", tuple(L + m + ".weight" for m in qkv), axis=1),
-            Entry(h + "attn.c_attn.bias", tuple(L + m + ".bias" for m in qkv), axis=0),
-            Entry(h + "attn.c_proj.weight", (L + "attn.o_proj.weight",)),
-            Entry(h + "attn.c_proj.bias", (L + "attn.o_proj.bias",)),
-            Entry(h + "ln_2.weight", (L + "mlp_norm.weight",)),
-            Entry(h + "ln_2.bias", (L + "mlp_norm.bias",)),
-            Entry(h + "mlp.c_fc.weight", (L + "mlp.up.weight",)),
-            Entry(h + "mlp.c_fc.bias", (L + "mlp.up.bias",)),
-            Entry(h + "mlp.c_proj.weight", (L + "mlp.down.weight",)),
-            Entry(h + "mlp.c_proj.bias", (L + "mlp.down.bias",)),
-            Entry(p + "ln_f.weight", ("ln_f.weight",)),
-            Entry(p + "ln_f.bias", ("ln_f.bias",)),
-        ]
-    c, L, h = config, "stack.layers.", "model.layers.{i}."
-    out = [
-        Entry("model.embed_tokens.weight", ("embed.weight",)),
-        Entry(h + "input_layernorm.weight", (L + "attn_norm.weight",)),
-    ]
-    for name in ("q", "k", "v", "o"):
-        out.append(Entry(h + f"self_attn.{name}_proj.weight", (L + f"attn.{name}_proj.weight",), transpose=True))
-        if c.o_bias if name == "o" else c.qkv_bias:
-            out.append(Entry(h + f"self_attn.{name}_proj.bias", (L + f"attn.{name}_proj.bias",)))
-    out.append(Entry(h + "post_attention_layernorm.weight", (L + "mlp_norm.weight",)))
-    for hf_name, zoo_name in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-        out.append(Entry(h + f"mlp.{hf_name}.weight", (L + f"mlp.{zoo_name}.weight",), transpose=True))
-        if c.mlp_bias:
-            out.append(Entry(h + f"mlp.{hf_name}.bias", (L + f"mlp.{zoo_name}.bias",)))
-    out.append(Entry("model.norm.weight", ("norm.weight",)))
-    if not c.tie_embeddings:
-        out.append(Entry("lm_head.weight", ("lm_head.weight",), transpose=True))
-    return out
-
-
-def derived(config) -> dict[str, np.ndarray]:
-    """Leaf path -> value of the leaves rebuilt from the config instead of read (see the module docstring)."""
-    return _families.derived_leaves(config) if isinstance(config, RotaryDecoderConfig) else {}
-
-
-def tied_head_name(config: GPT2Config | LlamaConfig | RotaryDecoderConfig, prefix: str = "") -> tuple[str, str] | None:
-    """``(head, embedding)`` checkpoint names when the output head is tied to the embedding: a
-    checkpoint may then carry a copy of the table as ``lm_head.weight``, which must equal it."""
-    if isinstance(config, GPT2Config):
-        return "lm_head.weight", prefix + "wte.weight"
-    return ("lm_head.weight", "model.embed_tokens.weight") if config.tie_embeddings else None
 
 
 def leaf_paths(tree) -> dict[str, Any]:

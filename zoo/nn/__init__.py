@@ -3,6 +3,8 @@
 from ._attend import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from ._attend import attend as attend
 from ._attention import Attention as Attention
+from ._attention import AttentionKind as AttentionKind
+from ._attention import LayerKind as LayerKind
 from ._axes import AxisNamed as AxisNamed
 from ._axes import logical_axes as logical_axes
 from ._block import Block as Block
@@ -11,6 +13,7 @@ from ._kv_cache import LayeredKVCache as LayeredKVCache
 from ._linear import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._lora import LoRALinear as LoRALinear
+from ._mlp import FeedForward as FeedForward
 from ._mlp import GeGLU as GeGLU
 from ._mlp import GeluMLP as GeluMLP
 from ._mlp import SwiGLU as SwiGLU
@@ -25,6 +28,7 @@ from ._remat import Remat as Remat
 from ._rotary import Llama3RopeScaling as Llama3RopeScaling
 from ._rotary import RotaryEmbedding as RotaryEmbedding
 from ._rotary import rope_inv_freq as rope_inv_freq
+from ._rotary import rotate as rotate
 from ._stack import Stack as Stack
 from ._stack import checkpoint_names as checkpoint_names
 from ._stack import with_prefetch as with_prefetch

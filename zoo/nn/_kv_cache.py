@@ -87,6 +87,7 @@ def cached_attention(
     window=None,
     softcap: float | None = None,
     scale: float | None = None,
+    implementation: str = "xla",
 ) -> tuple[Float[Array, "t heads dim"], KVCache]:
     """Attention of ``t`` new queries over the cached keys and the new ones; returns the context
     and the cache with the new keys and values written.
@@ -94,15 +95,17 @@ def cached_attention(
     One new token (a decoding step) is written first and attends over the cache alone. Several
     (a prompt) attend over the cache as it was plus themselves, then are written: a prompt longer
     than a ring buffer still sees, for each query, every key its window reaches.
+    ``implementation`` is that of :func:`zoo.nn.attend`.
     """
+    common = dict(window=window, softcap=softcap, scale=scale, implementation=implementation)
     if positions.shape[0] == 1:
         cache = write(cache, k, v, positions)
-        ctx = attend(q, cache.k, cache.v, q_pos=positions, k_pos=cache.pos, window=window, softcap=softcap, scale=scale)
+        ctx = attend(q, cache.k, cache.v, q_pos=positions, k_pos=cache.pos, **common)
         return ctx.astype(q.dtype), cache
     keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)])
     values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)])
     k_pos = jnp.concatenate([cache.pos, positions])
-    ctx = attend(q, keys, values, q_pos=positions, k_pos=k_pos, window=window, softcap=softcap, scale=scale)
+    ctx = attend(q, keys, values, q_pos=positions, k_pos=k_pos, **common)
     return ctx.astype(q.dtype), write(cache, k, v, positions)
 
 

@@ -11,7 +11,34 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from ._linear import Linear
 
 
-class GeluMLP(eqx.Module):
+class FeedForward(eqx.Module):
+    """Base of the feed-forward halves a :class:`zoo.nn.Block` runs (dense MLPs and
+    :class:`zoo.nn.MoE`). The block calls :meth:`forward`, which returns the output and the
+    statistics this layer adds to the stack's carry (none for a dense MLP; the router statistics
+    for a mixture of experts), and starts that carry from :meth:`zero_stats`.
+    """
+
+    def forward(self, x: Float[Array, "seq embed"], *, batched: bool = False) -> tuple[Float[Array, "seq embed"], dict]:
+        """``(output, statistics)``; ``batched`` says whether the call runs under `jax.vmap`."""
+        del batched
+        return self(x), {}
+
+    def zero_stats(self) -> dict:
+        """The statistics of no layer: the start of the stack's carry."""
+        return {}
+
+
+def _linears(n_inputs: int, d_model: int, d_ff: int, use_bias: bool, init_std, out_init_std, dtype, key):
+    """``n_inputs`` projections ``d_model -> d_ff`` and the output projection ``d_ff -> d_model``
+    (initialised with ``out_init_std``, default ``init_std``), one key each."""
+    *keys, k_out = jax.random.split(key, n_inputs + 1)
+    out_std = init_std if out_init_std is None else out_init_std
+    common = dict(use_bias=use_bias, dtype=dtype)
+    inputs = tuple(Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k, **common) for k in keys)
+    return inputs, Linear(d_ff, d_model, axes=("mlp", "embed"), init_std=out_std, key=k_out, **common)
+
+
+class GeluMLP(FeedForward):
     """``down(gelu(up(x)))`` with the tanh approximation of GELU, as in GPT-2.
 
     Named activation point: ``mlp_hidden`` (after the nonlinearity).
@@ -36,14 +63,7 @@ class GeluMLP(eqx.Module):
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
-        k1, k2 = jax.random.split(key)
-        out_std = init_std if out_init_std is None else out_init_std
-        self.up = Linear(
-            d_model, d_ff, use_bias=use_bias, axes=("embed", "mlp"), init_std=init_std, dtype=dtype, key=k1
-        )
-        self.down = Linear(
-            d_ff, d_model, use_bias=use_bias, axes=("mlp", "embed"), init_std=out_std, dtype=dtype, key=k2
-        )
+        (self.up,), self.down = _linears(1, d_model, d_ff, use_bias, init_std, out_init_std, dtype, key)
 
     def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
         h = checkpoint_name(jax.nn.gelu(self.up(x), approximate=True), "mlp_hidden")
@@ -54,7 +74,7 @@ class GeluMLP(eqx.Module):
         return _mlp_part(self.down, mlp_inputs=1)
 
 
-class _GatedMLP(eqx.Module):
+class _GatedMLP(FeedForward):
     """``down(act(gate(x)) * up(x))``; subclasses name the activation (``_act``).
 
     Named activation point: ``mlp_hidden`` (the gated product, input of ``down``).
@@ -77,12 +97,7 @@ class _GatedMLP(eqx.Module):
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
-        k1, k2, k3 = jax.random.split(key, 3)
-        out_std = init_std if out_init_std is None else out_init_std
-        common = dict(use_bias=use_bias, dtype=dtype)
-        self.gate = Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k1, **common)
-        self.up = Linear(d_model, d_ff, axes=("embed", "mlp"), init_std=init_std, key=k2, **common)
-        self.down = Linear(d_ff, d_model, axes=("mlp", "embed"), init_std=out_std, key=k3, **common)
+        (self.gate, self.up), self.down = _linears(2, d_model, d_ff, use_bias, init_std, out_init_std, dtype, key)
 
     @staticmethod
     def _act(x):

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._jax_compat import innermost_transform_is_vmap
 from ._axes import AxisNamed
 from ._linear import Linear
+from ._mlp import FeedForward
 from ._placement import use_param
 
 #: Keys of the router statistics of one MoE layer (see :meth:`MoE.__call__`).
@@ -173,7 +174,7 @@ def _grouped_experts_rule(axis_size, in_batched, x, experts, weights, gate, up, 
     return out.reshape(axis_size, -1, out.shape[-1]), True
 
 
-class MoE(eqx.Module):
+class MoE(FeedForward):
     """A mixture-of-experts feed-forward block: a linear router, top-``k`` routing (:func:`route`)
     and ``n_experts`` SwiGLU experts computed dropless with grouped matmuls.
 
@@ -269,6 +270,19 @@ class MoE(eqx.Module):
         z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
         stats = {"expert_fraction": counts / n, "expert_prob": jnp.mean(probs, axis=0), "router_z": jnp.mean(z**2)}
         return y, stats
+
+    def forward(self, x: Float[Array, "seq embed"], *, batched: bool = False) -> tuple[Float[Array, "seq embed"], dict]:
+        """As calling the MoE (``batched`` as there): ``(y, stats)``, the statistics a
+        :class:`zoo.nn.Block` adds to its stack's carry."""
+        return self(x, batched=batched)
+
+    def zero_stats(self) -> dict[str, Array]:
+        """Router statistics of no layer (zeros), the start of a stack's carry."""
+        return {
+            "expert_fraction": jnp.zeros((self.n_experts,), jnp.float32),
+            "expert_prob": jnp.zeros((self.n_experts,), jnp.float32),
+            "router_z": jnp.zeros((), jnp.float32),
+        }
 
     def describe(self) -> dict:
         """This MLP's part of a :class:`zoo.LayerSpec`: ``d_ff`` (one expert's width), two input

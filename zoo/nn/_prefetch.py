@@ -23,7 +23,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from .._jax_compat import innermost_transform_is_vmap
 from ._placement import on_host
@@ -171,33 +170,32 @@ def _run(apply, arrays, x, kw, n_layers: int, policy):
                 "stacks): its host-resident weights are indexed per layer, which vmap turns into a "
                 "gather on host memory; offload such a model with prefetch=False"
             )
-        if not x_b:
-            x = jnp.broadcast_to(x, (axis_size, *x.shape))
+        x = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)), x, x_b)
         kw_axes = jax.tree.map(lambda b: 0 if b else None, k_b)
 
         def batched_apply(w, h, kw):
             return jax.vmap(apply, in_axes=(None, 0, kw_axes))(w, h, kw)
 
-        return _run(batched_apply, arrays, x, kw, n_layers, policy), True
+        out = _run(batched_apply, arrays, x, kw, n_layers, policy)
+        return out, jax.tree.map(lambda _: True, out)
 
     return run(arrays, x, kw)
 
 
-def prefetched_scan(static, arrays, x, kwargs: dict, *, n_layers: int, policy):
-    """Run the layers ``eqx.combine(arrays, static)`` over ``x`` with one-layer-ahead prefetch.
+def prefetched_scan(apply, static, arrays, x, kwargs: dict, *, n_layers: int, policy):
+    """Run the layers ``eqx.combine(arrays, static)`` over ``x`` (any pytree: the residual stream,
+    possibly with a carry beside it) with one-layer-ahead prefetch: ``apply(layer, x, kwargs) -> x``
+    runs one layer.
 
     ``policy`` is the `jax.checkpoint` policy of each layer: what its backward pass keeps from
     the forward pass (the rest is recomputed). ``kwargs`` go to every layer.
     """
     kw, kw_static = eqx.partition(kwargs, eqx.is_array)
 
-    def apply(w, h, kw):
-        layer = eqx.combine(w, static)
-        h = checkpoint_name(h, "block_input")
-        with jax.named_scope("layer"):
-            return layer(h, **eqx.combine(kw, kw_static))
+    def apply_arrays(w, h, kw):
+        return apply(eqx.combine(w, static), h, eqx.combine(kw, kw_static))
 
-    return _run(apply, arrays, x, kw, n_layers, policy)
+    return _run(apply_arrays, arrays, x, kw, n_layers, policy)
 
 
 def _zero_cotangent(x):

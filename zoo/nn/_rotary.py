@@ -58,8 +58,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
     return np.where(medium, interpolated, scaled)
 
 
+def rotate(
+    x: Float[Array, "seq heads head_dim"], positions: Int[Array, " seq"], inv_freq: Float[Array, " half"]
+) -> Float[Array, "seq heads head_dim"]:
+    """Rotate query or key vectors ``x`` by ``positions * inv_freq`` (the "rotate half" layout: dimension
+    ``i`` pairs with ``i + head_dim/2``). ``inv_freq`` ``(head_dim / 2,)`` may be a traced value (a
+    layer's own frequencies selected inside a scan). The one rotary implementation of the zoo.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from zoo import nn
+    freqs = jnp.asarray(nn.rope_inv_freq(8, 10_000.0), jnp.float32)
+    y = nn.rotate(jnp.ones((5, 2, 8)), jnp.arange(5), freqs)     # (5, 2, 8)
+    ```
+    """
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
+    cos = jnp.cos(angles)[:, None, :]  # (seq, 1, head_dim/2)
+    sin = jnp.sin(angles)[:, None, :]
+    h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    x1, x2 = jnp.split(h, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
 class RotaryEmbedding(eqx.Module):
-    """Rotates query or key vectors by an angle proportional to their position.
+    """Rotates query or key vectors by an angle proportional to their position (see :func:`rotate`).
 
     Holds no arrays: the frequencies are constants computed from the static settings.
 
@@ -68,27 +93,38 @@ class RotaryEmbedding(eqx.Module):
     - `head_dim`: size of each head (must be even).
     - `theta`: base of the geometric frequency progression.
     - `scaling`: optional :class:`Llama3RopeScaling`.
+    - `factor`: linear scaling: positions are divided by it (``rope_type: "linear"``).
     """
 
     head_dim: int = eqx.field(static=True)
     theta: float = eqx.field(static=True)
     scaling: Llama3RopeScaling | None = eqx.field(static=True)
+    factor: float = eqx.field(static=True)
 
-    def __init__(self, head_dim: int, *, theta: float = 10_000.0, scaling: Llama3RopeScaling | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        theta: float = 10_000.0,
+        scaling: Llama3RopeScaling | None = None,
+        factor: float = 1.0,
+    ):
         if head_dim % 2:
             raise ValueError(f"RotaryEmbedding needs an even head_dim, got {head_dim}")
+        if not (isinstance(theta, int | float) and theta > 0):
+            raise ValueError(f"RotaryEmbedding.theta must be a positive number, got {theta!r}")
+        if not (isinstance(factor, int | float) and factor > 0):
+            raise ValueError(f"RotaryEmbedding.factor must be a positive number, got {factor!r}")
         self.head_dim = head_dim
         self.theta = float(theta)
         self.scaling = scaling
+        self.factor = float(factor)
+
+    def inv_freq(self) -> np.ndarray:
+        """The inverse frequencies ``(head_dim / 2,)`` in float32."""
+        return (rope_inv_freq(self.head_dim, self.theta, self.scaling) / self.factor).astype(np.float32)
 
     def __call__(
         self, x: Float[Array, "seq heads head_dim"], positions: Int[Array, " seq"]
     ) -> Float[Array, "seq heads head_dim"]:
-        inv_freq = jnp.asarray(rope_inv_freq(self.head_dim, self.theta, self.scaling), jnp.float32)
-        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
-        cos = jnp.cos(angles)[:, None, :]  # (seq, 1, head_dim/2)
-        sin = jnp.sin(angles)[:, None, :]
-        h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        x1, x2 = jnp.split(h, 2, axis=-1)
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        return out.astype(x.dtype)
+        return rotate(x, positions, jnp.asarray(self.inv_freq()))

@@ -167,28 +167,41 @@ class Stack(AxisNamed):
             )
         return None
 
-    def __call__(self, x: Float[Array, "seq embed"], **kwargs) -> Float[Array, "seq embed"]:
-        arrays, static = eqx.partition(self.layers, eqx.is_array)
+    def __call__(self, x: Float[Array, "seq embed"], *, carry=None, **kwargs):
+        """Run the layers over ``x``: ``layer(x, **kwargs) -> x`` each.
 
-        def body(h, layer_arrays):
-            layer = eqx.combine(layer_arrays, static)
+        With a ``carry`` (any pytree, e.g. a :class:`zoo.nn.Block`'s ``zero_carry()``: a mixture of
+        experts' router statistics), each layer is called ``layer(x, carry=carry, **kwargs) ->
+        (x, carry)`` and the stack returns ``(x, carry)``: accumulators travel beside the residual
+        stream, never inside it.
+        """
+        arrays, static = eqx.partition(self.layers, eqx.is_array)
+        with_carry = carry is not None
+
+        def apply(layer, state, kw):
+            h, c = state if with_carry else (state, None)
             h = checkpoint_name(h, "block_input")
             with jax.named_scope("layer"):
-                return layer(h, **kwargs), None
+                return layer(h, carry=c, **kw) if with_carry else layer(h, **kw)
 
+        state = (x, carry) if with_carry else x
         policy = self._policy(arrays)
         if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):
-            return prefetched_scan(static, arrays, x, kwargs, n_layers=self.n_layers, policy=policy)
+            return prefetched_scan(apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy)
+
+        def body(state, layer_arrays):
+            return apply(eqx.combine(layer_arrays, static), state, kwargs), None
+
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         # A loop of one iteration is run without `lax.scan`: XLA fails to compile host offload
         # inside a while loop of trip count 1 on some backends (seen as maxtext#4995).
         if self.scan and self.n_layers > 1:
-            x, _ = jax.lax.scan(body, x, arrays)
-            return x
+            state, _ = jax.lax.scan(body, state, arrays)
+            return state
         for i in range(self.n_layers):
-            x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], arrays))
-        return x
+            state, _ = body(state, jax.tree.map(lambda a, i=i: a[i], arrays))
+        return state
 
     def init_cache(self, length: int, dtype, memory_kind: str | None = None):
         """The empty KV caches of every layer, stacked (a leading layer axis) for
