@@ -10,7 +10,7 @@ import zoo
 from zoo import sharding
 from zoo.nn._placement import is_arraylike
 
-NEW = ("qwen3", "qwen3-moe", "mixtral", "gemma2", "gemma3")
+NEW = ("qwen3", "qwen3-moe", "mixtral", "gemma2", "gemma3", "olmo2", "phi3")
 
 # Published sizes (model cards): total parameters and, for MoE, parameters active per token.
 PUBLISHED = {
@@ -19,6 +19,9 @@ PUBLISHED = {
     "mixtral:8x7b": (46.7e9, 12.9e9),
     "gemma2:2b": (2.61e9, None),
     "gemma3:1b": (1.0e9, None),
+    "olmo2:1b": (1.48e9, None),  # OLMo-2-0425-1B: 1.48B with its untied 100k-token head
+    "olmo2:7b": (7.30e9, None),
+    "phi3:mini": (3.82e9, None),
 }
 
 
@@ -33,6 +36,9 @@ def test_families_and_names_are_registered():
         "gemma2:2b",
         "gemma3:1b",
         "gemma3:27b",
+        "olmo2:1b",
+        "olmo2:7b",
+        "phi3:mini",
     ):
         assert name in names
         config = zoo.config_from_name(name)

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, Mixtral, Gemma 2 and Gemma 3 against the `transformers` implementations.
+"""Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3, OLMo 2 and Phi-3 against the `transformers` implementations.
 
 Each reference is a tiny `transformers` model with random weights (norm scales and routers too),
 written once with ``save_pretrained`` and loaded with `zoo.load_hf`: float32 logits agree within
@@ -76,6 +76,14 @@ VARIANTS = {
              rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
              final_logit_softcapping=10.0, tie_word_embeddings=False),
+    ),
+    # Norms after the attention and the MLP only; query/key norms over the whole projection.
+    "olmo2": ("olmo2", dict(_COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_theta=500.0, pad_token_id=0)),
+    # Fused qkv_proj and gate_up_proj in the checkpoint; a window shorter than the sequence.
+    "phi3": (
+        "phi3",
+        dict(_COMMON, num_hidden_layers=2, num_key_value_heads=2, sliding_window=7, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2),
     ),
 }  # fmt: skip
 
@@ -203,6 +211,11 @@ def _edited(src, dst, **changes):
         ("gemma3_text-5to1", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
          "partial_rotary_factor"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                      "long_factor": [2.0] * 4}}, "rope_parameters.rope_type"),
+        ("phi3", {"rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+         "rope_scaling.rope_type"),
+        ("olmo2", {"hidden_act": "gelu"}, "hidden_act"),
     ],
 )  # fmt: skip
 def test_unsupported_features_are_refused_naming_the_field(reference, tmp_path, name, changes, field):
@@ -214,6 +227,9 @@ def test_unsupported_features_are_refused_naming_the_field(reference, tmp_path, 
 @pytest.mark.parametrize(
     ("name", "change", "field"),
     [
+        ("olmo2:tiny", dict(sliding_window=8), "Olmo2Config.sliding_window"),
+        ("phi3:tiny", dict(qkv_bias=True, o_bias=True), "Phi3Config.qkv_bias"),
+        ("phi3:tiny", dict(rope_scaling_factor=2.0), "Phi3Config.rope_scaling_factor"),
         ("qwen3:tiny", dict(qkv_bias=True), "Qwen3Config.o_bias"),
         ("gemma2:tiny", dict(mlp_bias=True), "Gemma2Config.mlp_bias"),
         ("mixtral:tiny", dict(router_z_loss_coef=0.1), "MixtralConfig.router_z_loss_coef"),

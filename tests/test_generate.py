@@ -29,6 +29,8 @@ HF_CASES = {
     "qwen2": lambda: _llama_like_hf_model("qwen2"),
     "gemma3_text-5to1": lambda: _family_hf_model(*FAMILY_VARIANTS["gemma3_text-5to1"]),
     "qwen3_moe-norm_topk": lambda: _family_hf_model(*FAMILY_VARIANTS["qwen3_moe-norm_topk"]),
+    "olmo2": lambda: _family_hf_model(*FAMILY_VARIANTS["olmo2"]),
+    "phi3": lambda: _family_hf_model(*FAMILY_VARIANTS["phi3"]),
 }
 assert set(HF_CASES) - {"gpt2"} <= set(LLAMA_LIKE_VARIANTS) | set(FAMILY_VARIANTS)
 

@@ -37,6 +37,10 @@ from ._loss import loss_chunk_for as loss_chunk_for
 from ._loss_metrics import lm_loss_and_metrics as lm_loss_and_metrics
 from ._mixtral import Mixtral as Mixtral
 from ._mixtral import MixtralConfig as MixtralConfig
+from ._olmo2 import Olmo2 as Olmo2
+from ._olmo2 import Olmo2Config as Olmo2Config
+from ._phi3 import Phi3 as Phi3
+from ._phi3 import Phi3Config as Phi3Config
 from ._qwen3 import Qwen3 as Qwen3
 from ._qwen3 import Qwen3Config as Qwen3Config
 from ._qwen3 import Qwen3Moe as Qwen3Moe

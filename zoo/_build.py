@@ -10,6 +10,8 @@ from ._gemma import Gemma2, Gemma2Config, Gemma3, Gemma3Config
 from ._gpt2 import GPT2
 from ._llama import Llama, LlamaConfig
 from ._mixtral import Mixtral, MixtralConfig
+from ._olmo2 import Olmo2, Olmo2Config
+from ._phi3 import Phi3, Phi3Config
 from ._qwen3 import Qwen3, Qwen3Config, Qwen3Moe, Qwen3MoeConfig
 
 #: The model families: name -> (config class, model class). Model names are ``FAMILY:PRESET``.
@@ -23,6 +25,8 @@ FAMILIES: dict[str, tuple[type[DecoderConfig], type[eqx.Module]]] = {
     "mixtral": (MixtralConfig, Mixtral),
     "gemma2": (Gemma2Config, Gemma2),
     "gemma3": (Gemma3Config, Gemma3),
+    "olmo2": (Olmo2Config, Olmo2),
+    "phi3": (Phi3Config, Phi3),
 }
 
 

@@ -1,6 +1,6 @@
 """Hugging Face interop: load and save checkpoints exactly, for the ``model_type`` values in
 :data:`SUPPORTED_MODEL_TYPES`: ``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``mixtral``,
-``qwen3_moe``, ``gemma2`` and ``gemma3_text``.
+``qwen3_moe``, ``gemma2``, ``gemma3_text``, ``olmo2`` and ``phi3``.
 
 - :func:`load_hf` reads a local model directory (``config.json`` and safetensors, single or
   sharded) into the zoo model of that family (:class:`zoo.GPT2`, :class:`zoo.Llama`,
