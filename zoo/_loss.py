@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, Num
 
 from .nn._linear import folded_batch
 from .nn._placement import on_host
+from .sharding import DEFAULT_RULES
 
 #: ``loss_chunk="auto"``: the loss holds at most this many bytes of float32 logits at a time.
 AUTO_CHUNK_LOGIT_BYTES = 256 * 2**20
@@ -34,10 +38,10 @@ def loss_chunk_for(setting: int | str, tokens: int, vocab_size: int, *, devices:
     leaves small logits whole. The planner uses this function too, so its estimates match what
     runs.
 
-    With more than one device ``"auto"`` computes the whole logits: the chunks are taken from
-    the flattened batch, so a batch split across devices would be gathered onto each of them
-    and its loss computed on every one. (An explicit number still chunks; see
-    :func:`chunked_cross_entropy`.)
+    With more than one device and no mesh set, ``"auto"`` computes the whole logits: the chunks
+    are taken from the flattened batch, so a batch split across devices would be gathered onto
+    each of them. With a mesh set (``jax.set_mesh``), each device chunks its own rows: the loss
+    passes ``tokens`` per device here (see :func:`chunked_cross_entropy`).
 
     **Example:**
 
@@ -145,6 +149,18 @@ def _device_count() -> int:
     return jax.device_count()
 
 
+def batch_mesh() -> tuple[Any, tuple[str, ...]] | None:
+    """``(mesh, batch axes)`` when a mesh is set (`jax.set_mesh`) whose batch axes (those of
+    ``zoo.sharding.DEFAULT_RULES["batch"]`` it has) span more than one device, else ``None``:
+    the chunked loss then runs per device (see :func:`chunked_cross_entropy`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    batch = DEFAULT_RULES["batch"]
+    axes = tuple(a for a in ((batch,) if isinstance(batch, str) else batch) if mesh.shape.get(a, 1) > 1)
+    return (mesh, axes) if axes else None
+
+
 def resolve_chunk(model, chunk: int | str | None, tokens: int, caller: str) -> int:
     """The tokens per loss chunk for ``model`` over ``tokens`` positions (0: whole logits), from
     ``chunk`` (None: the config's ``loss_chunk``, or 0 without a config); an explicit chunk that
@@ -154,8 +170,11 @@ def resolve_chunk(model, chunk: int | str | None, tokens: int, caller: str) -> i
     vocab = getattr(config, "vocab_size", None)
     if setting == "auto" and vocab is None:
         return 0  # no config to size the logits by
+    sharded = batch_mesh()
+    if sharded is not None:  # each device chunks its own rows of the batch
+        tokens //= math.prod(sharded[0].shape[a] for a in sharded[1])
     try:
-        chunk = loss_chunk_for(setting, tokens, vocab or 0, devices=_device_count())
+        chunk = loss_chunk_for(setting, tokens, vocab or 0, devices=1 if sharded else _device_count())
     except ValueError as e:
         raise ValueError(f"{caller}: {e}") from None
     if not chunk or chunk >= tokens:
@@ -191,10 +210,13 @@ def chunked_cross_entropy(
     ``head`` maps ``(n, embed)`` to ``(n, vocab)`` for any ``n`` (a zoo model's ``head``); its
     weights may live in host memory (they are moved to the device once for the whole loss).
 
-    The chunks are cut from the flattened positions, so on several devices a batch sharded
-    across them is gathered: each device then computes the whole loss (the same value and
-    gradients, more work and memory). Chunk on one device; with a sharded batch leave the
-    logits whole (``chunk=0``, or ``"auto"``, which does so on more than one device).
+    On several devices, set the mesh (``jax.set_mesh(mesh)`` around the jitted step): with a mesh
+    whose batch axes (``data``, ``fsdp``) span several devices, each device chunks its own rows of
+    the batch under `jax.shard_map` (the head's arrays are replicated into it) and one `psum` at the
+    end adds the devices' sums, and their head gradients: no activation or logit is gathered.
+    Without a mesh set, the chunks are cut from the flattened positions, so a batch sharded across
+    devices is gathered onto each of them (the same value and gradients, more work and memory);
+    ``"auto"`` then leaves the logits whole on more than one device.
 
     **Example:**
 
@@ -214,8 +236,34 @@ def chunked_cross_entropy(
     if mask is not None and mask.shape != targets.shape:
         raise ValueError(f"mask {mask.shape} must have the shape of targets {targets.shape}")
     n = math.prod(targets.shape)
-    weights = jnp.ones((n,), jnp.float32) if mask is None else mask.reshape(n).astype(jnp.float32)
+    weights = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
     denominator = n if mask is None else jnp.maximum(jnp.sum(weights), 1.0)
+    head = _head_on_device(head, x.reshape(n, x.shape[-1])[:1])
+    sharded = batch_mesh()
+    shards = 1 if sharded is None or x.ndim < 3 else math.prod(sharded[0].shape[a] for a in sharded[1])
+    if shards == 1 or x.shape[0] % shards:
+        return _local_nll_sum(head, x, targets, weights, chunk) / denominator
+    mesh, axes = sharded
+    arrays, static = eqx.partition(head, eqx.is_array)
+
+    def local(x, targets, weights, arrays):  # one device's rows of the batch
+        # Per-device copies of the head: inside the loop each chunk's head gradient stays on its
+        # device; the transpose of this cast adds the devices' gradients, once.
+        arrays = jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), arrays)
+        total = _local_nll_sum(eqx.combine(arrays, static), x, targets, weights, chunk, axes)
+        return jax.lax.psum(total, axes)
+
+    rows = P(axes)
+    total = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P()), out_specs=P())(
+        x, targets, weights, arrays
+    )
+    return total / denominator
+
+
+def _local_nll_sum(head, x, targets, weights, chunk: int, axes: tuple[str, ...] = ()):
+    """The weighted sum of the per-position losses of ``head(x)``, ``chunk`` positions at a time
+    (``axes``: the manual mesh axes of the rows, inside `jax.shard_map`)."""
+    n = math.prod(targets.shape)
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
 
@@ -224,10 +272,9 @@ def chunked_cross_entropy(
         return a.reshape(n_chunks, chunk, *a.shape[1:])
 
     xs = chunks(x.reshape(n, x.shape[-1]))
-    ts, ws = chunks(targets.reshape(n)), chunks(weights)
-    head = _head_on_device(head, xs[0])
+    ts, ws = chunks(targets.reshape(n)), chunks(weights.reshape(n))
     fn, consts = jax.closure_convert(lambda h: head(h), xs[0])
-    return _chunked_nll_sum(fn)(xs, ts, ws, consts) / denominator
+    return _chunked_nll_sum(fn, axes)(xs, ts, ws, consts)
 
 
 def _head_on_device(head, example):
@@ -250,9 +297,10 @@ def _head_on_device(head, example):
     return swapped
 
 
-def _chunked_nll_sum(fn):
+def _chunked_nll_sum(fn, axes: tuple[str, ...] = ()):
     """``(xs, ts, ws, consts) -> sum(ws * nll(fn(xs, *consts), ts))`` over chunks, with a custom VJP
-    whose forward pass also computes the gradients, one chunk at a time."""
+    whose forward pass also computes the gradients, one chunk at a time (``axes``: the manual mesh
+    axes the rows vary over, inside `jax.shard_map`)."""
 
     def logits_of(xc, floats, others):
         return fn(xc, *_merge(floats, others))
@@ -263,7 +311,7 @@ def _chunked_nll_sum(fn):
             xc, tc, wc = c
             return total + jnp.sum(wc * _nll(fn(xc, *consts), tc)), None
 
-        return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))[0]
+        return jax.lax.scan(body, _zeros((), jnp.float32, axes), (xs, ts, ws))[0]
 
     def fwd(xs, ts, ws, consts):
         floats, others = _split(consts)
@@ -279,8 +327,8 @@ def _chunked_nll_sum(fn):
             dfloats = jax.tree.map(jnp.add, dfloats, dfl)
             return (total + jnp.sum(wc * nll), dfloats), (dxc, nll)
 
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), floats)
-        (total, dfloats), (dxs, nlls) = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (xs, ts, ws))
+        zeros = jax.tree.map(lambda a: _zeros(a.shape, a.dtype, axes), floats)
+        (total, dfloats), (dxs, nlls) = jax.lax.scan(body, (_zeros((), jnp.float32, axes), zeros), (xs, ts, ws))
         return total, (dxs, nlls, dfloats, others, ts)
 
     def bwd(res, g):
@@ -291,6 +339,13 @@ def _chunked_nll_sum(fn):
 
     nll_sum.defvjp(fwd, bwd)
     return nll_sum
+
+
+def _zeros(shape, dtype, axes: tuple[str, ...]):
+    """Zeros typed as varying over the manual mesh ``axes`` (inside `jax.shard_map` a scan's carry
+    must have the type of what the body makes of each device's rows); plain zeros without axes."""
+    zeros = jnp.zeros(shape, dtype)
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _split(consts):
