@@ -30,6 +30,7 @@ DISTRIBUTIONS = (
     "jaxlib",
     "equinox",
     "optax",
+    "orbax-checkpoint",
     "numpy",
     "jax-cuda12-plugin",
     "jax-cuda12-pjrt",

@@ -31,6 +31,7 @@ from benchmarks.gpu_check import (
     hlo,
     orchestrate,
     parity,
+    preflight,
     report,
     results,
     tolerances,
@@ -133,6 +134,39 @@ def test_a_worker_refuses_a_platform_the_parent_did_not_allow(tmp_path, capsys):
     assert "could not start" in guard.refusal("none", True)
 
 
+def test_the_preflight_exercises_every_jax_api_the_project_uses():
+    found = preflight.run()
+    assert found["checks"] == [what for what, _ in preflight.CHECKS]
+    assert set(found["versions"]) == set(preflight.DISTRIBUTIONS) and found["versions"]["jax"]
+    assert found["platform_version"]
+
+
+def test_a_missing_jax_api_fails_the_preflight_in_one_line(monkeypatch):
+    import jax
+
+    monkeypatch.delattr(jax.checkpoint_policies, "save_only_these_names")
+    with pytest.raises(preflight.PreflightError) as failed:
+        preflight.run()
+    (line,) = str(failed.value).splitlines()
+    assert line.startswith("gpu_check: preflight failed") and "save_only_these_names" in line
+    assert "innermost_transform_is_vmap" not in line  # only what failed is named
+
+
+def test_the_check_stops_before_any_worker_when_the_preflight_fails(monkeypatch, tmp_path, capsys):
+    """The probe's process runs the preflight: with one API taken away there, the parent prints one
+    line and exits nonzero, starts no worker and writes nothing."""
+    monkeypatch.setattr(
+        guard, "_PROBE", "import jax\ndel jax.checkpoint_policies.save_only_these_names\n" + guard._PROBE
+    )
+    monkeypatch.setattr(orchestrate, "orchestrate", lambda *a: pytest.fail("a worker would start"))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert cli.main(["--allow-cpu", "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("gpu_check: preflight failed") and "save_only_these_names" in line
+    assert not captured.out and not (tmp_path / "out").exists()
+
+
 def test_unknown_configurations_are_an_error_listing_the_valid_ones(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.parse_args(["--configs", "none,params_offload"])
@@ -182,6 +216,8 @@ def test_the_results_have_every_field_per_configuration(allowed):
     data = allowed["results"]
     assert data["status"] == "complete" and not data["analysis_errors"]
     assert data["environment"]["versions"]["jax"] == data["jax_version"] and data["environment"]["python"]
+    assert set(data["versions"]) == set(preflight.DISTRIBUTIONS) and data["versions"]["jax"] == data["jax_version"]
+    assert data["preflight"]["checks"] == [what for what, _ in preflight.CHECKS]
     assert data["tolerances"]["parity_and_losses"] == tolerances.TOLERANCES and data["goal_targets"] == goals.GOALS
     assert data["args"]["reduced"] and not any(k.startswith("test_") for k in data["args"])
     names = {g["goal"].split(":")[0] for g in data["goals"]}

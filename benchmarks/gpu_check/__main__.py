@@ -11,7 +11,9 @@ From the repository root on a machine with one GPU and JAX installed (no install
    unless it is ``gpu`` the check exits with status 2 and a message naming the platform found.
    ``--allow-cpu`` runs the reduced pass (``llama:tiny``) instead and marks every printed line, the
    file names and the JSON (``"platform": "cpu", "allow_cpu": true``). Each worker checks its own
-   backend again. Workers set only ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.92, preallocated).
+   backend again. Workers set only ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.92, preallocated). The
+   probe's process runs the preflight (``preflight.py``): every JAX API the project relies on,
+   on tiny inputs; a missing one is named in one line and nothing else runs (status 2).
 2. **Parity pass** (seconds): every transform - ``offload_params`` with and without prefetch,
    ``offload_activations`` of each activation name the model tags and full recompute,
    ``offload_opt_state`` plain and streamed, all three composed - trains a 4-layer ``llama:tiny``
@@ -32,7 +34,7 @@ From the repository root on a machine with one GPU and JAX installed (no install
 
 The code: ``cli`` (flags, defaults, guard), ``guard``, ``orchestrate`` (the parent), ``worker`` (each
 process), ``parity``, ``tolerances``, ``grads``, ``measure``, ``hlo`` (host transfers in the dumped
-program), ``results`` (checks and validity), ``goals``, ``report``, ``configs``, ``environment``.
+program), ``results`` (checks and validity), ``goals``, ``report``, ``configs``, ``environment``, ``preflight``.
 """
 
 import sys

@@ -179,6 +179,10 @@ def main(argv=None, *, started: float | None = None, description: str | None = N
     if message:
         print(message + (f"\n  probe: {probe['error']}" if probe.get("error") else ""), file=sys.stderr)
         return 2
+    failed = (probe.get("preflight") or {}).get("error")
+    if failed:  # a JAX API the project needs is missing or changed: no worker starts
+        print(failed, file=sys.stderr)
+        return 2
     try:
         apply_defaults(args, reduced=args.reduced or probe["platform"] != "gpu")
     except ValueError as err:

@@ -3,8 +3,9 @@
 JAX falls back to the CPU when it cannot create a GPU client (a missing CUDA plugin, a driver
 mismatch, an environment variable the client rejects), and then every figure would be a CPU
 figure labelled as a GPU one. The parent probes the platform in a fresh process before anything
-else, and each worker checks ``jax.default_backend()`` again before it measures; off a GPU both
-refuse unless ``--allow-cpu`` is given, which runs the reduced pass and marks every output.
+else (that process runs the preflight too, see ``preflight``), and each worker checks
+``jax.default_backend()`` again before it measures; off a GPU both refuse unless ``--allow-cpu``
+is given, which runs the reduced pass and marks every output.
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ try:
     jaxlib_version = importlib.metadata.version("jaxlib")
 except importlib.metadata.PackageNotFoundError:
     jaxlib_version = None
-print("PROBE " + json.dumps({"platform": jax.default_backend(), "device_kind": dev.device_kind,
-      "device_count": jax.device_count(), "jax_version": jax.__version__, "jaxlib_version": jaxlib_version}))
+found = {"platform": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+         "jax_version": jax.__version__, "jaxlib_version": jaxlib_version}
+from benchmarks.gpu_check import preflight
+try:
+    found["preflight"] = preflight.run()
+except Exception as err:
+    line = str(err) if isinstance(err, preflight.PreflightError) else f"{type(err).__name__}: {err}"
+    found["preflight"] = {"error": line.splitlines()[0][:1000]}
+print("PROBE " + json.dumps(found))
 """
 
 

@@ -176,7 +176,9 @@ def new_results(args, probe: dict, order: list[str]) -> dict:
         "goals": [],
         "tolerances": {"parity_and_losses": TOLERANCES, "step1_gradient": GRADIENT_TOLERANCES},
         "goal_targets": GOALS,
-        "probe": probe,
+        "versions": (probe.get("preflight") or {}).get("versions"),
+        "preflight": probe.get("preflight") or {"status": "not run"},
+        "probe": {k: v for k, v in probe.items() if k != "preflight"},
         "environment": env_info,
         "args": {k: v for k, v in vars(args).items() if not k.startswith("test_") and k not in ("worker", "spec")},
     }
