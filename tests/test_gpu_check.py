@@ -293,6 +293,8 @@ def test_the_compiled_train_step_is_analysed(allowed):
     entry = allowed["results"]["configs"]["params"]
     analysis = entry["hlo"]
     assert analysis["from_first_step"] and "error" not in analysis
+    versions = allowed["results"]["jax_version"], allowed["results"]["jaxlib_version"]
+    assert (analysis["jax_version"], analysis["jaxlib_version"]) == versions  # what compiled it
     n_layers = entry["worker"]["model"]["n_layers"]
     assert any(loop["trip_count"] == n_layers for loop in analysis["while_loops"].values())
     # XLA:CPU emits no host transfers, so the streamed-weights goal is left to the GPU.
@@ -556,6 +558,7 @@ def test_dump_summary_reads_the_module_the_first_step_compiled(tmp_path):
     assert summary["module"] == step and summary["from_first_step"] is True
     assert summary["h2d_bytes_per_step"] == 4 * 1024 + 3 * 2048
     assert summary["memory_usage_report"] == {"device (color=0)": 1234, "host (color=5)": 99}
+    assert summary["jax_version"] == _environment.versions()["jax"] and summary["jaxlib_version"]
     # A compile-cache hit dumps nothing during the first step: said so, and no other module is taken.
     assert "compile-cache hit" in hlo.summarize_dump(tmp_path, 4, [])["error"]
     assert hlo.summarize_dump(tmp_path, 4)["from_first_step"] is False  # no names: the largest module

@@ -7,6 +7,8 @@ import math
 import re
 from pathlib import Path
 
+from benchmarks._environment import versions
+
 HOST_MEMORY_COLORS = {5}  # the XLA GPU host memory space, printed as S(5) in layouts
 
 
@@ -314,11 +316,23 @@ def parse_memory_usage_report(text: str) -> dict[str, int]:
     return out
 
 
+def compiled_by() -> dict:
+    """The versions of the JAX that compiled a program (the workers run this interpreter), kept
+    next to every analysis of a compiled program: what XLA emits changes between releases."""
+    found = versions(("jax", "jaxlib"))
+    return {"jax_version": found.get("jax"), "jaxlib_version": found.get("jaxlib")}
+
+
 def summarize_dump(dump_dir: Path, n_layers: int | None, names: list[str] | None = None) -> dict | None:
     """Analysis of the train step's optimized module in an XLA dump directory: the largest of
-    ``names`` (the modules compiled during the first step), else the largest of all."""
+    ``names`` (the modules compiled during the first step), else the largest of all; with the
+    versions of JAX that compiled it (:func:`compiled_by`)."""
     if not dump_dir.is_dir():
         return None
+    return {**_summarize(dump_dir, n_layers, names), **compiled_by()}
+
+
+def _summarize(dump_dir: Path, n_layers: int | None, names: list[str] | None) -> dict:
     modules = [p for p in dump_dir.glob("*after_optimizations.txt") if p.is_file()]
     chosen = [p for p in modules if names and p.name in names]
     if not modules:

@@ -16,6 +16,7 @@ from pathlib import Path
 from .configs import ADAM_B1, Config, apply_transforms, make_config, make_optimizer
 from .grads import first_moment, gradient_summary, scale_summary
 from .guard import refusal
+from .hlo import compiled_by
 from .measure import CompileCounter, device_info, memory_stats, placement, remat_policy, tree_nbytes
 from .parity import worker_parity
 from .report import write_json
@@ -267,6 +268,7 @@ def _memory_analysis(spec: dict, report: dict, model, optimizer, state) -> None:
         report["memory_analysis"] = transforms.compiled_memory(
             model, optimizer, batch=spec["batch"], seq=spec["seq"], opt_state=state
         )
+        report["memory_analysis"].update(compiled_by())
         report["timings"]["compiled_memory_s"] = time.perf_counter() - t
     except Exception as err:
         report["memory_analysis"] = {"error": f"{type(err).__name__}: {err}"}
