@@ -177,6 +177,46 @@ def test_unknown_configurations_are_an_error_listing_the_valid_ones(capsys):
     assert cli.parse_args(["--capped"]).configs == ["capped"]
 
 
+USER_ERRORS = {
+    "--configs none,bogus": "bogus",
+    "--configs none,none": "twice",
+    "--steps 0": "--steps: must be >= 1",
+    "--steps x": "--steps: expected a whole number",
+    "--deadline -5": "--deadline: must be > 0",
+    "--mem-fraction 1.5": "--mem-fraction",
+    "--bandwidth-mib 64,0": "--bandwidth-mib",
+    "--capped-steps 1": "--capped-steps: must be >= 2",
+    "--model llama:huge": "--model: unknown model 'llama:huge'",
+    "--capped-model gpt9:1b": "--capped-model",
+    "--plan-device h999": "--plan-device",
+    "--accum-steps 3": "--batch 8 does not split into --accum-steps 3",
+    "--allow-cpu --accum-steps 4": "--batch 2 does not split",  # the reduced batch, if the platform is no GPU
+    "--out {file}": "is not a writable directory",
+    "--parity sometimes": "--parity",
+    "--no-such-flag": "unrecognized arguments",
+}
+
+
+@pytest.mark.parametrize("argv", list(USER_ERRORS))
+def test_user_errors_are_one_line_before_anything_runs(argv, monkeypatch, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(cli, "start_probe", lambda: pytest.fail("the probe started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv.format(file=tmp_path / "file").split())
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("gpu_check: error: ") and USER_ERRORS[argv] in line
+    assert not captured.out
+
+
+def test_a_user_error_shows_no_traceback():
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--steps", "0", "--out", "/nonexistent/x"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr.splitlines() == ["gpu_check: error: argument --steps: must be >= 1, got '0' (see --help)"]
+
+
 def test_the_default_plan_is_the_1b_llama_without_memory_analysis():
     args = cli.apply_defaults(cli.parse_args([]), reduced=False)
     assert (args.model, args.batch, args.seq, args.steps, args.deadline) == ("llama:1b", 8, 1024, 5, 450.0)
@@ -192,8 +232,8 @@ def test_the_default_plan_is_the_1b_llama_without_memory_analysis():
         "opt_state_stream",
         "all_three",
     }
-    with pytest.raises(ValueError, match="accum-steps 3"):
-        cli.apply_defaults(cli.parse_args(["--accum-steps", "3"]), reduced=False)  # 8 examples, 3 micro-batches
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--accum-steps", "3"])  # 8 examples, 3 micro-batches (see test_user_errors_...)
     table = {c.name: c for c in configs.config_table()}
     assert table["params"].offloads_in_layer_loops() and table["act_block_input"].offloads_in_layer_loops()
     assert not table["opt_state_stream"].offloads_in_layer_loops() and not table["remat_full"].offloads_in_layer_loops()

@@ -4,6 +4,7 @@ and of the reduced pass, the platform guard, and the dispatch to the parent run 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,8 +57,38 @@ REDUCED = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a user error is one line on stderr (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"gpu_check: error: {' '.join(message.split())} (see --help)\n")
+
+
+def _number(kind, low: float, *, above: bool = False, high: float | None = None):
+    """An argparse type: a ``kind`` (int or float) >= ``low`` (> with ``above``), <= ``high``."""
+    what = "a whole number" if kind is int else "a number"
+    bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > low if above else value >= low) or (high is not None and value > high) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+POSITIVE, COUNT, SECONDS = _number(int, 1), _number(int, 0), _number(float, 0, above=True)
+
+
 def _int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+    values = [POSITIVE(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
+    return values
 
 
 def _name_list(text: str) -> list[str]:
@@ -74,16 +105,16 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated configurations, run in this order (default: {','.join(DEFAULT_PLAN)}); valid: {valid}",
     )
     p.add_argument("--capped", action="store_true", help="run the capped run (llama:3b under a memory cap) alone")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 5)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 1)")
-    p.add_argument("--deadline", type=float, default=None, help="global time budget in s (default 450)")
+    p.add_argument("--steps", type=POSITIVE, default=None, help="timed steps per configuration (default 5)")
+    p.add_argument("--warmup", type=COUNT, default=None, help="untimed steps after the first (default 1)")
+    p.add_argument("--deadline", type=SECONDS, default=None, help="global time budget in s (default 450)")
     p.add_argument("--allow-cpu", action="store_true", help="off a GPU: run the reduced pass, every output marked")
     p.add_argument("--reduced", action="store_true", help="the reduced pass (llama:tiny, batch 2 x 32) on any platform")
     p.add_argument("--parity", choices=("all", "needed", "off"), default=None, help=_PARITY_HELP)
     p.add_argument("--model", default=None, help="FAMILY:PRESET (default llama:1b; llama:tiny reduced)")
-    p.add_argument("--batch", type=int, default=None, help="examples per step (default 8)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per example (default 1024)")
-    p.add_argument("--accum-steps", type=int, default=1, help=_ACCUM_HELP)
+    p.add_argument("--batch", type=POSITIVE, default=None, help="examples per step (default 8)")
+    p.add_argument("--seq", type=POSITIVE, default=None, help="tokens per example (default 1024)")
+    p.add_argument("--accum-steps", type=POSITIVE, default=1, help=_ACCUM_HELP)
 
 
 _PARITY_HELP = (
@@ -97,26 +128,41 @@ _ACCUM_HELP = (
 
 
 def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--worker-timeout", type=float, default=None, help="per-configuration limit in s (default 240)")
-    p.add_argument("--parity-timeout", type=float, default=None, help="limit of the parity pass in s (default 120)")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--worker-timeout", type=SECONDS, default=None, help="per-configuration limit in s (default 240)")
+    p.add_argument("--parity-timeout", type=SECONDS, default=None, help="limit of the parity pass in s (default 120)")
+    p.add_argument("--lr", type=SECONDS, default=3e-4)
     p.add_argument("--plan-device", default="h200", help="planner device profile for the predictions (default h200)")
-    p.add_argument("--mem-fraction", type=float, default=0.92, help="XLA_PYTHON_CLIENT_MEM_FRACTION of uncapped runs")
+    p.add_argument(
+        "--mem-fraction",
+        type=_number(float, 0, above=True, high=1),
+        default=0.92,
+        help="XLA_PYTHON_CLIENT_MEM_FRACTION of uncapped runs",
+    )
     p.add_argument("--capped-model", default=None, help="model of the capped run (default llama:3b)")
-    p.add_argument("--capped-batch", type=int, default=None)
-    p.add_argument("--capped-seq", type=int, default=None)
-    p.add_argument("--capped-steps", type=int, default=None, help="train steps of the capped run (default 4)")
-    p.add_argument("--capped-ratio", type=float, default=2.25, help="trainable state / device-memory cap (2.25)")
-    p.add_argument("--pinned-host-gib", type=int, default=100, help="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, capped run")
-    p.add_argument("--assume-device-gib", type=float, default=140.0, help="device memory if nvidia-smi is missing")
+    p.add_argument("--capped-batch", type=POSITIVE, default=None)
+    p.add_argument("--capped-seq", type=POSITIVE, default=None)
+    p.add_argument(
+        "--capped-steps", type=_number(int, 2), default=None, help="train steps of the capped run (default 4)"
+    )
+    p.add_argument("--capped-ratio", type=SECONDS, default=2.25, help="trainable state / device-memory cap (2.25)")
+    p.add_argument(
+        "--pinned-host-gib", type=POSITIVE, default=100, help="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, capped run"
+    )
+    p.add_argument("--assume-device-gib", type=SECONDS, default=140.0, help="device memory if nvidia-smi is missing")
     p.add_argument("--bandwidth-mib", type=_int_list, default=None, help="copy sizes in MiB (default 256,4096)")
-    p.add_argument("--bandwidth-reps", type=int, default=None, help="timed copies per size and direction (default 7)")
+    p.add_argument(
+        "--bandwidth-reps", type=POSITIVE, default=None, help="timed copies per size and direction (default 7)"
+    )
     p.add_argument("--memory-analysis", choices=("on", "off"), default="off", help="transforms.compiled_memory per run")
     p.add_argument("--hlo-dump", choices=("on", "off"), default="on", help="analyse each step's optimized HLO")
     p.add_argument("--compile-cache", choices=("on", "off"), default="on", help="share compiles between workers")
-    p.add_argument("--estimate-s", type=float, default=None, help="assumed seconds per configuration before any ran")
-    p.add_argument("--min-start-s", type=float, default=None, help="start no configuration with less time than this")
-    p.add_argument("--work-dir", default=None, help="scratch directory for worker files (default: a temporary one)")
+    p.add_argument("--estimate-s", type=SECONDS, default=None, help="assumed seconds per configuration before any ran")
+    p.add_argument(
+        "--min-start-s", type=_number(float, 0), default=None, help="start no configuration with less time than this"
+    )
+    p.add_argument(
+        "--work-dir", type=Path, default=None, help="scratch directory for worker files (default: a temporary one)"
+    )
     p.add_argument("--keep-work-dir", action="store_true")
 
 
@@ -131,7 +177,7 @@ def _add_hidden_flags(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     """The command line; sizes left unset are filled in by :func:`apply_defaults` once the platform is known."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m benchmarks.gpu_check",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -146,12 +192,38 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         args.configs = resolve_names(args.configs, capped=args.capped)
     except ValueError as err:
         p.error(f"--configs: {err}")
-    if args.accum_steps < 1:
-        p.error(f"--accum-steps must be at least 1, got {args.accum_steps}")
-    for flag in ("steps", "capped_steps"):
-        if getattr(args, flag) is not None and getattr(args, flag) < (2 if flag == "capped_steps" else 1):
-            p.error(f"--{flag.replace('_', '-')} is too small: {getattr(args, flag)}")
+    problem = _check(args)
+    if problem:
+        p.error(problem)
     return args
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments argparse cannot see (names, paths, the batch split), or None."""
+    from transforms.plan._devices import get_device
+    from zoo import config_from_name
+
+    for flag, name in (("--model", args.model), ("--capped-model", args.capped_model)):
+        try:
+            if name is not None:
+                config_from_name(name)
+        except ValueError as err:
+            return f"{flag}: {err}"
+    try:
+        get_device(args.plan_device)
+    except ValueError as err:
+        return f"--plan-device: {err}"
+    for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
+        existing = next((p for p in (path, *path.parents) if p.exists()), None) if path else None
+        if existing is not None and not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+            return f"{flag}: {existing} is not a writable directory"
+    # The platform decides between the full and the reduced batch: each one that may apply must split.
+    batches = [args.batch] if args.batch else [REDUCED["batch"]] if args.reduced else [FULL["batch"]]
+    batches += [REDUCED["batch"]] if args.allow_cpu and not args.batch else []
+    for batch in batches:
+        if batch % args.accum_steps:
+            return f"--batch {batch} does not split into --accum-steps {args.accum_steps} micro-batches"
+    return None
 
 
 def apply_defaults(args: argparse.Namespace, *, reduced: bool) -> argparse.Namespace:
@@ -177,7 +249,7 @@ def main(argv=None, *, started: float | None = None, description: str | None = N
     probe = finish_probe(start_probe())
     message = refusal(probe["platform"], args.allow_cpu)
     if message:
-        print(message + (f"\n  probe: {probe['error']}" if probe.get("error") else ""), file=sys.stderr)
+        print(message + (f" Probe: {probe['error']}" if probe.get("error") else ""), file=sys.stderr)
         return 2
     failed = (probe.get("preflight") or {}).get("error")
     if failed:  # a JAX API the project needs is missing or changed: no worker starts
