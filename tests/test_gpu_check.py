@@ -694,7 +694,7 @@ def test_a_parity_case_that_kills_its_process_fails_and_the_rest_run_in_a_new_on
     selected = ["params", "opt_state", "all_three"]
     calls = []
 
-    def fake_worker(name, spec, work_dir, timeout, env, n_layers):
+    def fake_worker(name, spec, work_dir, timeout, env):
         calls.append(spec.get("cases"))
         todo = spec.get("cases") or selected
         if "opt_state" in todo:  # dies in opt_state, after writing the cases before it
@@ -713,7 +713,6 @@ def test_a_parity_case_that_kills_its_process_fails_and_the_rest_run_in_a_new_on
         tmp_path,
         None,
         None,
-        {},
         {c.name: c for c in configs.config_table()},
     )
     with contextlib.redirect_stdout(io.StringIO()):
