@@ -321,12 +321,30 @@ def test_a_broken_transform_fails_the_parity_pass_and_invalidates_its_figures(al
 def test_the_remat_policy_of_each_configuration_is_recorded(allowed):
     entries = allowed["results"]["configs"]
     assert entries["none"]["remat_policy"].startswith("none")
-    assert "set by offload_params" in entries["params"]["remat_policy"]  # the weights changed it: said so
+    # The weights changed it, as the library sees them (their memory type): said so.
+    assert "set by offload_params" in entries["params"]["remat_policy"]
     assert entries["none"]["worker"]["accum"] == {"steps": 1, "unrolled": False}
     # Offloaded weights are built in host memory (the device never holds them all): same weights.
     assert entries["params"]["worker"]["init"].startswith("weights built in pinned_host")
     assert set(entries["params"]["worker"]["placement_initial"]["params"]) == {"pinned_host"}
     assert entries["params"]["worker"]["losses"][0] == pytest.approx(entries["none"]["worker"]["losses"][0], rel=1e-3)
+
+
+def test_weights_built_in_host_memory_have_a_host_memory_type():
+    """An array that only gets a pinned_host out_sharding keeps a device-space type, and the library
+    (which reads the type) would then read it in place instead of streaming it."""
+    import jax
+
+    import zoo
+    from benchmarks.gpu_check.worker import _build_on_host
+    from zoo._jax_compat import memory_space
+
+    conf = next(c for c in configs.config_table() if c.name == "params")
+    cfg = configs.make_config("llama:tiny", seq=32)
+    model = _build_on_host(lambda k: zoo.build_model(cfg, key=k), jax.random.key(0), conf)
+    stack = jax.tree.leaves(model.stack)
+    assert stack and all(memory_space(x) == jax.memory.Space.Host for x in stack)
+    assert all(x.sharding.memory_kind == "pinned_host" for x in stack)
 
 
 def test_the_compiled_train_step_is_analysed(allowed):

@@ -59,14 +59,14 @@ def remat_policy(model) -> str:
     else the policy that host-resident weights impose (see ``zoo.nn.Stack``), else none."""
     import jax
 
-    from transforms._memory import HOST, memory_kind
     from zoo.nn import Stack
+    from zoo.nn._placement import any_on_host
 
     policies = []
     for stack in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, Stack)):
         if not isinstance(stack, Stack):
             continue
-        remat, on_host = stack.remat, any(memory_kind(x) == HOST for x in jax.tree.leaves(stack.layers))
+        remat, on_host = stack.remat, any_on_host(stack.layers)  # as the library sees them (their type)
         if remat is not None and remat.names:
             policy = f"checkpoint: save {list(remat.save)}, offload {list(remat.offload)}, recompute the rest"
         elif remat is not None:
@@ -118,11 +118,16 @@ def worker_bandwidth(spec: dict, report: dict, write) -> None:
 def _build_on_host(build, key, conf: Config):
     """The model of ``build(key)`` with ``offload_params`` applied to its abstract form, its weights
     computed straight into the placements that gives (``pinned_host``): the device never holds
-    every weight at once, so the peak of a run with offloaded weights is the training's own."""
+    every weight at once, so the peak of a run with offloaded weights is the training's own.
+
+    The weights are moved to host inside the program as well: an array that only gets a
+    ``pinned_host`` out_sharding keeps a device-space type, and the library (which reads the
+    type) would then neither stream nor checkpoint it, reading host memory in place."""
     import equinox as eqx
     import jax
 
     import transforms
+    from transforms._memory import HOST, to_host
 
     def is_abstract(x):
         return isinstance(x, jax.ShapeDtypeStruct)
@@ -131,10 +136,13 @@ def _build_on_host(build, key, conf: Config):
     placed_part, static = eqx.partition(transforms.offload_params(abstract, prefetch=conf.prefetch), is_abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = [x.sharding or device for x in jax.tree.leaves(placed_part)]
-    out = jax.tree.unflatten(jax.tree.structure(eqx.filter(abstract, is_abstract)), shardings)
-    arrays = jax.jit(lambda k: eqx.filter(build(k), eqx.is_array), out_shardings=out)(key)
-    arrays = jax.tree.unflatten(jax.tree.structure(placed_part), jax.tree.leaves(arrays))
-    return eqx.combine(arrays, static)
+
+    def build_placed(k):
+        arrays = jax.tree.leaves(eqx.filter(build(k), eqx.is_array))
+        return [to_host(x) if s.memory_kind == HOST else x for x, s in zip(arrays, shardings, strict=True)]
+
+    arrays = jax.jit(build_placed, out_shardings=shardings)(key)
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(placed_part), arrays), static)
 
 
 def _build_model(spec: dict, cfg, conf: Config, report: dict):
