@@ -18,20 +18,15 @@ import sys
 from benchmarks._environment import ROOT
 
 _PROBE = """
-import importlib.metadata, json, jax
-dev = jax.devices()[0]
-try:
-    jaxlib_version = importlib.metadata.version("jaxlib")
-except importlib.metadata.PackageNotFoundError:
-    jaxlib_version = None
-found = {"platform": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
-         "jax_version": jax.__version__, "jaxlib_version": jaxlib_version}
+import json, jax
 from benchmarks.gpu_check import preflight
+dev = jax.devices()[0]
+found = {"platform": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+         "jax_version": jax.__version__, "jaxlib_version": preflight.versions()["jaxlib"]}
 try:
     found["preflight"] = preflight.run()
-except Exception as err:
-    line = str(err) if isinstance(err, preflight.PreflightError) else f"{type(err).__name__}: {err}"
-    found["preflight"] = {"error": line.splitlines()[0][:1000]}
+except preflight.PreflightError as err:
+    found["preflight"] = {"error": str(err)}
 print("PROBE " + json.dumps(found))
 """
 
