@@ -30,6 +30,7 @@ DISTRIBUTIONS = (
     "jaxlib",
     "equinox",
     "optax",
+    "orbax-checkpoint",
     "numpy",
     "jax-cuda12-plugin",
     "jax-cuda12-pjrt",
@@ -115,9 +116,40 @@ def software() -> dict:
     }
 
 
-def write_results(out: Path, stem: str, report: dict, text: str) -> None:
-    """Write a benchmark's ``report`` to ``out/stem.json`` and its table ``text`` to ``out/stem.md``."""
+def gpus() -> dict:
+    """The GPUs as nvidia-smi lists them: ``{"nvidia_smi": "ok", "gpus": [{"name", "driver_version",
+    "memory_total_bytes", "pci.bus_id"}, ...]}``, or ``{"nvidia_smi": why there are none}``."""
+    fields = "name,driver_version,memory.total,pci.bus_id"
+    query = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        return {"nvidia_smi": f"unavailable ({type(err).__name__}: {err})"}
+    if out.returncode != 0:
+        return {"nvidia_smi": f"failed (rc {out.returncode}): {(out.stderr or out.stdout).strip()[:300]}"}
+    rows = [
+        dict(zip(fields.split(","), map(str.strip, line.split(",")), strict=False)) for line in out.stdout.splitlines()
+    ]
+    for row in rows:
+        with contextlib.suppress(KeyError, ValueError):
+            row["memory_total_bytes"] = int(float(row.pop("memory.total")) * 2**20)
+    return {"nvidia_smi": "ok", "gpus": rows}
+
+
+def write_json(path: Path, data) -> None:
+    """Write ``data`` as JSON through a temporary file, so that a reader never sees half of it
+    (NumPy scalars as numbers, any other value JSON does not know as its ``str``)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=lambda x: x.item() if hasattr(x, "item") else str(x)) + "\n")
+    os.replace(tmp, path)
+
+
+def write_results(out: Path, stem: str, report: dict, text: str, *, quiet: bool = False) -> Path:
+    """Write a benchmark's ``report`` to ``out/stem.json`` and its table ``text`` to ``out/stem.md``;
+    returns the JSON file's path (and says where, unless ``quiet``)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out / f"{stem}.json", report)
     (out / f"{stem}.md").write_text(text)
-    print(f"wrote {out / stem}.json and .md", flush=True)
+    if not quiet:
+        print(f"wrote {out / stem}.json and .md", flush=True)
+    return out / f"{stem}.json"

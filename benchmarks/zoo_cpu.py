@@ -51,6 +51,7 @@ import optax
 
 import zoo
 from benchmarks import _environment as benchmark_env
+from zoo._jax_compat import memory_analysis
 
 try:
     from benchmarks import minimal_step
@@ -123,7 +124,7 @@ def compiled_cost(compiled) -> dict:
     return {
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "temp_bytes": int(memory_analysis(compiled).temp_size_in_bytes),
     }
 
 
@@ -423,7 +424,7 @@ def run_memory_study(args) -> dict:
             return jax.value_and_grad(lambda p: zoo.lm_loss(eqx.combine(p, static), t, chunk=chunk))(p)
 
         tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
-        memory = jax.jit(grad).lower(params, tokens).compile().memory_analysis()
+        memory = memory_analysis(jax.jit(grad).lower(params, tokens).compile())
         row = {
             "attention": attention,
             "loss_chunk": chunk,

@@ -31,6 +31,7 @@ from benchmarks.gpu_check import (
     hlo,
     orchestrate,
     parity,
+    preflight,
     report,
     results,
     tolerances,
@@ -133,6 +134,39 @@ def test_a_worker_refuses_a_platform_the_parent_did_not_allow(tmp_path, capsys):
     assert "could not start" in guard.refusal("none", True)
 
 
+def test_the_preflight_exercises_every_jax_api_the_project_uses():
+    found = preflight.run()
+    assert found["checks"] == [what for what, _ in preflight.CHECKS]
+    assert set(found["versions"]) == set(preflight.DISTRIBUTIONS) and found["versions"]["jax"]
+    assert found["platform_version"]
+
+
+def test_a_missing_jax_api_fails_the_preflight_in_one_line(monkeypatch):
+    import jax
+
+    monkeypatch.delattr(jax.checkpoint_policies, "save_only_these_names")
+    with pytest.raises(preflight.PreflightError) as failed:
+        preflight.run()
+    (line,) = str(failed.value).splitlines()
+    assert line.startswith("gpu_check: preflight failed") and "save_only_these_names" in line
+    assert "innermost_transform_is_vmap" not in line  # only what failed is named
+
+
+def test_the_check_stops_before_any_worker_when_the_preflight_fails(monkeypatch, tmp_path, capsys):
+    """The probe's process runs the preflight: with one API taken away there, the parent prints one
+    line and exits nonzero, starts no worker and writes nothing."""
+    monkeypatch.setattr(
+        guard, "_PROBE", "import jax\ndel jax.checkpoint_policies.save_only_these_names\n" + guard._PROBE
+    )
+    monkeypatch.setattr(orchestrate, "orchestrate", lambda *a: pytest.fail("a worker would start"))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert cli.main(["--allow-cpu", "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("gpu_check: preflight failed") and "save_only_these_names" in line
+    assert not captured.out and not (tmp_path / "out").exists()
+
+
 def test_unknown_configurations_are_an_error_listing_the_valid_ones(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.parse_args(["--configs", "none,params_offload"])
@@ -141,6 +175,46 @@ def test_unknown_configurations_are_an_error_listing_the_valid_ones(capsys):
     assert "params_offload" in err and all(c.name in err for c in configs.config_table())
     assert cli.parse_args([]).configs == list(configs.DEFAULT_PLAN)
     assert cli.parse_args(["--capped"]).configs == ["capped"]
+
+
+USER_ERRORS = {
+    "--configs none,bogus": "bogus",
+    "--configs none,none": "twice",
+    "--steps 0": "--steps: must be >= 1",
+    "--steps x": "--steps: expected a whole number",
+    "--deadline -5": "--deadline: must be > 0",
+    "--mem-fraction 1.5": "--mem-fraction",
+    "--bandwidth-mib 64,0": "--bandwidth-mib",
+    "--capped-steps 1": "--capped-steps: must be >= 2",
+    "--model llama:huge": "--model: unknown model 'llama:huge'",
+    "--capped-model gpt9:1b": "--capped-model",
+    "--plan-device h999": "--plan-device",
+    "--accum-steps 3": "--batch 8 does not split into --accum-steps 3",
+    "--allow-cpu --accum-steps 4": "--batch 2 does not split",  # the reduced batch, if the platform is no GPU
+    "--out {file}": "is not a writable directory",
+    "--parity sometimes": "--parity",
+    "--no-such-flag": "unrecognized arguments",
+}
+
+
+@pytest.mark.parametrize("argv", list(USER_ERRORS))
+def test_user_errors_are_one_line_before_anything_runs(argv, monkeypatch, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(cli, "start_probe", lambda: pytest.fail("the probe started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv.format(file=tmp_path / "file").split())
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("gpu_check: error: ") and USER_ERRORS[argv] in line
+    assert not captured.out
+
+
+def test_a_user_error_shows_no_traceback():
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--steps", "0", "--out", "/nonexistent/x"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr.splitlines() == ["gpu_check: error: argument --steps: must be >= 1, got '0' (see --help)"]
 
 
 def test_the_default_plan_is_the_1b_llama_without_memory_analysis():
@@ -158,8 +232,8 @@ def test_the_default_plan_is_the_1b_llama_without_memory_analysis():
         "opt_state_stream",
         "all_three",
     }
-    with pytest.raises(ValueError, match="accum-steps 3"):
-        cli.apply_defaults(cli.parse_args(["--accum-steps", "3"]), reduced=False)  # 8 examples, 3 micro-batches
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--accum-steps", "3"])  # 8 examples, 3 micro-batches (see test_user_errors_...)
     table = {c.name: c for c in configs.config_table()}
     assert table["params"].offloads_in_layer_loops() and table["act_block_input"].offloads_in_layer_loops()
     assert not table["opt_state_stream"].offloads_in_layer_loops() and not table["remat_full"].offloads_in_layer_loops()
@@ -182,6 +256,8 @@ def test_the_results_have_every_field_per_configuration(allowed):
     data = allowed["results"]
     assert data["status"] == "complete" and not data["analysis_errors"]
     assert data["environment"]["versions"]["jax"] == data["jax_version"] and data["environment"]["python"]
+    assert set(data["versions"]) == set(preflight.DISTRIBUTIONS) and data["versions"]["jax"] == data["jax_version"]
+    assert data["preflight"]["checks"] == [what for what, _ in preflight.CHECKS]
     assert data["tolerances"]["parity_and_losses"] == tolerances.TOLERANCES and data["goal_targets"] == goals.GOALS
     assert data["args"]["reduced"] and not any(k.startswith("test_") for k in data["args"])
     names = {g["goal"].split(":")[0] for g in data["goals"]}
@@ -245,7 +321,8 @@ def test_a_broken_transform_fails_the_parity_pass_and_invalidates_its_figures(al
 def test_the_remat_policy_of_each_configuration_is_recorded(allowed):
     entries = allowed["results"]["configs"]
     assert entries["none"]["remat_policy"].startswith("none")
-    assert "set by offload_params" in entries["params"]["remat_policy"]  # the weights changed it: said so
+    # The weights changed it, as the library sees them (their memory type): said so.
+    assert "set by offload_params" in entries["params"]["remat_policy"]
     assert entries["none"]["worker"]["accum"] == {"steps": 1, "unrolled": False}
     # Offloaded weights are built in host memory (the device never holds them all): same weights.
     assert entries["params"]["worker"]["init"].startswith("weights built in pinned_host")
@@ -253,10 +330,29 @@ def test_the_remat_policy_of_each_configuration_is_recorded(allowed):
     assert entries["params"]["worker"]["losses"][0] == pytest.approx(entries["none"]["worker"]["losses"][0], rel=1e-3)
 
 
+def test_weights_built_in_host_memory_have_a_host_memory_type():
+    """An array that only gets a pinned_host out_sharding keeps a device-space type, and the library
+    (which reads the type) would then read it in place instead of streaming it."""
+    import jax
+
+    import zoo
+    from benchmarks.gpu_check.worker import _build_on_host
+    from zoo._jax_compat import memory_space
+
+    conf = next(c for c in configs.config_table() if c.name == "params")
+    cfg = configs.make_config("llama:tiny", seq=32)
+    model = _build_on_host(lambda k: zoo.build_model(cfg, key=k), jax.random.key(0), conf)
+    stack = jax.tree.leaves(model.stack)
+    assert stack and all(memory_space(x) == jax.memory.Space.Host for x in stack)
+    assert all(x.sharding.memory_kind == "pinned_host" for x in stack)
+
+
 def test_the_compiled_train_step_is_analysed(allowed):
     entry = allowed["results"]["configs"]["params"]
     analysis = entry["hlo"]
     assert analysis["from_first_step"] and "error" not in analysis
+    versions = allowed["results"]["jax_version"], allowed["results"]["jaxlib_version"]
+    assert (analysis["jax_version"], analysis["jaxlib_version"]) == versions  # what compiled it
     n_layers = entry["worker"]["model"]["n_layers"]
     assert any(loop["trip_count"] == n_layers for loop in analysis["while_loops"].values())
     # XLA:CPU emits no host transfers, so the streamed-weights goal is left to the GPU.
@@ -520,6 +616,7 @@ def test_dump_summary_reads_the_module_the_first_step_compiled(tmp_path):
     assert summary["module"] == step and summary["from_first_step"] is True
     assert summary["h2d_bytes_per_step"] == 4 * 1024 + 3 * 2048
     assert summary["memory_usage_report"] == {"device (color=0)": 1234, "host (color=5)": 99}
+    assert summary["jax_version"] == _environment.versions()["jax"] and summary["jaxlib_version"]
     # A compile-cache hit dumps nothing during the first step: said so, and no other module is taken.
     assert "compile-cache hit" in hlo.summarize_dump(tmp_path, 4, [])["error"]
     assert hlo.summarize_dump(tmp_path, 4)["from_first_step"] is False  # no names: the largest module
@@ -615,7 +712,7 @@ def test_a_parity_case_that_kills_its_process_fails_and_the_rest_run_in_a_new_on
     selected = ["params", "opt_state", "all_three"]
     calls = []
 
-    def fake_worker(name, spec, work_dir, timeout, env, n_layers):
+    def fake_worker(name, spec, work_dir, timeout, env):
         calls.append(spec.get("cases"))
         todo = spec.get("cases") or selected
         if "opt_state" in todo:  # dies in opt_state, after writing the cases before it
@@ -634,7 +731,6 @@ def test_a_parity_case_that_kills_its_process_fails_and_the_rest_run_in_a_new_on
         tmp_path,
         None,
         None,
-        {},
         {c.name: c for c in configs.config_table()},
     )
     with contextlib.redirect_stdout(io.StringIO()):

@@ -3,8 +3,11 @@
 These tests fail loudly, never skip: a JAX release that moves one of them must be noticed here,
 not as a silently slower fallback somewhere else."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
+import pytest
 
 from zoo import _jax_compat as compat
 
@@ -48,6 +51,25 @@ def test_innermost_transform_is_vmap():
     jax.vmap(jax.grad(lambda x: probe(x).sum()))(jnp.ones((2, 3)))
     probe(jnp.ones(3))
     assert seen == [True, True, False, False]
+
+
+def test_a_missing_trace_context_is_an_error_naming_it(monkeypatch):
+    """No silent ``False`` (the general path) where JAX has moved its trace context: an error."""
+    monkeypatch.setitem(sys.modules, "jax._src.interpreters.batching", None)  # as if it had moved
+    with pytest.raises(RuntimeError, match=r"jax\._src\.interpreters\.batching\.BatchTrace"):
+        compat.innermost_transform_is_vmap()
+
+
+def test_memory_analysis_of_a_compiled_program():
+    compiled = jax.jit(lambda x: jnp.tanh(x) @ x).lower(jnp.ones((8, 8))).compile()
+    assert compat.memory_analysis(compiled).temp_size_in_bytes >= 0
+
+    class NoAnalysis:  # what some backends and versions give
+        def memory_analysis(self):
+            return None
+
+    with pytest.raises(RuntimeError, match="memory_analysis\\(\\) returned None"):
+        compat.memory_analysis(NoAnalysis())
 
 
 def test_saved_residuals_lists_what_the_backward_pass_keeps():

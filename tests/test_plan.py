@@ -19,6 +19,7 @@ import pytest
 import transforms
 import zoo
 from transforms.plan._bytes import ACTIVATION_OPTIONS, Candidate
+from zoo._jax_compat import saved_residuals
 
 ROOT = pathlib.Path(__file__).parents[1]
 MiB = 2**20
@@ -84,19 +85,10 @@ def test_device_bytes_agree_with_compiled_memory_analysis(case):
     assert abs(error) < 0.15, f"{error:+.1%}"
 
 
-def _saved_residuals():
-    try:
-        from jax._src.ad_checkpoint import saved_residuals
-    except ImportError:  # pragma: no cover - private API
-        pytest.skip("jax._src.ad_checkpoint.saved_residuals is not available in this JAX version")
-    return saved_residuals
-
-
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_saved_activation_model_matches_what_jax_saves(family, compute_dtype):
     """The per-layer saved bytes (derived from the architecture) equal JAX's residuals exactly."""
-    saved_residuals = _saved_residuals()
     if family == "llama":  # head_dim != d_model / n_heads, grouped-query attention
         cfg = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8, compute_dtype=compute_dtype)
     else:

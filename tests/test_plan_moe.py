@@ -12,6 +12,7 @@ import transforms
 import zoo
 from transforms.plan import plan_generate
 from transforms.plan._bytes import Candidate
+from zoo._jax_compat import saved_residuals
 
 
 def _hd(cfg) -> int:
@@ -96,8 +97,6 @@ def test_decode_reads_only_the_experts_its_tokens_use(batch):
 def test_saved_residuals_of_an_moe_layer_follow_what_jax_saves():
     """Per layer: the planner's saved bytes within 1% of JAX's residuals (the batch differs from the
     depth, so that only per-layer residuals have the depth as their leading axis)."""
-    from jax._src.ad_checkpoint import saved_residuals
-
     cfg = zoo.config_from_name("mixtral:tiny").replace(n_layers=2)
     batch, seq = 3, 32
     p = transforms.plan(cfg, batch=batch, seq=seq, device="h100")

@@ -62,10 +62,19 @@ def has_matmul(eqn):
     return False
 
 
+def scan_counts(eqn):
+    """``(num_consts, num_carry)`` of a scan equation: its own params up to jax 0.10, its input
+    FlatTree ``ft_in`` (consts, carry, xs) from jax 0.11 on."""
+    if "num_carry" in eqn.params:
+        return eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry, _ = eqn.params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def check_prefetch(eqn, per_layer):
     """In this scan body every weight copy to the device feeds the carry only (it is used by the
     next iteration) and is issued before the body's first matmul."""
-    body, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_carry"]
+    body, (n_consts, n_carry) = eqn.params["jaxpr"].jaxpr, scan_counts(eqn)
     fetched = moves(body, H, DEV)
     assert {tuple(o.aval.shape) for _, o in fetched if tuple(o.aval.shape) in per_layer} == per_layer
     carry_out = body.outvars[:n_carry]
@@ -76,7 +85,7 @@ def check_prefetch(eqn, per_layer):
     first_dot = next(k for k, e in enumerate(body.eqns) if has_matmul(e))
     assert max(body.eqns.index(e) for e, _ in fetched) < first_dot
     # The matmuls read the weights carried in from the previous iteration.
-    carry_in = body.invars[eqn.params["num_consts"] : eqn.params["num_consts"] + n_carry]
+    carry_in = body.invars[n_consts : n_consts + n_carry]
     assert {tuple(v.aval.shape) for v in carry_in} >= per_layer
 
 
@@ -106,7 +115,7 @@ def test_without_prefetch_weights_move_at_their_point_of_use():
     m = llama()
     per_layer = {tuple(x.shape[1:]) for x in jax.tree.leaves(eqx.filter(m.stack, eqx.is_array))}
     (forward,) = [e for e in scans(grad_jaxpr(m)) if not e.params["reverse"]]
-    body, n_carry = forward.params["jaxpr"].jaxpr, forward.params["num_carry"]
+    body, (_, n_carry) = forward.params["jaxpr"].jaxpr, scan_counts(forward)
     fetched = [o for _, o in moves(body, H, DEV) if tuple(o.aval.shape) in per_layer]
     assert fetched and not [o for o in fetched if any(o is c for c in body.outvars[:n_carry])]
 
@@ -114,7 +123,7 @@ def test_without_prefetch_weights_move_at_their_point_of_use():
 def saved_activations(model):
     """(shape, memory space) of each activation the forward layer scan keeps for the backward."""
     (forward,) = [e for e in scans(grad_jaxpr(model)) if not e.params["reverse"]]
-    body, n_carry = forward.params["jaxpr"].jaxpr, forward.params["num_carry"]
+    body, (_, n_carry) = forward.params["jaxpr"].jaxpr, scan_counts(forward)
     kept = [v.aval for v in body.outvars[n_carry:] if v.aval.shape[:1] == (B,)]
     return sorted((tuple(a.shape), str(a.memory_space)) for a in kept)
 

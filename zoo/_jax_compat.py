@@ -1,4 +1,5 @@
-"""Every use of JAX internals in the project, in one place.
+"""Every use of JAX internals in the project, in one place (and the JAX calls whose answer
+differs between versions or backends).
 
 The rest of the code imports these names instead of reaching into ``jax._src``. Each one has a
 test (``tests/test_jax_compat.py``) that fails loudly, not with a skip, when JAX moves what it
@@ -28,15 +29,23 @@ def innermost_transform_is_vmap() -> bool:
     """True if the innermost transformation being traced right now is `jax.vmap`.
 
     (As in ``grad(vmap(model))`` for a per-example model, not in ``vmap(grad(...))``.) Reads
-    JAX's private trace context: there is no public way to ask. Where it is missing, answers
-    ``False``, which callers treat as "take the general path" (correct, possibly slower).
+    JAX's private trace context: there is no public way to ask. Where this JAX has moved it,
+    raises `RuntimeError` naming what is missing (a silent guess would change which program
+    the callers build).
     """
     try:
         from jax._src.core import trace_ctx
         from jax._src.interpreters.batching import BatchTrace
-    except ImportError:  # pragma: no cover - tested by tests/test_jax_compat.py
-        return False
-    return isinstance(getattr(trace_ctx, "trace", None), BatchTrace)
+
+        trace = trace_ctx.trace
+    except (ImportError, AttributeError) as err:
+        raise RuntimeError(
+            "zoo needs JAX's private trace context (jax._src.core.trace_ctx.trace and "
+            "jax._src.interpreters.batching.BatchTrace) to tell a vmap from other transforms, and "
+            f"jax {jax.__version__} does not have it ({type(err).__name__}: {err}); update "
+            "zoo/_jax_compat.innermost_transform_is_vmap for this JAX"
+        ) from err
+    return isinstance(trace, BatchTrace)
 
 
 def saved_residuals(fn, *args):
@@ -46,3 +55,16 @@ def saved_residuals(fn, *args):
     from jax._src.ad_checkpoint import saved_residuals as impl
 
     return impl(fn, *args)
+
+
+def memory_analysis(compiled):
+    """``compiled.memory_analysis()`` of a compiled program (`jax.stages.Compiled`), or a
+    `RuntimeError` saying that this backend gives none (some return ``None`` instead of the
+    statistics, which would otherwise surface as an ``AttributeError`` far from the cause)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(
+            f"XLA gave no memory analysis for this compiled program (jax {jax.__version__}, backend "
+            f"{jax.default_backend()!r}): compiled.memory_analysis() returned None"
+        )
+    return stats

@@ -1,9 +1,11 @@
-"""The command line of ``python -m benchmarks.gpu_check``: its flags, the defaults of the GPU run
-and of the reduced pass, the platform guard, and the dispatch to the parent run or a worker."""
+"""The command line of ``python -m benchmarks.gpu_check``: its flags and their checks, the defaults
+of the GPU run and of the reduced pass, the platform guard and preflight, and the dispatch to the
+parent run or a worker."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,132 +15,123 @@ from benchmarks._environment import ROOT
 from .configs import DEFAULT_PLAN, config_table, resolve_names
 from .guard import finish_probe, refusal, start_probe
 
-RESULTS_DIR = ROOT / "benchmarks" / "results"
+# Flag: (the GPU run on one H200, about 7.5 minutes; the reduced pass, --reduced or off a GPU).
+_DEFAULTS = {
+    "model": ("llama:1b", "llama:tiny"),
+    "batch": (8, 2),
+    "seq": (1024, 32),
+    "steps": (5, 2),
+    "warmup": (1, 1),
+    "deadline": (450.0, 300.0),  # the reduced pass: a few CPU cores compile every transform's step
+    "worker_timeout": (240.0, 90.0),
+    "parity_timeout": (120.0, 150.0),
+    "capped_model": ("llama:3b", "llama:tiny"),
+    "capped_batch": (1, 2),
+    "capped_seq": (2048, 32),
+    "capped_steps": (4, 3),
+    "bandwidth_mib": ([256, 4096], [1, 8]),
+    "bandwidth_reps": (7, 3),
+    "estimate_s": (45.0, 10.0),
+    "min_start_s": (30.0, 3.0),
+}
+FULL = {k: v[0] for k, v in _DEFAULTS.items()}
+REDUCED = {k: v[1] for k, v in _DEFAULTS.items()}
 
-#: Defaults of the GPU run (one H200, about 7.5 minutes).
-FULL = {
-    "model": "llama:1b",
-    "batch": 8,
-    "seq": 1024,
-    "steps": 5,
-    "warmup": 1,
-    "deadline": 450.0,
-    "worker_timeout": 240.0,
-    "parity_timeout": 120.0,
-    "capped_model": "llama:3b",
-    "capped_batch": 1,
-    "capped_seq": 2048,
-    "capped_steps": 4,
-    "bandwidth_mib": [256, 4096],
-    "bandwidth_reps": 7,
-    "estimate_s": 45.0,
-    "min_start_s": 30.0,
-}
-#: Defaults of the reduced pass (``--reduced``, or ``--allow-cpu`` off a GPU): a tiny Llama.
-REDUCED = {
-    **FULL,
-    "model": "llama:tiny",
-    "batch": 2,
-    "seq": 32,
-    "steps": 2,
-    "warmup": 1,
-    "deadline": 240.0,
-    "worker_timeout": 90.0,
-    "parity_timeout": 90.0,
-    "capped_model": "llama:tiny",
-    "capped_batch": 2,
-    "capped_seq": 32,
-    "capped_steps": 3,
-    "bandwidth_mib": [1, 8],
-    "bandwidth_reps": 3,
-    "estimate_s": 10.0,
-    "min_start_s": 3.0,
-}
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a user error is one line on stderr (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"gpu_check: error: {' '.join(message.split())} (see --help)\n")
+
+
+def _number(kind, low: float, *, above: bool = False, high: float | None = None):
+    """An argparse type: a ``kind`` (int or float) >= ``low`` (> with ``above``), <= ``high``."""
+    what = "a whole number" if kind is int else "a number"
+    bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > low if above else value >= low) or (high is not None and value > high) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+WHOLE, COUNT, POSITIVE = _number(int, 1), _number(int, 0), _number(float, 0, above=True)  # argparse types
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+    values = [WHOLE(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}")
+    return values
 
 
 def _name_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    valid = ", ".join(c.name for c in config_table())
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default benchmarks/results)")
-    p.add_argument(
-        "--configs",
-        type=_name_list,
-        default=None,
-        help=f"comma-separated configurations, run in this order (default: {','.join(DEFAULT_PLAN)}); valid: {valid}",
-    )
-    p.add_argument("--capped", action="store_true", help="run the capped run (llama:3b under a memory cap) alone")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 5)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 1)")
-    p.add_argument("--deadline", type=float, default=None, help="global time budget in s (default 450)")
-    p.add_argument("--allow-cpu", action="store_true", help="off a GPU: run the reduced pass, every output marked")
-    p.add_argument("--reduced", action="store_true", help="the reduced pass (llama:tiny, batch 2 x 32) on any platform")
-    p.add_argument("--parity", choices=("all", "needed", "off"), default=None, help=_PARITY_HELP)
-    p.add_argument("--model", default=None, help="FAMILY:PRESET (default llama:1b; llama:tiny reduced)")
-    p.add_argument("--batch", type=int, default=None, help="examples per step (default 8)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per example (default 1024)")
-    p.add_argument("--accum-steps", type=int, default=1, help=_ACCUM_HELP)
-
-
-_PARITY_HELP = (
-    "the parity pass: every transform (all; the default with the default plan), the transforms of the chosen "
-    "configurations (needed; the default with --configs) or none (off)"
+#: ``(flag, type, default, help)`` of every flag that takes a value (defaults None: see _DEFAULTS).
+_FLAGS = (
+    ("--out", Path, ROOT / "benchmarks" / "results", "output directory (default benchmarks/results)"),
+    ("--steps", WHOLE, None, "timed steps per configuration (default 5)"),
+    ("--warmup", COUNT, None, "untimed steps after the first (default 1)"),
+    ("--deadline", POSITIVE, None, "global time budget in s (default 450)"),
+    ("--model", str, None, "FAMILY:PRESET (default llama:1b; llama:tiny reduced)"),
+    ("--batch", WHOLE, None, "examples per step (default 8)"),
+    ("--seq", WHOLE, None, "tokens per example (default 1024)"),
+    ("--accum-steps", WHOLE, 1, "micro-batches per step (default 1; unrolled with weights or activations offloaded)"),
+    ("--worker-timeout", POSITIVE, None, "per-configuration limit in s (default 240)"),
+    ("--parity-timeout", POSITIVE, None, "limit of the parity pass in s (default 120)"),
+    ("--lr", POSITIVE, 3e-4, "learning rate (default 3e-4)"),
+    ("--plan-device", str, "h200", "planner device profile for the predictions (default h200)"),
+    ("--mem-fraction", _number(float, 0, above=True, high=1), 0.92, "XLA_PYTHON_CLIENT_MEM_FRACTION of uncapped runs"),
+    ("--capped-model", str, None, "model of the capped run (default llama:3b)"),
+    ("--capped-batch", WHOLE, None, "batch of the capped run (default 1)"),
+    ("--capped-seq", WHOLE, None, "sequence length of the capped run (default 2048)"),
+    ("--capped-steps", _number(int, 2), None, "train steps of the capped run (default 4)"),
+    ("--capped-ratio", POSITIVE, 2.25, "trainable state / device-memory cap (default 2.25)"),
+    ("--pinned-host-gib", WHOLE, 100, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB of the capped run (default 100)"),
+    ("--assume-device-gib", POSITIVE, 140.0, "device memory if nvidia-smi is missing (default 140)"),
+    ("--bandwidth-mib", _int_list, None, "copy sizes in MiB (default 256,4096)"),
+    ("--bandwidth-reps", WHOLE, None, "timed copies per size and direction (default 7)"),
+    ("--estimate-s", POSITIVE, None, "assumed seconds per configuration before any ran (default 45)"),
+    ("--min-start-s", _number(float, 0), None, "start no configuration with less time than this (default 30)"),
+    ("--work-dir", Path, None, "scratch directory for worker files (default: a temporary one)"),
 )
-_ACCUM_HELP = (
-    "micro-batches per step (default 1); with weights or activations offloaded the library runs them unrolled, "
-    "recorded per configuration"
-)
-
-
-def _add_tuning_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--worker-timeout", type=float, default=None, help="per-configuration limit in s (default 240)")
-    p.add_argument("--parity-timeout", type=float, default=None, help="limit of the parity pass in s (default 120)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--plan-device", default="h200", help="planner device profile for the predictions (default h200)")
-    p.add_argument("--mem-fraction", type=float, default=0.92, help="XLA_PYTHON_CLIENT_MEM_FRACTION of uncapped runs")
-    p.add_argument("--capped-model", default=None, help="model of the capped run (default llama:3b)")
-    p.add_argument("--capped-batch", type=int, default=None)
-    p.add_argument("--capped-seq", type=int, default=None)
-    p.add_argument("--capped-steps", type=int, default=None, help="train steps of the capped run (default 4)")
-    p.add_argument("--capped-ratio", type=float, default=2.25, help="trainable state / device-memory cap (2.25)")
-    p.add_argument("--pinned-host-gib", type=int, default=100, help="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, capped run")
-    p.add_argument("--assume-device-gib", type=float, default=140.0, help="device memory if nvidia-smi is missing")
-    p.add_argument("--bandwidth-mib", type=_int_list, default=None, help="copy sizes in MiB (default 256,4096)")
-    p.add_argument("--bandwidth-reps", type=int, default=None, help="timed copies per size and direction (default 7)")
-    p.add_argument("--memory-analysis", choices=("on", "off"), default="off", help="transforms.compiled_memory per run")
-    p.add_argument("--hlo-dump", choices=("on", "off"), default="on", help="analyse each step's optimized HLO")
-    p.add_argument("--compile-cache", choices=("on", "off"), default="on", help="share compiles between workers")
-    p.add_argument("--estimate-s", type=float, default=None, help="assumed seconds per configuration before any ran")
-    p.add_argument("--min-start-s", type=float, default=None, help="start no configuration with less time than this")
-    p.add_argument("--work-dir", default=None, help="scratch directory for worker files (default: a temporary one)")
-    p.add_argument("--keep-work-dir", action="store_true")
-
-
-def _add_hidden_flags(p: argparse.ArgumentParser) -> None:
-    """Worker mode and the test hooks (fault injection), left out of --help."""
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--spec", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--test-crash", type=_name_list, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--test-hang", type=_name_list, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--test-break", default=None, help=argparse.SUPPRESS)  # a parity case whose result is perturbed
 
 
 def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
-    """The command line; sizes left unset are filled in by :func:`apply_defaults` once the platform is known."""
-    p = argparse.ArgumentParser(
+    """The command line, checked (a wrong argument exits with one line, see :class:`_Parser`);
+    sizes left unset are filled in by :func:`apply_defaults` once the platform is known."""
+    p = _Parser(
         prog="python -m benchmarks.gpu_check",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_plan_flags(p)
-    _add_tuning_flags(p)
-    _add_hidden_flags(p)
+    valid = ", ".join(c.name for c in config_table())
+    configs = f"comma-separated configurations, in this order (default: {','.join(DEFAULT_PLAN)}); valid: {valid}"
+    p.add_argument("--configs", type=_name_list, default=None, help=configs)
+    for flag, kind, default, text in _FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--capped", action="store_true", help="run the capped run (llama:3b under a memory cap) alone")
+    p.add_argument("--allow-cpu", action="store_true", help="off a GPU: run the reduced pass, every output marked")
+    p.add_argument("--reduced", action="store_true", help="the reduced pass (llama:tiny, batch 2 x 32) on any platform")
+    parity = "every transform (the default with the default plan), those of the chosen configurations, or none"
+    p.add_argument("--parity", choices=("all", "needed", "off"), default=None, help=f"the parity pass: {parity}")
+    p.add_argument("--memory-analysis", choices=("on", "off"), default="off", help="transforms.compiled_memory per run")
+    p.add_argument("--compile-cache", choices=("on", "off"), default="on", help="share compiles between workers")
+    p.add_argument("--keep-work-dir", action="store_true")
+    for hidden in ("--worker", "--test-break"):  # worker mode; a parity case whose result is perturbed (tests)
+        p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spec", type=Path, default=None, help=argparse.SUPPRESS)
+    for hidden in ("--test-crash", "--test-hang"):  # fault injection (tests)
+        p.add_argument(hidden, type=_name_list, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return args
@@ -146,23 +139,46 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         args.configs = resolve_names(args.configs, capped=args.capped)
     except ValueError as err:
         p.error(f"--configs: {err}")
-    if args.accum_steps < 1:
-        p.error(f"--accum-steps must be at least 1, got {args.accum_steps}")
-    for flag in ("steps", "capped_steps"):
-        if getattr(args, flag) is not None and getattr(args, flag) < (2 if flag == "capped_steps" else 1):
-            p.error(f"--{flag.replace('_', '-')} is too small: {getattr(args, flag)}")
+    problem = _check(args)
+    if problem:
+        p.error(problem)
     return args
 
 
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments argparse cannot see (names, paths, the batch split), or None."""
+    from transforms.plan._devices import get_device
+    from zoo import config_from_name
+
+    for flag, name in (("--model", args.model), ("--capped-model", args.capped_model)):
+        try:
+            if name is not None:
+                config_from_name(name)
+        except ValueError as err:
+            return f"{flag}: {err}"
+    try:
+        get_device(args.plan_device)
+    except ValueError as err:
+        return f"--plan-device: {err}"
+    for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
+        existing = next((p for p in (path, *path.parents) if p.exists()), None) if path else None
+        if existing is not None and not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+            return f"{flag}: {existing} is not a writable directory"
+    # The platform decides between the full and the reduced batch: each one that may apply must split.
+    batches = [args.batch] if args.batch else [REDUCED["batch"]] if args.reduced else [FULL["batch"]]
+    batches += [REDUCED["batch"]] if args.allow_cpu and not args.batch else []
+    for batch in batches:
+        if batch % args.accum_steps:
+            return f"--batch {batch} does not split into --accum-steps {args.accum_steps} micro-batches"
+    return None
+
+
 def apply_defaults(args: argparse.Namespace, *, reduced: bool) -> argparse.Namespace:
-    """Fill every size left unset from :data:`FULL` or :data:`REDUCED`; raises `ValueError` when
-    the batch does not split into ``--accum-steps`` micro-batches."""
+    """Fill every size left unset from :data:`FULL` or :data:`REDUCED`."""
     args.reduced = reduced
     for key, value in (REDUCED if reduced else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.batch % args.accum_steps:
-        raise ValueError(f"--batch {args.batch} does not split into --accum-steps {args.accum_steps} micro-batches")
     return args
 
 
@@ -177,14 +193,13 @@ def main(argv=None, *, started: float | None = None, description: str | None = N
     probe = finish_probe(start_probe())
     message = refusal(probe["platform"], args.allow_cpu)
     if message:
-        print(message + (f"\n  probe: {probe['error']}" if probe.get("error") else ""), file=sys.stderr)
+        print(message + (f" Probe: {probe['error']}" if probe.get("error") else ""), file=sys.stderr)
         return 2
-    try:
-        apply_defaults(args, reduced=args.reduced or probe["platform"] != "gpu")
-    except ValueError as err:
-        print(f"gpu_check: {err}", file=sys.stderr)
+    failed = (probe.get("preflight") or {}).get("error")
+    if failed:  # a JAX API the project needs is missing or changed: no worker starts
+        print(failed, file=sys.stderr)
         return 2
     from .orchestrate import orchestrate
 
-    orchestrate(args, probe, started)
+    orchestrate(apply_defaults(args, reduced=args.reduced or probe["platform"] != "gpu"), probe, started)
     return 0

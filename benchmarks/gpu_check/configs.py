@@ -1,25 +1,19 @@
-"""The measured configurations, the parity cases each one depends on, and the model and optimizer
-each one trains."""
+"""The measured configurations (which are also the parity pass's cases), and the model and
+optimizer each one trains."""
 
 from __future__ import annotations
 
 import dataclasses
 
 GiB = 2**30
-
-# The effective optimizer of every configuration: AdamW (first-moment decay ADAM_B1) after
-# global-norm clipping at CLIP_NORM.
-ADAM_B1 = 0.9
-CLIP_NORM = 1.0
+ADAM_B1, CLIP_NORM = 0.9, 1.0  # every configuration: AdamW (first-moment decay) after global-norm clipping
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One measured configuration.
-
-    ``parity`` names the cases of the parity pass (``parity.parity_cases``) whose transforms the
-    configuration uses: a failed case makes its figures invalid.
-    """
+    """One measured configuration; ``parity`` names the cases of the parity pass (configurations
+    themselves, see ``parity.parity_table``) whose transforms it uses: a failed case makes its
+    figures invalid."""
 
     name: str
     description: str
@@ -35,9 +29,7 @@ class Config:
     def transforms(self) -> dict:
         """The transforms of this configuration, as recorded in the results."""
         out = {"offload_params": self.params, "activations": self.activations, "opt_state": self.opt}
-        if self.remat:
-            out["remat"] = "full"
-        return {**out, "prefetch": True} if self.prefetch else out
+        return {**out, **({"remat": "full"} if self.remat else {}), **({"prefetch": True} if self.prefetch else {})}
 
     def offloads_in_layer_loops(self) -> bool:
         """Whether a forward pass moves data between host and device inside the layer loops (then
@@ -46,54 +38,40 @@ class Config:
 
 
 ALL_THREE = ("params", "act_block_input", "opt_state_stream", "all_three")
+THREE = "offload_params + offload_activations(block_input) + offload_opt_state(stream=True)"
+
+
+def _checked(name: str, description: str, **kw) -> Config:
+    """A configuration that is its own parity case."""
+    return Config(name, description, parity=(name,), **kw)
 
 
 def config_table() -> list[Config]:
     """Every configuration, in the default plan's order (priority: what is skipped at the deadline
     is the end of the list), then the opt-in ones (``bandwidth``, ``capped``, the other presets)."""
-    three = "offload_params + offload_activations(block_input) + offload_opt_state(stream=True)"
+    projections = ("act_block_input", "act_q_proj", "act_k_proj", "act_v_proj", "act_attn_out")
     return [
         Config("none", "no offload, no remat (the reference)"),
-        Config("all_three", three, params=True, activations="block_input", opt="stream", parity=ALL_THREE),
-        Config(
+        Config("all_three", THREE, params=True, activations="block_input", opt="stream", parity=ALL_THREE),
+        _checked(
             "act_block_input",
             "offload_activations(policy='block_input') (offload each block's input, recompute the rest)",
             activations="block_input",
-            parity=("act_block_input",),
         ),
-        Config(
+        _checked(
             "act_recompute_all",
             "offload_activations(policy='recompute_all') (full recompute)",
             activations="recompute_all",
-            parity=("act_recompute_all",),
         ),
-        Config(
+        _checked(
             "params",
             "offload_params (its stack is checkpointed: matmul outputs kept, weights fetched again)",
             params=True,
-            parity=("params",),
         ),
-        Config(
-            "opt_state_stream",
-            "offload_opt_state(adamw, stream=True, clip_norm=1.0)",
-            opt="stream",
-            parity=("opt_state_stream",),
-        ),
-        Config(
-            "params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True, parity=("params_prefetch",)
-        ),
-        Config(
-            "opt_state",
-            "offload_opt_state(chain(clip_by_global_norm(1.0), adamw))",
-            opt="offload",
-            parity=("opt_state",),
-        ),
-        Config(
-            "remat_full",
-            "zoo.nn.with_remat(model, Remat()) (full remat on the model, no transform)",
-            remat=True,
-            parity=("remat_full",),
-        ),
+        _checked("opt_state_stream", "offload_opt_state(adamw, stream=True, clip_norm=1.0)", opt="stream"),
+        _checked("params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True),
+        _checked("opt_state", "offload_opt_state(chain(clip_by_global_norm(1.0), adamw))", opt="offload"),
+        _checked("remat_full", "zoo.nn.with_remat(model, Remat()) (full remat on the model, no transform)", remat=True),
         Config("bandwidth", "pinned_host <-> device copy bandwidth (the link ceiling)", kind="bandwidth"),
         Config(
             "capped",
@@ -108,23 +86,13 @@ def config_table() -> list[Config]:
             "act_block_input_and_projections",
             "offload_activations(policy='block_input_and_projections')",
             activations="block_input_and_projections",
-            parity=("act_block_input", "act_q_proj", "act_k_proj", "act_v_proj", "act_attn_out"),
+            parity=projections,
         ),
     ]
 
 
 #: The configurations of the default plan, in order (the rest of the table is opt-in).
-DEFAULT_PLAN = (
-    "none",
-    "all_three",
-    "act_block_input",
-    "act_recompute_all",
-    "params",
-    "opt_state_stream",
-    "params_prefetch",
-    "opt_state",
-    "remat_full",
-)
+DEFAULT_PLAN = tuple(c.name for c in config_table()[:9])
 
 
 def resolve_names(names: list[str] | None, *, capped: bool = False) -> list[str]:
@@ -150,19 +118,18 @@ def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16", **overr
 
 
 def make_optimizer(kind: str, lr: float):
-    """The same effective optimizer everywhere: AdamW after global-norm clipping at 1.0, with its
-    state on the device (``device``), offloaded (``offload``) or offloaded and streamed (``stream``)."""
+    """The same effective optimizer everywhere, its state on the device (``device``), offloaded
+    (``offload``) or offloaded and streamed (``stream``)."""
     import optax
 
     import transforms
 
-    if kind == "device":
-        return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr))
-    if kind == "offload":
-        return transforms.offload_opt_state(optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr)))
+    if kind not in ("device", "offload", "stream"):
+        raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream")
     if kind == "stream":
-        return transforms.offload_opt_state(optax.adamw(lr), stream=True, clip_norm=CLIP_NORM)
-    raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream")
+        return transforms.offload_opt_state(optax.adamw(lr, b1=ADAM_B1), stream=True, clip_norm=CLIP_NORM)
+    plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr, b1=ADAM_B1))
+    return transforms.offload_opt_state(plain) if kind == "offload" else plain
 
 
 def apply_transforms(model, conf: Config):
@@ -172,10 +139,8 @@ def apply_transforms(model, conf: Config):
 
     if conf.params:
         model = transforms.offload_params(model, prefetch=conf.prefetch)
-    if conf.activations in transforms.ACTIVATION_PRESETS:
-        model = transforms.offload_activations(model, policy=conf.activations)
-    elif conf.activations:
-        model = transforms.offload_activations(model, names=(conf.activations,))
-    if conf.remat:
-        model = with_remat(model, Remat())
-    return model
+    if conf.activations:
+        presets = transforms.ACTIVATION_PRESETS
+        kw = {"policy": conf.activations} if conf.activations in presets else {"names": (conf.activations,)}
+        model = transforms.offload_activations(model, **kw)
+    return with_remat(model, Remat()) if conf.remat else model

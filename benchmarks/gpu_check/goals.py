@@ -1,5 +1,5 @@
 """The goals of the transforms on the GPU, each evaluated from the results with its measured value,
-ratio and PASS/FAIL (None: not measurable here)."""
+ratio and PASS/FAIL (None: not measurable here). Only valid configurations have figures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 
 from .configs import GiB
 
-# Goals of the transforms on this GPU.
 GOALS = {
     "act_step_ratio": 1.10,  # activation offload: step time <= 1.10x no remat ...
     "act_peak_saving": 0.40,  # ... with >= 40% lower peak, and faster than full recompute
@@ -20,7 +19,7 @@ GOALS = {
 
 
 def step_time(entry: dict | None) -> float | None:
-    """The median step time of a configuration, unless it is invalid (failed a check, or did not run)."""
+    """The median step time of a valid configuration (None: invalid, or did not run)."""
     return entry.get("step_time_s") if entry and entry.get("valid") else None
 
 
@@ -41,79 +40,69 @@ def _goal(goal: str, config, measured, target: str, passed, ratio=None, note: st
     }
 
 
-def _why_not(entry: dict | None, none: dict | None) -> str:
-    """Why a goal comparing ``entry`` with ``none`` cannot be evaluated ('' if it can)."""
-    if not step_time(none):
-        return f"reference 'none' has no step time ({(none or {}).get('status', 'not run')})"
+def _status(entry: dict | None) -> str:
+    return (entry or {}).get("status", "not run")
+
+
+def _speed(title: str, name: str, entry: dict, base: dict, limit: float) -> dict:
+    """Step time of ``entry`` at most ``limit`` times ``base``'s (no verdict without both)."""
+    target = f"<= {limit:.2f}x"
+    if not step_time(base):
+        return _goal(title, name, None, target, None, note=f"reference 'none' has no step time ({_status(base)})")
     if not step_time(entry):
-        return f"no step time ({(entry or {}).get('status', 'not run')})"
-    return ""
+        return _goal(title, name, None, target, None, note=f"no step time ({_status(entry)})")
+    step, ref = step_time(entry), step_time(base)
+    return _goal(title, name, f"{step:.4f} s vs {ref:.4f} s", target, step / ref <= limit, step / ref)
 
 
 def activation_goals(configs: dict) -> list[dict]:
     none, recompute = configs.get("none"), configs.get("act_recompute_all")
-    base_step, base_peak = step_time(none), peak_bytes(none)
     goals = []
-    speed = f"activation offload: step time <= {GOALS['act_step_ratio']:.2f}x no remat"
-    memory = f"activation offload: peak >= {GOALS['act_peak_saving']:.0%} lower than no remat"
-    faster = "activation offload: faster than full recompute"
     for name, entry in configs.items():
         if not name.startswith("act_") or name == "act_recompute_all":
             continue
-        why = _why_not(entry, none)
-        if why:
-            goals.append(_goal(speed, name, None, f"<= {GOALS['act_step_ratio']:.2f}x", None, note=why))
+        speed = f"activation offload: step time <= {GOALS['act_step_ratio']:.2f}x no remat"
+        goals.append(_speed(speed, name, entry, none, GOALS["act_step_ratio"]))
+        if goals[-1]["pass"] is None:
             continue
-        step, peak = step_time(entry), peak_bytes(entry)
-        ratio = step / base_step
-        measured = f"{step:.4f} s vs {base_step:.4f} s"
-        target = f"<= {GOALS['act_step_ratio']:.2f}x"
-        goals.append(_goal(speed, name, measured, target, ratio <= GOALS["act_step_ratio"], ratio))
-        if peak and base_peak:
-            saving = 1 - peak / base_peak
-            measured = f"{peak / GiB:.2f} vs {base_peak / GiB:.2f} GiB ({saving:.1%} lower)"
-            target = f">= {GOALS['act_peak_saving']:.0%} lower"
-            goals.append(_goal(memory, name, measured, target, saving >= GOALS["act_peak_saving"], peak / base_peak))
+        target = f">= {GOALS['act_peak_saving']:.0%} lower"
+        title = f"activation offload: peak {target} than no remat"
+        peak, base = peak_bytes(entry), peak_bytes(none)
+        if peak and base:
+            measured = f"{peak / GiB:.2f} vs {base / GiB:.2f} GiB ({1 - peak / base:.1%} lower)"
+            goals.append(_goal(title, name, measured, target, 1 - peak / base >= GOALS["act_peak_saving"], peak / base))
         else:
-            goals.append(_goal(memory, name, None, ">= 40% lower", None, note="no peak_bytes_in_use on this backend"))
-        rstep = step_time(recompute)
+            goals.append(_goal(title, name, None, target, None, note="no peak_bytes_in_use on this backend"))
+        title, step, rstep = "activation offload: faster than full recompute", step_time(entry), step_time(recompute)
         if rstep:
             measured = f"{step:.4f} s vs {rstep:.4f} s"
-            goals.append(_goal(faster, name, measured, "< 1.00x act_recompute_all", step < rstep, step / rstep))
+            goals.append(_goal(title, name, measured, "< 1.00x act_recompute_all", step < rstep, step / rstep))
         else:
-            status = (recompute or {}).get("status", "not run")
-            goals.append(_goal(faster, name, None, "< 1.00x", None, note=f"act_recompute_all: {status}"))
+            goals.append(_goal(title, name, None, "< 1.00x", None, note=f"act_recompute_all: {_status(recompute)}"))
     return goals
 
 
 def optimizer_goals(configs: dict) -> list[dict]:
-    none = configs.get("none")
-    base_step, base_peak = step_time(none), peak_bytes(none)
-    goals = []
-    freed_title = f"optimizer-state offload: frees >= {GOALS['opt_freed_fraction']:.0%} of its bytes (peak)"
-    speed = f"optimizer-state offload: step time <= {GOALS['opt_step_ratio']:.2f}x no offload"
+    none, goals = configs.get("none"), []
+    target = f">= {GOALS['opt_freed_fraction']:.0%}"
+    title = f"optimizer-state offload: frees {target} of its bytes (peak)"
+    speed_title = f"optimizer-state offload: step time <= {GOALS['opt_step_ratio']:.2f}x no offload"
     for name in ("opt_state_stream", "opt_state"):
         entry = configs.get(name)
         if entry is None:
             continue
-        why = _why_not(entry, none)
-        if why:
-            goals.append(_goal(freed_title, name, None, f">= {GOALS['opt_freed_fraction']:.0%}", None, note=why))
+        speed = _speed(speed_title, name, entry, none, GOALS["opt_step_ratio"])
+        if speed["pass"] is None:
+            goals.append({**speed, "goal": title, "target": target})
             continue
-        step, peak = step_time(entry), peak_bytes(entry)
-        state = entry["worker"].get("state_bytes", {}).get("opt_state")
-        if peak and base_peak and state:
-            freed = (base_peak - peak) / state
-            measured = f"{(base_peak - peak) / GiB:.2f} of {state / GiB:.2f} GiB"
-            target = f">= {GOALS['opt_freed_fraction']:.0%}"
-            goals.append(_goal(freed_title, name, measured, target, freed >= GOALS["opt_freed_fraction"], freed))
+        peak, base, state = peak_bytes(entry), peak_bytes(none), entry["worker"].get("state_bytes", {}).get("opt_state")
+        if peak and base and state:
+            freed = (base - peak) / state
+            measured = f"{(base - peak) / GiB:.2f} of {state / GiB:.2f} GiB"
+            goals.append(_goal(title, name, measured, target, freed >= GOALS["opt_freed_fraction"], freed))
         else:
-            note = "no peak_bytes_in_use on this backend"
-            goals.append(_goal(freed_title, name, None, f">= {GOALS['opt_freed_fraction']:.0%}", None, note=note))
-        ratio = step / base_step
-        measured = f"{step:.4f} s vs {base_step:.4f} s"
-        target = f"<= {GOALS['opt_step_ratio']:.2f}x"
-        goals.append(_goal(speed, name, measured, target, ratio <= GOALS["opt_step_ratio"], ratio))
+            goals.append(_goal(title, name, None, target, None, note="no peak_bytes_in_use on this backend"))
+        goals.append(speed)
     return goals
 
 
@@ -129,29 +118,28 @@ def params_goal(configs: dict) -> dict:
         entry = configs.get(name)
         if not entry or entry.get("run_status") != "measured":
             continue
-        hlo = entry.get("hlo") or {}
-        model = entry["worker"].get("model", {})
-        layer = model.get("layer_bytes")
+        hlo, layer = entry.get("hlo") or {}, entry["worker"].get("model", {}).get("layer_bytes")
         if not hlo or hlo.get("error") or not layer:
             return _goal(title, name, None, target, None, note=f"no HLO analysis ({hlo.get('error', 'no dump')})")
         loops = [lp for lp in hlo.get("while_loops", {}).values() if lp["h2d_bytes_per_iter"]]
-        up_front = [s for s in hlo.get("stacked_h2d_outside_loops", []) if s["position"] == "before_first_loop"]
-        later = [s for s in hlo.get("stacked_h2d_outside_loops", []) if s["position"] != "before_first_loop"]
+        stacked = hlo.get("stacked_h2d_outside_loops", [])
+        up_front = [s for s in stacked if s["position"] == "before_first_loop"]
         if not loops:
             if entry["worker"].get("device", {}).get("platform") == "cpu":
                 note = "XLA:CPU emits no host transfers: only a GPU run can check this"
                 return _goal(title, name, None, target, None, note=note)
             return _goal(title, name, "no host-to-device transfer inside any loop", target, False)
-        counted = loops if name == "params" else loops[:1]
-        fetched = max(lp["h2d_bytes_per_iter"] for lp in counted)
+        fetched = max(lp["h2d_bytes_per_iter"] for lp in (loops if name == "params" else loops[:1]))
         layers = fetched / layer
-        notes = []
-        if up_front:
-            notes.append(f"{len(up_front)} whole stacked weights copied to the device before the first loop")
-        if later:
-            notes.append(f"{len(later)} whole stacked arrays copied in after/between the loops (the update)")
-        all_loops = ", ".join(f"{lp['h2d_bytes_per_iter'] / layer:.2f}" for lp in loops)
-        notes.append(f"layers fetched per iteration, every loop with host reads: {all_loops}")
+        notes = (
+            [f"{len(up_front)} whole stacked weights copied to the device before the first loop"] if up_front else []
+        )
+        if len(stacked) > len(up_front):
+            notes.append(
+                f"{len(stacked) - len(up_front)} whole stacked arrays copied in after/between the loops (the update)"
+            )
+        per_loop = ", ".join(f"{lp['h2d_bytes_per_iter'] / layer:.2f}" for lp in loops)
+        notes.append(f"layers fetched per iteration, every loop with host reads: {per_loop}")
         measured = f"{fetched / 2**20:.1f} MiB per iteration = {layers:.2f} layers"
         return _goal(title, name, measured, target, layers <= limit and not up_front, layers, "; ".join(notes))
     return _goal(title, None, None, target, None, note="neither params nor all_three was measured")
@@ -162,49 +150,42 @@ def prefetch_goal(configs: dict) -> dict:
     point of use): its step time, and its fetches per layer-loop iteration (the one-ahead copy
     means the loops read one layer each, as the default does)."""
     title = "prefetched params: step time <= 1.00x the at-use schedule, <= ~2 layers fetched per iteration"
-    target = f"<= {GOALS['prefetch_step_ratio']:.2f}x params"
     entry, base = configs.get("params_prefetch"), configs.get("params")
-    if not step_time(entry) or not step_time(base):
+    goal = _speed(title, "params_prefetch", entry, base, GOALS["prefetch_step_ratio"])
+    goal["target"] = f"<= {GOALS['prefetch_step_ratio']:.2f}x params"
+    if goal["pass"] is None:
         missing = "params_prefetch" if not step_time(entry) else "params"
-        status = (configs.get(missing) or {}).get("status", "not run")
-        return _goal(title, "params_prefetch", None, target, None, note=f"{missing} has no step time ({status})")
-    ratio = step_time(entry) / step_time(base)
+        return {**goal, "note": f"{missing} has no step time ({_status(configs.get(missing))})"}
     layers = params_goal({"params": entry})
-    passed = ratio <= GOALS["prefetch_step_ratio"] and layers["pass"] is not False
-    note = f"layers per iteration: {layers['measured'] or layers['note']}"
-    measured = f"{step_time(entry) * 1e3:.1f} ms vs {step_time(base) * 1e3:.1f} ms"
-    return _goal(title, "params_prefetch", measured, target, passed, ratio, note)
+    goal["measured"] = f"{step_time(entry) * 1e3:.1f} ms vs {step_time(base) * 1e3:.1f} ms"
+    goal["note"] = f"layers per iteration: {layers['measured'] or layers['note']}"
+    return {**goal, "pass": goal["pass"] and layers["pass"] is not False}
 
 
 def capacity_goal(entry: dict | None) -> dict:
     title = f"capacity: trainable state >= {GOALS['capacity_ratio']:g}x the capped device memory, and it trains"
     target = f">= {GOALS['capacity_ratio']:g}x"
     if not entry or "worker" not in entry:
-        return _goal(title, "capped", None, target, None, note=(entry or {}).get("status", "not run"))
+        return _goal(title, "capped", None, target, None, note=_status(entry))
     worker = entry["worker"]
-    stats = worker.get("memory_stats") or worker.get("memory_stats_after_init") or worker.get("memory_stats_start")
-    stats = stats or {}
+    stats = (
+        worker.get("memory_stats") or worker.get("memory_stats_after_init") or worker.get("memory_stats_start") or {}
+    )
     cap, peak = stats.get("bytes_limit"), (worker.get("memory_stats") or {}).get("peak_bytes_in_use")
     state = (worker.get("state_bytes") or {}).get("trainable_state")
     if state is None and worker.get("model"):
         state = worker["model"]["n_params"] * 16  # not initialised: the fp32 AdamW estimate
     losses = worker.get("losses") or []
-    trained = (
-        bool(entry.get("valid"))
-        and len(losses) >= 2
-        and all(math.isfinite(v) for v in losses)
-        and losses[-1] <= losses[0] + 0.1
-    )
+    finite = len(losses) >= 2 and all(math.isfinite(v) for v in losses)
+    trained = bool(entry.get("valid")) and finite and losses[-1] <= losses[0] + 0.1
     note = f"status {entry.get('status')}; losses {[round(v, 3) for v in losses]}"
     if not cap:
         return _goal(title, "capped", None, target, None if trained else False, note=note + "; no bytes_limit here")
-    ratio = state / cap if state else None
-    within = peak is None or peak <= cap
-    if not within:
-        note += f"; peak {peak / GiB:.2f} GiB is above the cap"
-    measured = f"{(state or 0) / GiB:.1f} GiB of state / {cap / GiB:.1f} GiB cap"
-    if peak:
-        measured += f" (peak {peak / GiB:.1f} GiB)"
+    ratio, within = (state / cap if state else None), peak is None or peak <= cap
+    note += "" if within else f"; peak {peak / GiB:.2f} GiB is above the cap"
+    measured = f"{(state or 0) / GiB:.1f} GiB of state / {cap / GiB:.1f} GiB cap" + (
+        f" (peak {peak / GiB:.1f} GiB)" if peak else ""
+    )
     passed = bool(trained and ratio and ratio >= GOALS["capacity_ratio"] and within)
     return _goal(title, "capped", measured, target, passed, ratio, note)
 

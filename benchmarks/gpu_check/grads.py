@@ -27,20 +27,21 @@ def gradient_summary(named: dict, *, n_proj: int = N_PROJECTIONS) -> dict:
 
     The vectors are the bits of one random word per element, drawn from a key derived from the
     leaf's path only (threefry: the same bits in every process), so two processes project on the
-    same vectors. Leaves may be NumPy arrays (a
-    host copy) or JAX arrays; host-resident JAX arrays are copied to the device first.
+    same vectors. Leaves may be NumPy arrays (a host copy) or JAX arrays, in either memory.
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    flat = [(name, x) for name, x in sorted(named.items()) if hasattr(x, "dtype") and _is_float(x.dtype)]
+    from transforms._memory import is_floating, to_device
+
+    flat = [(name, x) for name, x in sorted(named.items()) if is_floating(x)]
     names = [name for name, _ in flat]
-    leaves = [_to_device(x) for _, x in flat]
+    leaves = [x for _, x in flat]
     salts = np.array([zlib.crc32(name.encode()) for name in names], np.uint32)
 
     def one(x, salt):
-        x = x.astype(jnp.float32)
+        x = to_device(x).astype(jnp.float32)
         # One random 32-bit word per element: its bit k is the sign of projection k.
         bits = jax.random.bits(jax.random.fold_in(jax.random.key(0), salt), x.shape, jnp.uint32)
 
@@ -60,27 +61,12 @@ def gradient_summary(named: dict, *, n_proj: int = N_PROJECTIONS) -> dict:
     return out
 
 
-def _is_float(dtype) -> bool:
-    import jax.numpy as jnp
-
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
 def scale_summary(summary: dict, factor: float) -> dict:
     """The summary of ``factor * tree`` (norms and projections are linear in the tree)."""
     return {
         name: {**leaf, "norm": leaf["norm"] * abs(factor), "proj": [p * factor for p in leaf["proj"]]}
         for name, leaf in summary.items()
     }
-
-
-def _to_device(x):
-    import jax
-
-    sharding = getattr(x, "sharding", None)
-    if sharding is not None and sharding.memory_kind not in (None, "device"):
-        return jax.device_put(x, sharding.with_memory_kind("device"))
-    return x
 
 
 def compare_gradients(reference: dict, candidate: dict, tol: dict | None = None) -> dict:

@@ -3,8 +3,9 @@
 JAX falls back to the CPU when it cannot create a GPU client (a missing CUDA plugin, a driver
 mismatch, an environment variable the client rejects), and then every figure would be a CPU
 figure labelled as a GPU one. The parent probes the platform in a fresh process before anything
-else, and each worker checks ``jax.default_backend()`` again before it measures; off a GPU both
-refuse unless ``--allow-cpu`` is given, which runs the reduced pass and marks every output.
+else (that process runs the preflight too, see ``preflight``), and each worker checks
+``jax.default_backend()`` again before it measures; off a GPU both refuse unless ``--allow-cpu``
+is given, which runs the reduced pass and marks every output.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import sys
 from benchmarks._environment import ROOT
 
 _PROBE = """
-import importlib.metadata, json, jax
+import json, jax
+from benchmarks.gpu_check import preflight
 dev = jax.devices()[0]
+found = {"platform": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+         "jax_version": jax.__version__, "jaxlib_version": preflight.versions()["jaxlib"]}
 try:
-    jaxlib_version = importlib.metadata.version("jaxlib")
-except importlib.metadata.PackageNotFoundError:
-    jaxlib_version = None
-print("PROBE " + json.dumps({"platform": jax.default_backend(), "device_kind": dev.device_kind,
-      "device_count": jax.device_count(), "jax_version": jax.__version__, "jaxlib_version": jaxlib_version}))
+    found["preflight"] = preflight.run()
+except preflight.PreflightError as err:
+    found["preflight"] = {"error": str(err)}
+print("PROBE " + json.dumps(found))
 """
 
 

@@ -7,44 +7,18 @@ import math
 import re
 from pathlib import Path
 
+from benchmarks._environment import versions
+
 HOST_MEMORY_COLORS = {5}  # the XLA GPU host memory space, printed as S(5) in layouts
-
-
-DTYPE_BYTES = {
-    "pred": 1,
-    "s2": 0.25,
-    "u2": 0.25,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
+#: Bytes per element of HLO element types (sub-byte types packed); any other type counts 4.
+DTYPE_BYTES = {f"{t}{n}": n / 8 for t in "suf" for n in (2, 4, 8, 16, 32, 64)} | dict(pred=1, bf16=2, c64=8, c128=16)
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALL_RE = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _CALL_LIST_RE = re.compile(r"\b(branch_computations|calls)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-TRANSFER_OPS = {
-    "copy-start",
-    "copy",
-    "dynamic-slice",
-    "dynamic-update-slice",
-    "dynamic-slice-start",
-    "dynamic-update-slice-start",
-}
+ASYNC_TRANSFERS = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
 
 
 def _strip_comments(text: str) -> str:
@@ -215,7 +189,7 @@ def _call_graph(comps: dict, entry: dict) -> dict:
                 factor = (ins["trip_count"] or 1) if in_loop else 1
                 body = callee if ins["opcode"] == "while" and kind == "body" else None
                 edges.setdefault(comp["name"], []).append((callee, factor, body))
-                if ins["opcode"].endswith("-start") and ins["opcode"] in TRANSFER_OPS:
+                if ins["opcode"] in ASYNC_TRANSFERS:
                     wrapped.add(callee)
             body = next((c for k, c in ins["calls"] if k == "body"), None)
             if ins["opcode"] == "while" and body:
@@ -314,11 +288,23 @@ def parse_memory_usage_report(text: str) -> dict[str, int]:
     return out
 
 
+def compiled_by() -> dict:
+    """The versions of the JAX that compiled a program (the workers run this interpreter), kept
+    next to every analysis of a compiled program: what XLA emits changes between releases."""
+    found = versions(("jax", "jaxlib"))
+    return {"jax_version": found.get("jax"), "jaxlib_version": found.get("jaxlib")}
+
+
 def summarize_dump(dump_dir: Path, n_layers: int | None, names: list[str] | None = None) -> dict | None:
     """Analysis of the train step's optimized module in an XLA dump directory: the largest of
-    ``names`` (the modules compiled during the first step), else the largest of all."""
+    ``names`` (the modules compiled during the first step), else the largest of all; with the
+    versions of JAX that compiled it (:func:`compiled_by`)."""
     if not dump_dir.is_dir():
         return None
+    return {**_summarize(dump_dir, n_layers, names), **compiled_by()}
+
+
+def _summarize(dump_dir: Path, n_layers: int | None, names: list[str] | None) -> dict:
     modules = [p for p in dump_dir.glob("*after_optimizations.txt") if p.is_file()]
     chosen = [p for p in modules if names and p.name in names]
     if not modules:

@@ -17,56 +17,57 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks._environment import ROOT, utc_now
+from benchmarks._environment import ROOT, gpus, software, utc_now, write_json
 
 from .configs import DEFAULT_PLAN, Config, GiB, config_table, make_config
-from .environment import environment
 from .goals import GOALS
 from .grads import TOLERANCES as GRADIENT_TOLERANCES
 from .guard import label
 from .hlo import summarize_dump
-from .report import file_stem, parity_lines, print_table, write_json, write_results
+from .report import file_stem, print_summary, write
 from .results import base_entry, finish_config, refresh
 from .tolerances import TOLERANCES
 
-COMPUTE_DTYPE = "bfloat16"  # the main runs; the parity pass runs in float32
-PARITY_DTYPE = "float32"
-
-
-def _tail(path: Path, n: int) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return ""
-    return data[-n:].decode("utf-8", "replace")
+COMPUTE_DTYPE, PARITY_DTYPE = "bfloat16", "float32"  # the main runs; the parity pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
             proc.wait(timeout=5)
+            return
+        except (ProcessLookupError, PermissionError):
             return
         except subprocess.TimeoutExpired:
             continue
 
 
-def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict, n_layers: int | None) -> dict:
-    """Run one worker in a fresh process; whatever happens, return what is known."""
+def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict) -> dict:
+    """Run one worker in a fresh process; whatever happens, return what is known. A training
+    worker's XLA dump is analysed here (``hlo.summarize_dump``), then deleted."""
     wdir = work_dir / name
     wdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path, dump_dir = wdir / "spec.json", wdir / "result.json", wdir / "xla_dump"
+    train = spec["config"]["kind"] == "train"
     write_json(spec_path, {**spec, "dump_dir": str(dump_dir)})
-    env = dict(env)
-    if spec.get("hlo_dump"):
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text".strip()
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--worker", name, "--spec", str(spec_path)]
-    cmd += ["--out", str(out_path)]
-    started = time.perf_counter()
-    timed_out = False
+    if train:
+        env = {
+            **env,
+            "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text".strip(),
+        }
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--worker",
+        name,
+        "--spec",
+        str(spec_path),
+        "--out",
+        str(out_path),
+    ]
+    started, timed_out = time.perf_counter(), False
     with open(wdir / "stdout.txt", "wb") as so, open(wdir / "stderr.txt", "wb") as se:
         proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=env, cwd=ROOT, start_new_session=True)
         try:
@@ -83,8 +84,9 @@ def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict,
         run["report"] = json.loads(out_path.read_text())
     except (OSError, ValueError) as err:
         run["report"] = {"error": f"no readable worker report ({type(err).__name__})"}
-    run["stderr_tail"] = _tail(wdir / "stderr.txt", 3000)
-    if spec["config"]["kind"] == "train" and spec.get("hlo_dump"):
+    run["stderr_tail"] = (wdir / "stderr.txt").read_bytes()[-3000:].decode("utf-8", "replace")
+    if train:
+        n_layers = (run["report"].get("model") or {}).get("n_layers")
         run["hlo"] = summarize_dump(dump_dir, n_layers, run["report"].get("step_modules"))
     shutil.rmtree(dump_dir, ignore_errors=True)
     return run
@@ -100,14 +102,9 @@ def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None) ->
         "steps": args.capped_steps - 1 if capped else args.steps,
         "warmup": 0 if capped else args.warmup,
         "accum_steps": 1 if capped else args.accum_steps,
-        "lr": args.lr,
-        "seed": 0,
-        "plan_device": args.plan_device,
         "correctness": not capped,
-        "bandwidth_mib": args.bandwidth_mib,
-        "bandwidth_reps": args.bandwidth_reps,
-        "memory_analysis": args.memory_analysis,
-        "hlo_dump": args.hlo_dump == "on",
+        "seed": 0,
+        **{k: getattr(args, k) for k in ("lr", "plan_device", "bandwidth_mib", "bandwidth_reps", "memory_analysis")},
         "compile_cache": compile_cache,
         "allow_cpu": args.allow_cpu,
         **{k: conf.name in (v or ()) for k, v in test.items()},
@@ -116,21 +113,13 @@ def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None) ->
 
 def capped_memory_fraction(args, gpu: dict) -> dict:
     """The device-memory fraction that makes the capped model's state ``--capped-ratio`` times the cap."""
-    cfg = make_config(args.capped_model, seq=args.capped_seq)
-    state = cfg.n_params() * 16  # fp32 weights and gradients, Adam mu and nu
-    gpus = gpu.get("gpus") or []
-    total = gpus[0].get("memory_total_bytes") if gpus else None
-    source = "nvidia-smi"
+    state = make_config(args.capped_model, seq=args.capped_seq).n_params() * 16  # fp32 weights, grads, Adam mu, nu
+    total, source = ((gpu.get("gpus") or [{}])[0].get("memory_total_bytes"), "nvidia-smi")
     if not total:
         total, source = int(args.assume_device_gib * GiB), f"assumed (--assume-device-gib {args.assume_device_gib})"
     fraction = min(max(state / (args.capped_ratio * total), 0.01), 0.95)
-    return {
-        "model": args.capped_model,
-        "state_bytes_estimate": state,
-        "device_total_bytes": total,
-        "device_total_source": source,
-        "fraction": round(fraction, 4),
-    }
+    out = {"model": args.capped_model, "state_bytes_estimate": state, "device_total_bytes": total}
+    return out | {"device_total_source": source, "fraction": round(fraction, 4)}
 
 
 def worker_env(conf: Config | None, args, capped: dict | None) -> dict:
@@ -142,28 +131,25 @@ def worker_env(conf: Config | None, args, capped: dict | None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if conf is None:  # the parity pass: a tiny model, no preallocation
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        return env
+        return {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     fraction = capped["fraction"] if conf.capped and capped else args.mem_fraction
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
-    if conf.capped:
-        # Weights, gradients and optimizer state of the capped model all live in pinned host memory.
+    env.update(XLA_PYTHON_CLIENT_MEM_FRACTION=str(fraction), XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    if conf.capped:  # weights, gradients and optimizer state of the capped model all live in pinned host memory
         env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(args.pinned_host_gib))
     return env
 
 
 def new_results(args, probe: dict, order: list[str]) -> dict:
     """The results before any run: what ran where, then the configurations as they finish."""
-    env_info = environment()
+    environment = {**software(), "gpu": gpus()}
+    preflight = probe.get("preflight") or {"status": "not run"}
     results = {
-        "schema": 2,
-        "platform": probe["platform"],
-        "device_kind": probe.get("device_kind"),
-        "jax_version": probe.get("jax_version"),
-        "jaxlib_version": probe.get("jaxlib_version"),
+        "schema": 3,
+        **{k: probe.get(k) for k in ("platform", "device_kind", "jax_version", "jaxlib_version")},
+        "versions": preflight.get("versions"),
+        "preflight": preflight,
         "started_at": utc_now(),
-        "git_commit": env_info["git_commit"],
+        "git_commit": environment["git_commit"],
         "allow_cpu": bool(args.allow_cpu),
         "status": "running",
         "parity_failures": [],
@@ -176,8 +162,8 @@ def new_results(args, probe: dict, order: list[str]) -> dict:
         "goals": [],
         "tolerances": {"parity_and_losses": TOLERANCES, "step1_gradient": GRADIENT_TOLERANCES},
         "goal_targets": GOALS,
-        "probe": probe,
-        "environment": env_info,
+        "probe": {k: v for k, v in probe.items() if k != "preflight"},
+        "environment": environment,
         "args": {k: v for k, v in vars(args).items() if not k.startswith("test_") and k not in ("worker", "spec")},
     }
     results["files"] = {"stem": file_stem(results), "out": str(args.out)}
@@ -194,20 +180,18 @@ class Run:
     work_dir: Path
     cache: str | None
     capped: dict | None
-    n_layers: dict
     table: dict
     durations: list = dataclasses.field(default_factory=list)
 
     def say(self, message: str) -> None:
-        elapsed = time.monotonic() - self.started
-        print(f"{label(self.results['platform'])}[{elapsed:6.1f} s] {message}", flush=True)
+        print(f"{label(self.results['platform'])}[{time.monotonic() - self.started:6.1f} s] {message}", flush=True)
 
     def remaining(self) -> float:
         return self.args.deadline - (time.monotonic() - self.started)
 
     def write(self) -> Path:
         refresh(self.results, self.started)
-        return write_results(self.results, self.args.out)
+        return write(self.results, self.args.out)
 
 
 def _parity_spec(run: Run) -> dict | None:
@@ -219,28 +203,26 @@ def _parity_spec(run: Run) -> dict | None:
         results["parity"] = {"status": f"off (--parity {mode})" if mode == "off" else "no transform to check"}
         return None
     spec = {"config": {"name": "parity", "kind": "parity"}, "dtype": PARITY_DTYPE, "mode": mode, "needed": needed}
-    spec.update(test_break=args.test_break, allow_cpu=args.allow_cpu, compile_cache=run.cache)
-    return spec
+    return spec | {"test_break": args.test_break, "allow_cpu": args.allow_cpu, "compile_cache": run.cache}
 
 
 def _parity_runs(run: Run, spec: dict) -> tuple[dict, dict]:
-    """Run the parity worker; when its process dies (or hangs) in a case, that case fails and a new
-    process runs the rest (within ``--parity-timeout``). Returns the cases and the last run."""
+    """Run the parity worker; when its process dies in a case, that case fails and a new process
+    runs the rest (within ``--parity-timeout``). Returns the cases and the last run."""
     cases: dict = {}
     limit = time.monotonic() + run.args.parity_timeout
     for attempt in range(4):
         timeout = min(limit - time.monotonic(), run.remaining())
         done = run_worker(
-            f"parity{attempt or ''}", spec, run.work_dir, max(timeout, 1.0), worker_env(None, run.args, None), None
+            f"parity{attempt or ''}", spec, run.work_dir, max(timeout, 1.0), worker_env(None, run.args, None)
         )
         report = done["report"]
         cases.update(report.get("cases") or {})
         phase = str(report.get("phase", ""))
-        in_cases = phase == "reference" or phase.startswith("case ")
         rest = [n for n in report.get("selected") or [] if n not in cases]
-        if (done["returncode"] == 0 and phase == "done") or not in_cases or not rest:
-            break
-        if done["timed_out"]:  # out of time, not evidence of a wrong result: the rest stays "not run"
+        in_cases = phase == "reference" or phase.startswith("case ")
+        # Done, or dead outside the cases, or out of time (no evidence of a wrong result: the rest stays "not run").
+        if (done["returncode"] == 0 and phase == "done") or not in_cases or not rest or done["timed_out"]:
             break
         last = next((ln for ln in reversed(done["stderr_tail"].splitlines()) if ln.strip()), "")
         cases[rest[0]] = {"passed": False, "failures": [f"its process died: {last[:300]}"]}
@@ -286,16 +268,15 @@ def run_config(run: Run, name: str, pending: int) -> None:
         return
     timeout = min(args.worker_timeout, remaining)
     run.say(f"{name}: {conf.description} (limit {timeout:.0f} s, {pending} after it)")
-    test = {"test_crash": args.test_crash, "test_hang": args.test_hang}
-    spec = worker_spec(args, conf, test=test, compile_cache=run.cache)
-    env = worker_env(conf, args, run.capped)
+    spec = worker_spec(
+        args, conf, test={"test_crash": args.test_crash, "test_hang": args.test_hang}, compile_cache=run.cache
+    )
     try:
-        done = run_worker(name, spec, run.work_dir, timeout, env, run.n_layers["capped" if conf.capped else "main"])
+        done = run_worker(name, spec, run.work_dir, timeout, worker_env(conf, args, run.capped))
         entry = finish_config(name, conf, done, run.results["platform"])
     except Exception:
         done = {"wall_s": 0.0}
-        detail = traceback.format_exc(limit=8)[-2000:]
-        entry = base_entry(name, conf, "error", detail, run.results["platform"])
+        entry = base_entry(name, conf, "error", traceback.format_exc(limit=8)[-2000:], run.results["platform"])
     if conf.kind == "train" and not conf.capped and entry["run_status"] in ("measured", "crashed", "timeout"):
         run.durations.append(done["wall_s"])
     run.results["configs"][name] = entry
@@ -315,10 +296,8 @@ def orchestrate(args, probe: dict, started: float) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     capped = capped_memory_fraction(args, results["environment"]["gpu"]) if "capped" in order else None
     results.update(capped_setup=capped, work_dir=str(work_dir))
-    layers = {"main": make_config(args.model, seq=args.seq).n_layers}
-    layers["capped"] = make_config(args.capped_model, seq=args.capped_seq).n_layers if capped else None
     cache = None if args.compile_cache == "off" else str(work_dir / "jax_cache")
-    run = Run(args, results, started, work_dir, cache, capped, layers, {c.name: c for c in config_table()})
+    run = Run(args, results, started, work_dir, cache, capped, {c.name: c for c in config_table()})
     path = run.write()
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -337,15 +316,5 @@ def orchestrate(args, probe: dict, started: float) -> dict:
         path = run.write()
         if not args.keep_work_dir and not args.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
-    print()
-    for line in report_lines(results):
-        print(label(results["platform"]) + line)
-    print_table(results)
-    print(f"{label(results['platform'])}wrote {path} and {path.with_suffix('.md')}")
+    print_summary(results, path)
     return results
-
-
-def report_lines(results: dict) -> list[str]:
-    """The summary printed at the end: parity failures and invalid configurations first."""
-    invalid = [f"INVALID {n}: {e['invalid_reason']}" for n, e in results["configs"].items() if e.get("valid") is False]
-    return [*parity_lines(results), *invalid, ""]

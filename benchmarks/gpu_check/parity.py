@@ -12,66 +12,34 @@ import functools
 import math
 import time
 
-from .configs import Config, apply_transforms, make_config, make_optimizer
+from .configs import DEFAULT_PLAN, Config, apply_transforms, config_table, make_config, make_optimizer
+from .grads import named_leaves
 from .tolerances import loss_max_rel_diff, tolerance
 
 #: The model of the parity pass: ``llama:tiny`` with 4 layers (a reversed layer order moves them all).
 PARITY_MODEL = {"name": "llama:tiny", "n_layers": 4, "batch": 4, "seq": 32, "steps": 3, "lr": 1e-3}
 
 
-def parity_table(act_names) -> list[Config]:
-    """One case per transform: offload_params (with and without prefetch), offload_activations of
-    each activation name the model tags, full recompute (by the transform and on the model), the
-    optimizer-state offload (plain and streamed) and all three composed. The transforms of the
-    default plan come first, the other activation names last (a case that kills its process
-    leaves the rest to a new one, see ``orchestrate.run_parity``)."""
-    three = "offload_params + offload_activations(block_input) + offload_opt_state(stream=True)"
-    cases = [
-        Config("params", "offload_params", params=True),
-        Config("params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True),
-        Config("act_block_input", "offload_activations(names=('block_input',))", activations="block_input"),
-        Config("act_recompute_all", "offload_activations(policy='recompute_all')", activations="recompute_all"),
-        Config("remat_full", "zoo.nn.with_remat(model, Remat())", remat=True),
-        Config("opt_state", "offload_opt_state(chain(clip, adamw))", opt="offload"),
-        Config("opt_state_stream", "offload_opt_state(adamw, stream=True, clip_norm=1.0)", opt="stream"),
-        Config("all_three", three, params=True, activations="block_input", opt="stream"),
-    ]
-    others = [n for n in act_names if n != "block_input"]
-    return cases + [Config(f"act_{n}", f"offload_activations(names=({n!r},))", activations=n) for n in others]
-
-
-def activation_names() -> tuple[str, ...]:
-    """The activation names the parity model tags (``zoo.nn.checkpoint_names``)."""
+def parity_table() -> list[Config]:
+    """One case per transform: the configurations of the default plan that use one (each checks
+    itself), then ``offload_activations`` of each other activation name the parity model tags (a
+    case that kills its process leaves the rest to a new one, see ``orchestrate.run_parity``)."""
     import zoo
     from zoo.nn import checkpoint_names
 
     cfg = make_config(PARITY_MODEL["name"], seq=PARITY_MODEL["seq"], n_layers=PARITY_MODEL["n_layers"])
-    return checkpoint_names(zoo.abstract_model(cfg))
-
-
-def select_cases(mode: str, needed: set[str]) -> list[str]:
-    """Names of the cases to run: every one (``all``), none (``off``) or those in ``needed``."""
-    names = [c.name for c in parity_table(activation_names())]
-    if mode == "all":
-        return names
-    if mode == "off":
-        return []
-    if mode != "needed":
-        raise ValueError(f"unknown parity mode {mode!r}; valid: all, needed, off")
-    return [n for n in names if n in needed]
+    others = [n for n in checkpoint_names(zoo.abstract_model(cfg)) if n != "block_input"]
+    cases = [c for c in config_table() if c.name in DEFAULT_PLAN and c.name != "none"]
+    return cases + [Config(f"act_{n}", f"offload_activations(names=({n!r},))", activations=n) for n in others]
 
 
 def host_tree(model) -> dict:
     """``{path: numpy array}`` of the model's floating-point weights (copied to host memory)."""
-    import jax
     import numpy as np
 
-    flat = jax.tree_util.tree_flatten_with_path(model)[0]
-    return {
-        jax.tree_util.keystr(path): np.asarray(x, np.float32)
-        for path, x in flat
-        if hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.floating)
-    }
+    from transforms._memory import is_floating
+
+    return {name: np.asarray(x, np.float32) for name, x in named_leaves(model).items() if is_floating(x)}
 
 
 @functools.cache
@@ -148,15 +116,15 @@ def compare(losses, weights, ref_losses, ref_weights, initial, tol: dict) -> dic
 
 def worker_parity(spec: dict, report: dict, write) -> None:
     """Run the plain model and every selected case (``spec["cases"]``, else those of
-    ``spec["mode"]`` and ``spec["needed"]``, see :func:`select_cases`), writing the report after each."""
+    ``spec["mode"]``: all, or those in ``spec["needed"]``), writing the report after each."""
     import jax
     import numpy as np
 
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 parity: no TF32 rounding
     tol = tolerance(spec["dtype"])
     report.update(model=PARITY_MODEL, dtype=spec["dtype"], tolerances=tol, cases={})
-    table = {c.name: c for c in parity_table(activation_names())}
-    report["selected"] = spec.get("cases") or select_cases(spec["mode"], set(spec["needed"]))
+    table = {c.name: c for c in parity_table()}
+    report["selected"] = spec.get("cases") or [n for n in table if spec["mode"] == "all" or n in spec["needed"]]
     if spec.get("test_break") and spec["test_break"] not in report["selected"]:
         report["test_break_unknown"] = f"{spec['test_break']!r} is not among the cases {report['selected']}"
     write("selected")

@@ -1,31 +1,18 @@
-"""The written results: the JSON and markdown files (named for the GPU and the start time), and
-the table printed at the end. Off a GPU every file and line says so."""
+"""The written results (``benchmarks._environment.write_results``: a JSON and a markdown file named
+for the GPU and the start time) and the same summary printed at the end. Off a GPU every file
+and line says so."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from benchmarks._environment import sanitize, stamp
+from benchmarks._environment import sanitize, stamp, write_results
 
 from .configs import GiB
 from .guard import label
 
-
-def write_json(path: Path, data) -> None:
-    """Write ``data`` through a temporary file, so that a reader never sees half of it."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=_json_default))
-    os.replace(tmp, path)
-
-
-def _json_default(obj):
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, Path):
-        return str(obj)
-    return repr(obj)
+HEADER = ["config", "status", "step s", "x none", "tokens/s", "peak GiB", "x none", "planner GiB", "host GiB"]
+HEADER += ["loss diff", "grad ok"]
 
 
 def file_stem(results: dict) -> str:
@@ -37,16 +24,8 @@ def file_stem(results: dict) -> str:
     return f"gpu_check_{sanitize(results['device_kind'] or 'gpu')}_{when}"
 
 
-def _gib(n) -> str:
-    return "-" if n is None else f"{n / GiB:.2f}"
-
-
-def _num(x, fmt="{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-HEADER = ["config", "status", "step s", "x none", "tokens/s", "peak GiB", "x none", "planner GiB", "host GiB"]
-HEADER += ["loss diff", "grad ok"]
+def _num(x, fmt: str = "{:.3f}", scale: float = 1) -> str:
+    return "-" if x is None else fmt.format(x / scale)
 
 
 def table_rows(results: dict) -> list[list[str]]:
@@ -59,22 +38,15 @@ def table_rows(results: dict) -> list[list[str]]:
             h2d, d2h = _num(bw.get("h2d_gb_per_s"), "{:.1f}"), _num(bw.get("d2h_gb_per_s"), "{:.1f}")
             rows.append([name, status, f"link h2d {h2d} / d2h {d2h} GB/s", *["-"] * (len(HEADER) - 3)])
             continue
-        ok = entry.get("grad_parity_ok")
-        rows.append(
-            [
-                name,
-                status,
-                _num(entry.get("step_time_s"), "{:.4f}"),
-                _num(entry.get("step_ratio_vs_none"), "{:.2f}"),
-                _num(entry.get("tokens_per_s"), "{:.0f}"),
-                _gib(entry.get("peak_bytes")),
-                _num(entry.get("peak_ratio_vs_none"), "{:.2f}"),
-                _gib(entry.get("planner_device_bytes")),
-                _gib(entry.get("host_bytes")),
-                _num(entry.get("loss_max_rel_diff"), "{:.1e}"),
-                {True: "yes", False: "NO", None: "-"}[ok],
-            ]
-        )
+        figures = [("step_time_s", "{:.4f}", 1), ("step_ratio_vs_none", "{:.2f}", 1), ("tokens_per_s", "{:.0f}", 1)]
+        figures += [("peak_bytes", "{:.2f}", GiB), ("peak_ratio_vs_none", "{:.2f}", 1)]
+        figures += [
+            ("planner_device_bytes", "{:.2f}", GiB),
+            ("host_bytes", "{:.2f}", GiB),
+            ("loss_max_rel_diff", "{:.1e}", 1),
+        ]
+        grad_ok = {True: "yes", False: "NO", None: "-"}[entry.get("grad_parity_ok")]
+        rows.append([name, status, *(_num(entry.get(k), fmt, scale) for k, fmt, scale in figures), grad_ok])
     return rows
 
 
@@ -85,24 +57,23 @@ def parity_lines(results: dict) -> list[str]:
     if not cases:
         return [f"Parity pass: {parity.get('status', 'not run')}."]
     failed = [n for n, c in cases.items() if not c["passed"]]
-    head = f"Parity pass ({parity.get('dtype')}, tolerances {parity.get('tolerances')}): "
-    head += f"FAILED for {', '.join(failed)}" if failed else f"all {len(cases)} transforms match the plain run"
-    lines = [head]
+    verdict = f"FAILED for {', '.join(failed)}" if failed else f"all {len(cases)} transforms match the plain run"
+    lines = [f"Parity pass ({parity.get('dtype')}, tolerances {parity.get('tolerances')}): {verdict}"]
     for name in failed + [n for n in cases if n not in failed]:
         case = cases[name]
-        verdict = "passed" if case["passed"] else "FAILED"
-        what = f"loss diff {_num(case.get('loss_max_rel_diff'), '{:.1e}')}, "
-        what += f"update diff {_num(case.get('param_max_rel_diff'), '{:.1e}')}"
+        loss, update = (_num(case.get(k), "{:.1e}") for k in ("loss_max_rel_diff", "param_max_rel_diff"))
+        what = f"loss diff {loss}, update diff {update}"
         fail = f" - {'; '.join(case['failures'][:2])}" if case.get("failures") else ""
-        lines.append(f"  {verdict:6} {name}: {what}{fail}")
+        lines.append(f"  {'passed' if case['passed'] else 'FAILED':6} {name}: {what}{fail}")
     if parity.get("not_run"):
         lines.append(f"  not run ({parity.get('status')}): {', '.join(parity['not_run'])}")
     return lines
 
 
 def markdown(results: dict) -> str:
-    env = results["environment"]
-    args = results["args"]
+    """The summary: the parity pass and the configurations' failures first, the table, the goals."""
+    env, args = results["environment"], results["args"]
+    invalid = [f"INVALID {n}: {e['invalid_reason']}" for n, e in results["configs"].items() if e.get("valid") is False]
     lines = [
         f"## {label(results['platform'])}GPU check: offload transforms",
         "",
@@ -111,7 +82,7 @@ def markdown(results: dict) -> str:
         f"commit {results['git_commit']}; {results['status']} after {results['elapsed_s']:.0f} s "
         f"of a {args['deadline']:.0f} s deadline.",
         "",
-        *[f"    {line}" for line in parity_lines(results)],
+        *[f"    {line}" for line in [*parity_lines(results), *invalid]],
         "",
         f"Model {args['model']} (bf16 compute, fp32 params), batch {args['batch']} x seq {args['seq']}, "
         f"AdamW + global-norm clip 1.0; median of {args['steps']} steps after the first and {args['warmup']} "
@@ -119,9 +90,11 @@ def markdown(results: dict) -> str:
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join(":---" if i < 2 else "---:" for i in range(len(HEADER))) + "|",
+        *["| " + " | ".join(row) + " |" for row in table_rows(results)],
+        "",
+        "| goal | config | measured | target | ratio | pass | note |",
+        "|:---|:---|:---|:---|---:|:---|:---|",
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
-    lines += ["", "| goal | config | measured | target | ratio | pass | note |", "|:---|:---|:---|:---|---:|:---|:---|"]
     for g in results["goals"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[g["pass"]]
         lines.append(
@@ -133,25 +106,13 @@ def markdown(results: dict) -> str:
     return "\n".join([*lines, "", *details]) + "\n"
 
 
-def print_table(results: dict) -> None:
-    prefix = label(results["platform"])
-    rows = [HEADER, *table_rows(results)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    for i, row in enumerate(rows):
-        cells = (c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True)))
-        print(prefix + "  ".join(cells))
-        if i == 0:
-            print(prefix + "  ".join("-" * w for w in widths))
-    for g in results["goals"]:
-        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[g["pass"]]
-        ratio = "" if g["ratio"] is None else f" (ratio {g['ratio']:.2f})"
-        print(f"{prefix}[{verdict}] {g['goal']} [{g['config']}]: {g['measured']}{ratio}; target {g['target']}.")
-
-
-def write_results(results: dict, out_dir: Path) -> Path:
+def write(results: dict, out_dir: Path) -> Path:
     """Write ``<stem>.json`` and ``<stem>.md`` into ``out_dir``; returns the JSON file's path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = results["files"]["stem"]
-    write_json(out_dir / f"{stem}.json", results)
-    (out_dir / f"{stem}.md").write_text(markdown(results))
-    return out_dir / f"{stem}.json"
+    return write_results(out_dir, results["files"]["stem"], results, markdown(results), quiet=True)
+
+
+def print_summary(results: dict, path: Path) -> None:
+    """Print the markdown summary, every line marked off a GPU, and where it was written."""
+    prefix = label(results["platform"])
+    for line in ["", *markdown(results).splitlines(), f"wrote {path} and {path.with_suffix('.md')}"]:
+        print(prefix + line if line else "")

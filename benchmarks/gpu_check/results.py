@@ -15,70 +15,57 @@ from .tolerances import loss_max_rel_diff, tolerance
 
 #: The speed figures withheld (moved under ``invalid_figures``) when a configuration is invalid.
 SPEED_FIELDS = ("step_time_s", "tokens_per_s")
+#: The headline fields of every configuration, null until measured and checked.
+FIGURES = ("step_time_s", "tokens_per_s", "peak_bytes", "peak_set_by_init", "host_bytes", "planner_device_bytes")
+FIGURES += ("loss_max_rel_diff", "grad_parity_ok", "remat_policy")
 
 
 def classify(run: dict) -> tuple[str, str]:
-    """(run status, detail) of a finished worker run, before any check."""
+    """(run status, detail) of a finished worker run, before any check. A run stopped after its
+    measurements (in the optional extras) keeps them."""
     report, stderr = run.get("report", {}), run.get("stderr_tail", "")
     phase = report.get("phase", "?")
+    measured = phase in ("measured", "extras")
     if phase == "refused":
         return "refused", report.get("error", "wrong platform")
-    # Stopped after the measurements, during the optional extras: keep them.
-    measured = phase in ("measured", "extras")
     if run["timed_out"]:
         if measured:
             return "measured", f"killed after {run['wall_s']:.0f} s during the extras; the measurements are complete"
         return "timeout", f"killed after {run['wall_s']:.0f} s in phase {phase!r}"
     if run["returncode"] != 0:
-        oom = re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM", stderr)
-        last = next((ln for ln in reversed(stderr.strip().splitlines()) if ln.strip()), "")
-        what = "out of memory" if oom else f"exit code {run['returncode']}"
+        what = (
+            "out of memory"
+            if re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM", stderr)
+            else f"exit code {run['returncode']}"
+        )
+        last = next((ln for ln in reversed(stderr.strip().splitlines()) if ln.strip()), "")[:300]
         if measured:
-            return "measured", f"{what} during the extras (the measurements are complete): {last[:300]}"
-        return "crashed", f"{what} in phase {phase!r}: {last[:300]}"
+            return "measured", f"{what} during the extras (the measurements are complete): {last}"
+        return "crashed", f"{what} in phase {phase!r}: {last}"
     if report.get("error"):
         return "error", report["error"]
-    if report.get("phase") != "done":
-        return "incomplete", f"worker stopped in phase {report.get('phase')!r}"
+    if phase != "done":
+        return "incomplete", f"worker stopped in phase {phase!r}"
     return "measured", ""
 
 
 def base_entry(name: str, conf: Config, status: str, detail: str, platform: str) -> dict:
     """The fields every configuration has, in the order they are written (the headline first)."""
-    return {
-        "name": name,
-        "status": status,
-        "valid": False if conf.kind == "train" else None,
-        "invalid_reason": detail or status,
-        "platform": platform,
-        "step_time_s": None,
-        "tokens_per_s": None,
-        "peak_bytes": None,
-        "peak_set_by_init": None,
-        "host_bytes": None,
-        "planner_device_bytes": None,
-        "loss_max_rel_diff": None,
-        "grad_parity_ok": None,
-        "remat_policy": None,
-        "parity": {case: "not run" for case in conf.parity},
-        "kind": conf.kind,
-        "capped": conf.capped,
-        "description": conf.description,
-        "transforms": conf.transforms(),
-        "run_status": status,
-        "detail": detail,
-    }
+    entry = {"name": name, "status": status, "valid": False if conf.kind == "train" else None}
+    entry.update(invalid_reason=detail or status, platform=platform, **dict.fromkeys(FIGURES))
+    entry.update(parity={case: "not run" for case in conf.parity}, kind=conf.kind, capped=conf.capped)
+    entry.update(description=conf.description, transforms=conf.transforms(), run_status=status, detail=detail)
+    return entry
 
 
 def finish_config(name: str, conf: Config, run: dict, platform: str) -> dict:
     """The entry of one configuration in the results, from its worker run."""
     status, detail = classify(run)
-    entry = base_entry(name, conf, status, detail, platform)
-    report = run.get("report", {})
-    entry.update(wall_s=run["wall_s"], returncode=run["returncode"], worker=report)
-    entry["platform"] = report.get("platform", platform)
-    entry["remat_policy"] = report.get("remat_policy")
-    entry["accum"] = report.get("accum")
+    entry, report = base_entry(name, conf, status, detail, platform), run.get("report", {})
+    entry.update(
+        wall_s=run["wall_s"], returncode=run["returncode"], worker=report, platform=report.get("platform", platform)
+    )
+    entry.update(remat_policy=report.get("remat_policy"), accum=report.get("accum"))
     tail = run.get("stderr_tail", "")
     if tail:
         entry["stderr_tail"] = tail if status != "measured" else tail[-800:]
@@ -93,34 +80,34 @@ def _figures(entry: dict) -> None:
     """The headline figures of a measured run, read from its worker report."""
     worker = entry["worker"]
     timing = worker.get("timing") or {}
-    entry["step_time_s"] = timing.get("median_s")
-    entry["tokens_per_s"] = timing.get("tokens_per_s")
-    entry["peak_bytes"] = (worker.get("memory_stats") or {}).get("peak_bytes_in_use")
+    entry.update(step_time_s=timing.get("median_s"), tokens_per_s=timing.get("tokens_per_s"))
+    peak = entry["peak_bytes"] = (worker.get("memory_stats") or {}).get("peak_bytes_in_use")
     init_peak = (worker.get("memory_stats_after_init") or {}).get("peak_bytes_in_use")
     # The peak counts from the process start: when training never went above the initialisation's
     # peak, the training's own peak is at most this figure (not equal to it).
-    entry["peak_set_by_init"] = (
-        None if entry["peak_bytes"] is None or init_peak is None else entry["peak_bytes"] <= init_peak
-    )
-    placed = worker.get("placement_final") or {}
-    entry["host_bytes"] = sum(row.get("pinned_host", 0) for row in placed.values() if isinstance(row, dict))
+    entry["peak_set_by_init"] = None if peak is None or init_peak is None else peak <= init_peak
+    placed = (worker.get("placement_final") or {}).values()
+    entry["host_bytes"] = sum(row.get("pinned_host", 0) for row in placed if isinstance(row, dict))
     entry["planner_device_bytes"] = (worker.get("planner") or {}).get("device_bytes")
 
 
 def _against_reference(entry: dict, ref: dict | None, dtype: str) -> list[str]:
     """Loss at every step and the step-1 gradient against ``none``; the failures found."""
-    if entry["name"] == "none":
-        entry["loss_max_rel_diff"] = 0.0
-        entry["correctness"] = {"passed": None, "note": "the reference"}
+    if entry["name"] == "none" or entry.get("capped") or ref is None:
+        entry["loss_max_rel_diff"] = 0.0 if entry["name"] == "none" else None
+        note = (
+            "the reference"
+            if entry["name"] == "none"
+            else "another model (capped run)"
+            if entry.get("capped")
+            else None
+        )
+        entry["correctness"] = {"passed": None, "note": note or "no reference run (none) to compare with"}
         return []
-    if entry.get("capped") or ref is None:
-        note = "another model (capped run)" if entry.get("capped") else "no reference run (none) to compare with"
-        entry["correctness"] = {"passed": None, "note": note}
-        return []
-    failures = []
-    tol = tolerance(dtype)["loss_rtol"]
-    diff = loss_max_rel_diff(entry["worker"].get("losses") or [], ref["worker"].get("losses") or [])
-    entry["loss_max_rel_diff"] = diff
+    failures, tol = [], tolerance(dtype)["loss_rtol"]
+    diff = entry["loss_max_rel_diff"] = loss_max_rel_diff(
+        entry["worker"].get("losses") or [], ref["worker"].get("losses") or []
+    )
     if diff is None or not diff <= tol:
         failures.append(f"losses differ from none by up to {diff} relative (tolerance {tol})")
     grads, ref_grads = entry["worker"].get("gradients") or {}, ref["worker"].get("gradients") or {}
@@ -146,17 +133,11 @@ def check_entry(entry: dict, ref: dict | None, parity: dict, dtype: str) -> None
         entry["parity"][case] = "not run" if result is None else ("passed" if result["passed"] else "FAILED")
         if result is not None and not result["passed"]:
             failures.append(f"parity pass failed for {case}: {'; '.join(result['failures'][:2])}")
-    verified = (
-        entry["name"] == "none"
-        or entry["grad_parity_ok"]
-        or (entry["parity"] and all(v == "passed" for v in entry["parity"].values()))
-    )
-    if not failures and not verified:
+    all_passed = entry["parity"] and all(v == "passed" for v in entry["parity"].values())
+    if not failures and not (entry["name"] == "none" or entry["grad_parity_ok"] or all_passed):
         failures.append("unverified: neither the parity pass nor a comparison with none checked it")
-    entry["valid"] = not failures
-    entry["invalid_reason"] = "; ".join(failures) or None
-    entry["status"] = "ok" if entry["valid"] else "INVALID"
-    entry["detail"] = entry["invalid_reason"] or entry["detail"]
+    entry.update(valid=not failures, invalid_reason="; ".join(failures) or None)
+    entry.update(status="ok" if entry["valid"] else "INVALID", detail=entry["invalid_reason"] or entry["detail"])
     if not entry["valid"]:
         entry["invalid_figures"] = {k: entry[k] for k in SPEED_FIELDS}
         entry.update(dict.fromkeys(SPEED_FIELDS))
@@ -174,35 +155,24 @@ def apply_checks(configs: dict, parity: dict, dtype: str) -> None:
 
 
 def derived(configs: dict, bandwidth: dict | None) -> None:
-    """Ratios to ``none``, bytes moved per step and achieved bandwidth of each configuration."""
+    """Ratios to ``none``, and the bytes each step moves (from the compiled program) with the link
+    time they take at the measured bandwidth."""
     none = configs.get("none") or {}
-    base_step, base_peak = none.get("step_time_s"), none.get("peak_bytes")
     for entry in configs.values():
         if entry.get("kind") == "bandwidth" or "worker" not in entry:
             continue
-        step, peak = entry.get("step_time_s"), entry.get("peak_bytes")
-        comparable = not entry.get("capped")  # the capped run trains another model
-        entry["step_ratio_vs_none"] = step / base_step if comparable and step and base_step else None
-        entry["peak_ratio_vs_none"] = peak / base_peak if comparable and peak and base_peak else None
-        entry["transfers"] = _transfers(entry, step, bandwidth)
-
-
-def _transfers(entry: dict, step: float | None, bandwidth: dict | None) -> dict:
-    hlo = entry.get("hlo") or {}
-    jaxpr = entry["worker"].get("transfers_jaxpr") or {}
-    if hlo.get("h2d_bytes_per_step") or hlo.get("d2h_bytes_per_step"):
-        h2d, d2h, source = hlo["h2d_bytes_per_step"], hlo["d2h_bytes_per_step"], "compiled HLO (x loop trips)"
-    elif "h2d_bytes_per_step" in jaxpr:
-        h2d, d2h, source = jaxpr["h2d_bytes_per_step"], jaxpr["d2h_bytes_per_step"], "jaxpr + state placement"
-    else:
-        h2d = d2h = source = None
-    out = {"h2d_bytes_per_step": h2d, "d2h_bytes_per_step": d2h, "source": source}
-    if step and h2d is not None:
-        out["achieved_total_gb_per_s"] = (h2d + d2h) / step / 1e9
-        if bandwidth and bandwidth.get("h2d_gb_per_s") and bandwidth.get("d2h_gb_per_s"):
-            busy = max(h2d / 1e9 / bandwidth["h2d_gb_per_s"], d2h / 1e9 / bandwidth["d2h_gb_per_s"])
-            out.update(link_time_s=busy, link_time_fraction_of_step=busy / step)
-    return out
+        for key, ratio in (("step_time_s", "step_ratio_vs_none"), ("peak_bytes", "peak_ratio_vs_none")):
+            mine, base = entry.get(key), none.get(key)
+            entry[ratio] = mine / base if mine and base and not entry.get("capped") else None  # capped: another model
+        hlo, step = entry.get("hlo") or {}, entry.get("step_time_s")
+        h2d, d2h = hlo.get("h2d_bytes_per_step"), hlo.get("d2h_bytes_per_step")
+        moved = {"h2d_bytes_per_step": h2d, "d2h_bytes_per_step": d2h, "source": "compiled HLO (x loop trips)"}
+        if step and h2d is not None and d2h is not None:
+            moved["achieved_total_gb_per_s"] = (h2d + d2h) / step / 1e9
+            if bandwidth and bandwidth.get("h2d_gb_per_s") and bandwidth.get("d2h_gb_per_s"):
+                busy = max(h2d / 1e9 / bandwidth["h2d_gb_per_s"], d2h / 1e9 / bandwidth["d2h_gb_per_s"])
+                moved.update(link_time_s=busy, link_time_fraction_of_step=busy / step)
+        entry["transfers"] = moved
 
 
 def refresh(results: dict, started: float) -> None:
@@ -219,5 +189,6 @@ def refresh(results: dict, started: float) -> None:
             stage()
         except Exception:
             errors.append(traceback.format_exc(limit=8))
-    failed = [n for n, c in (results.get("parity") or {}).get("cases", {}).items() if not c["passed"]]
-    results["parity_failures"] = failed
+    results["parity_failures"] = [
+        n for n, c in (results.get("parity") or {}).get("cases", {}).items() if not c["passed"]
+    ]

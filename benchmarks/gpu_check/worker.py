@@ -4,6 +4,7 @@ report is rewritten after every phase so that a crash keeps what was measured.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -13,15 +14,77 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks._environment import write_json
+
 from .configs import ADAM_B1, Config, apply_transforms, make_config, make_optimizer
 from .grads import first_moment, gradient_summary, scale_summary
 from .guard import refusal
-from .measure import CompileCounter, device_info, memory_stats, placement, remat_policy, tree_nbytes
+from .hlo import compiled_by
 from .parity import worker_parity
-from .report import write_json
+
+
+def device_info() -> dict:
+    import jax
+
+    dev = jax.devices()[0]
+    kinds = [m.kind for m in dev.addressable_memories()]
+    return {"platform": dev.platform, "device_kind": dev.device_kind, "device": str(dev), "memory_kinds": kinds}
+
+
+def memory_stats() -> dict | None:
+    """The device's memory statistics (None where the backend keeps none, as on the CPU)."""
+    import jax
+
+    with contextlib.suppress(Exception):
+        stats = jax.devices()[0].memory_stats() or {}
+        return {k: int(v) for k, v in stats.items() if isinstance(v, int | float)} or None
+    return None
+
+
+def placement(**components) -> dict:
+    """``{component: {memory kind: bytes}}`` (`transforms.memory_report`)."""
+    import transforms
+
+    return {name: dict(row) for name, row in transforms.memory_report(**components).total.items()}
+
+
+def tree_nbytes(tree) -> int:
+    import jax
+
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def remat_policy(model) -> str:
+    """What the backward pass of each layer stack keeps, as the model will run: its own remat spec,
+    else the policy that host-resident weights impose (see ``zoo.nn.Stack``), else none."""
+    import jax
+
+    from zoo.nn import Stack
+    from zoo.nn._placement import any_on_host
+
+    policies = []
+    for stack in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, Stack)):
+        if not isinstance(stack, Stack):
+            continue
+        remat, on_host = stack.remat, any_on_host(stack.layers)  # as the library sees them (their type)
+        if remat is not None and remat.names:
+            policy = f"checkpoint: save {list(remat.save)}, offload {list(remat.offload)}, recompute the rest"
+        elif remat is not None:
+            policy = "checkpoint: full recompute (nothing saved)"
+        elif on_host:
+            policy = (
+                "checkpoint (set by offload_params): matmul outputs and named activations saved, weights fetched again"
+            )
+        else:
+            policy = "none (no checkpointing: every intermediate saved)"
+        policy += "; weights prefetched one layer ahead" if stack.prefetch and on_host else ""
+        if policy not in policies:
+            policies.append(policy)
+    return "; ".join(policies) or "no layer stack"
 
 
 def worker_bandwidth(spec: dict, report: dict, write) -> None:
+    """The median time of ``pinned_host`` <-> device copies of each size (after one untimed copy)."""
     import jax
     import jax.numpy as jnp
 
@@ -30,43 +93,41 @@ def worker_bandwidth(spec: dict, report: dict, write) -> None:
     if "pinned_host" not in report["device"]["memory_kinds"]:
         report["error"] = f"no pinned_host memory on {dev}"
         return
-    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    rows = []
+    host, device = (jax.sharding.SingleDeviceSharding(dev, memory_kind=k) for k in ("pinned_host", "device"))
+    rows = report["sizes"] = []
     for mib in spec["bandwidth_mib"]:
         n = mib * 2**20 // 4
         x_dev = jax.jit(functools.partial(jnp.ones, (n,), jnp.float32), out_shardings=device)()
-        x_host = jax.device_put(x_dev, host)
-        jax.block_until_ready((x_dev, x_host))
+        x_host = jax.block_until_ready(jax.device_put(x_dev, host))
         row = {"mib": mib, "bytes": n * 4}
         for direction, src, dst in (("h2d", x_host, device), ("d2h", x_dev, host)):
             times = []
-            for i in range(spec["bandwidth_reps"] + 1):
+            for _ in range(spec["bandwidth_reps"] + 1):
                 t = time.perf_counter()
-                y = jax.device_put(src, dst)
-                y.block_until_ready()
-                if i:  # the first copy is a warm-up
-                    times.append(time.perf_counter() - t)
-                del y
-            median = statistics.median(times)
-            row[direction] = {"times_s": times, "median_s": median, "gb_per_s": n * 4 / median / 1e9}
+                jax.device_put(src, dst).block_until_ready()
+                times.append(time.perf_counter() - t)
+            median = statistics.median(times[1:])
+            row[direction] = {"times_s": times[1:], "median_s": median, "gb_per_s": n * 4 / median / 1e9}
         rows.append(row)
         del x_dev, x_host
-        report["sizes"] = rows
         write()
     largest = max(rows, key=lambda r: r["bytes"])
-    report["h2d_gb_per_s"] = largest["h2d"]["gb_per_s"]
-    report["d2h_gb_per_s"] = largest["d2h"]["gb_per_s"]
+    report["h2d_gb_per_s"], report["d2h_gb_per_s"] = largest["h2d"]["gb_per_s"], largest["d2h"]["gb_per_s"]
 
 
 def _build_on_host(build, key, conf: Config):
     """The model of ``build(key)`` with ``offload_params`` applied to its abstract form, its weights
     computed straight into the placements that gives (``pinned_host``): the device never holds
-    every weight at once, so the peak of a run with offloaded weights is the training's own."""
+    every weight at once, so the peak of a run with offloaded weights is the training's own.
+
+    The weights are moved to host inside the program as well: an array that only gets a
+    ``pinned_host`` out_sharding keeps a device-space type, and the library (which reads the
+    type) would then neither stream nor checkpoint it, reading host memory in place."""
     import equinox as eqx
     import jax
 
     import transforms
+    from transforms._memory import HOST, to_host
 
     def is_abstract(x):
         return isinstance(x, jax.ShapeDtypeStruct)
@@ -75,36 +136,36 @@ def _build_on_host(build, key, conf: Config):
     placed_part, static = eqx.partition(transforms.offload_params(abstract, prefetch=conf.prefetch), is_abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = [x.sharding or device for x in jax.tree.leaves(placed_part)]
-    out = jax.tree.unflatten(jax.tree.structure(eqx.filter(abstract, is_abstract)), shardings)
-    arrays = jax.jit(lambda k: eqx.filter(build(k), eqx.is_array), out_shardings=out)(key)
-    arrays = jax.tree.unflatten(jax.tree.structure(placed_part), jax.tree.leaves(arrays))
-    return eqx.combine(arrays, static)
+
+    def build_placed(k):
+        arrays = jax.tree.leaves(eqx.filter(build(k), eqx.is_array))
+        return [to_host(x) if s.memory_kind == HOST else x for x, s in zip(arrays, shardings, strict=True)]
+
+    arrays = jax.jit(build_placed, out_shardings=shardings)(key)
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(placed_part), arrays), static)
 
 
 def _build_model(spec: dict, cfg, conf: Config, report: dict):
-    """The model with the transforms of ``conf``; with offloaded weights they are built in host memory."""
+    """The model and the transforms still to apply; with offloaded weights they are built in host memory."""
     import equinox as eqx
     import jax
 
     import zoo
 
-    key = jax.random.key(spec["seed"])
+    key, t = jax.random.key(spec["seed"]), time.perf_counter()
 
     def build(k):
         return zoo.build_model(cfg, key=k)
 
-    t = time.perf_counter()
     if conf.params:
         try:
-            model = _build_on_host(build, key, conf)
-            jax.block_until_ready(model)
+            model = jax.block_until_ready(_build_on_host(build, key, conf))
             report["init"] = "weights built in pinned_host (offload_params of the abstract model)"
             report["timings"]["init_model_s"] = time.perf_counter() - t
             return model, dataclasses.replace(conf, params=False, prefetch=False)
         except Exception as err:  # the device build below still measures the configuration
             report["init"] = f"on the device, then offload_params (host build failed: {type(err).__name__}: {err})"
-    model = eqx.filter_jit(build)(key)
-    jax.block_until_ready(model)
+    model = jax.block_until_ready(eqx.filter_jit(build)(key))
     report["timings"]["init_model_s"] = time.perf_counter() - t
     report.setdefault("init", "on the device")
     return model, conf
@@ -119,15 +180,13 @@ def _init_train(spec: dict, conf: Config, report: dict):
     import transforms
     import zoo
 
-    cfg = make_config(spec["model"], seq=spec["seq"])
-    batch, seq = spec["batch"], spec["seq"]
+    cfg, batch, seq = make_config(spec["model"], seq=spec["seq"]), spec["batch"], spec["seq"]
     report["model"] = {"spec": spec["model"], "n_params": cfg.n_params(), "n_layers": cfg.n_layers}
     report["model"].update(batch=batch, seq=seq, config=cfg.to_dict())
     model, rest = _build_model(spec, cfg, conf, report)
     stack_bytes = tree_nbytes(eqx.filter(getattr(model, "stack", model), eqx.is_inexact_array))
     param_bytes = tree_nbytes(eqx.filter(model, eqx.is_inexact_array))
-    layer_bytes = stack_bytes // max(cfg.n_layers, 1)
-    report["model"].update(param_bytes=param_bytes, stack_bytes=stack_bytes, layer_bytes=layer_bytes)
+    report["model"].update(param_bytes=param_bytes, stack_bytes=stack_bytes, layer_bytes=stack_bytes // cfg.n_layers)
     model = apply_transforms(model, rest)  # no reference to the device weights may outlive this
     report["remat_policy"] = remat_policy(model)
     accum = spec["accum_steps"]
@@ -136,8 +195,7 @@ def _init_train(spec: dict, conf: Config, report: dict):
     tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum)
     t = time.perf_counter()
-    state = step.init(model)
-    jax.block_until_ready(state)
+    state = jax.block_until_ready(step.init(model))
     report["timings"]["init_opt_state_s"] = time.perf_counter() - t
     report["placement_initial"] = placement(params=model, opt_state=state)
     opt_bytes = tree_nbytes(state)
@@ -150,7 +208,7 @@ def _init_train(spec: dict, conf: Config, report: dict):
 def _first_step(spec: dict, report: dict, model, step, state, tokens):
     """Compile and run step 1; copy the Adam first moment (the step's clipped gradient times
     ``1 - b1``) to host memory, to be summarised after the measurements (no extra device memory
-    before the peak is read)."""
+    before the peak is read). The modules XLA dumps meanwhile are the train step's."""
     import equinox as eqx
     import jax
 
@@ -158,67 +216,56 @@ def _first_step(spec: dict, report: dict, model, step, state, tokens):
     dump_dir = Path(spec["dump_dir"]) if spec.get("dump_dir") else None
     dumped = set(dump_dir.glob("*")) if dump_dir and dump_dir.is_dir() else set()
     t = time.perf_counter()
-    model, state, metrics = step(model, state, tokens)
-    jax.block_until_ready((model, state, metrics))
+    model, state, metrics = jax.block_until_ready(step(model, state, tokens))
     report["timings"]["compile_and_first_step_s"] = time.perf_counter() - t
-    if dump_dir and dump_dir.is_dir():  # the modules XLA compiled for the train step
+    if dump_dir and dump_dir.is_dir():
         report["step_modules"] = sorted(p.name for p in set(dump_dir.glob("*after_optimizations.txt")) - dumped)
     report["first_step"] = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
     mu = first_moment(state, like) if spec["correctness"] else None
     return model, state, None if mu is None else jax.device_get(mu)
 
 
-def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles: CompileCounter):
+def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles: dict):
     """The warm-up and timed steps; the peak device memory is read right after them."""
     import jax
 
-    times, losses, before = [], [], compiles.count
+    times, losses, before = [], [], compiles["count"]
     for i in range(spec["warmup"] + spec["steps"]):
         t = time.perf_counter()
-        model, state, metrics = step(model, state, tokens)
-        jax.block_until_ready((model, state, metrics))
+        model, state, metrics = jax.block_until_ready(step(model, state, tokens))
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))
     report["memory_stats"] = memory_stats()  # before any other program runs
     report["losses"] = [report["first_step"]["loss"], *losses]
-    report["compiles"] = {"after_first_step": compiles.count - before, "total": compiles.count}
-    report["compiles"]["seconds"] = compiles.seconds
+    report["compiles"] = {"after_first_step": compiles["count"] - before, "total": compiles["count"]}
+    report["compiles"]["seconds"] = compiles["seconds"]
     if times:
         median = statistics.median(times)
-        tokens_per_step = spec["batch"] * spec["seq"]
         report["timing"] = {"step_times_s": times, "median_s": median, "min_s": min(times)}
-        report["timing"].update(tokens_per_s=tokens_per_step / median, warmup_steps=spec["warmup"])
+        report["timing"].update(tokens_per_s=spec["batch"] * spec["seq"] / median, warmup_steps=spec["warmup"])
     report["placement_final"] = placement(params=model, opt_state=state)
     return model, state
 
 
-def _gradient_check(report: dict, mu) -> None:
-    """The step-1 gradient summary from the host copy of the first moment."""
-    if mu is None:
-        report["gradients"] = {"unavailable": "no Adam first moment found in the optimizer state"}
-        return
-    t = time.perf_counter()
-    summary = scale_summary(gradient_summary(mu), 1.0 / (1.0 - ADAM_B1))
-    report["gradients"] = {**report["first_step"], "leaves": summary}
-    report["correctness_source"] = "Adam first moment after step 1: mu / (1 - b1) = clipped gradient"
-    report["timings"]["gradient_summary_s"] = time.perf_counter() - t
-
-
-def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
-    """The planner's prediction for this configuration (``transforms.plan(...).predict``)."""
-    import optax
-
+def _extras(spec: dict, conf: Config, cfg, report: dict, mu, model, optimizer, state) -> None:
+    """After the measurements: the step-1 gradient summary, the planner's prediction for this
+    configuration and, with ``--memory-analysis on``, ``transforms.compiled_memory`` (an extra compile)."""
     import transforms
 
+    if mu is None:
+        report["gradients"] = {"unavailable": "no Adam first moment found in the optimizer state"}
+    else:
+        summary = scale_summary(gradient_summary(mu), 1.0 / (1.0 - ADAM_B1))
+        report["gradients"] = {**report["first_step"], "leaves": summary}
+        report["correctness_source"] = "Adam first moment after step 1: mu / (1 - b1) = clipped gradient"
     try:
-        base = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(spec["lr"]))
         plan = transforms.plan(
             cfg,
             batch=spec["batch"],
             seq=spec["seq"],
             device=spec["plan_device"],
-            optimizer=base,
+            optimizer=make_optimizer("device", spec["lr"]),
             accum_steps=spec["accum_steps"],
         )
         opt = {"device": False, "offload": "offload", "stream": "stream"}[conf.opt]
@@ -229,55 +276,29 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
         report["planner"].update(device=spec["plan_device"], device_budget_bytes=plan.device_budget)
     except Exception as err:
         report["planner"] = {"error": f"{type(err).__name__}: {err}"}
-
-
-def _transfers(report: dict, model, tokens) -> None:
-    """Bytes moved per step, from the jaxpr of the gradient and the state's placement."""
-    import equinox as eqx
-
-    import transforms
-    import zoo
-
-    try:
-        moved = transforms.transfer_report(eqx.filter_value_and_grad(zoo.lm_loss), model, tokens)
-        host = report["placement_final"]
-        opt_host = host.get("opt_state", {}).get("pinned_host", 0)
-        params_host = host.get("params", {}).get("pinned_host", 0)
-        # Around the gradient: host gradients and weights come to the device for the update and the
-        # weights go back; offloaded optimizer state goes in and out.
-        report["transfers_jaxpr"] = {
-            "grad_h2d_bytes": moved.host_to_device,
-            "grad_d2h_bytes": moved.device_to_host,
-            "h2d_bytes_per_step": moved.host_to_device + 2 * params_host + opt_host,
-            "d2h_bytes_per_step": moved.device_to_host + params_host + opt_host,
-        }
-    except Exception as err:
-        report["transfers_jaxpr"] = {"error": f"{type(err).__name__}: {err}"}
-
-
-def _memory_analysis(spec: dict, report: dict, model, optimizer, state) -> None:
-    """``transforms.compiled_memory`` (an extra compile), only with ``--memory-analysis on``."""
-    import transforms
-
     if spec.get("memory_analysis") != "on":
         report["memory_analysis"] = {"skipped": "--memory-analysis off (an extra compile)"}
         return
     try:
-        t = time.perf_counter()
-        report["memory_analysis"] = transforms.compiled_memory(
-            model, optimizer, batch=spec["batch"], seq=spec["seq"], opt_state=state
-        )
-        report["timings"]["compiled_memory_s"] = time.perf_counter() - t
+        memory = transforms.compiled_memory(model, optimizer, batch=spec["batch"], seq=spec["seq"], opt_state=state)
+        report["memory_analysis"] = {**memory, **compiled_by()}
     except Exception as err:
         report["memory_analysis"] = {"error": f"{type(err).__name__}: {err}"}
 
 
 def worker_train(spec: dict, report: dict, write) -> None:
+    import jax
+
     conf = Config(**{**spec["config"], "parity": tuple(spec["config"]["parity"])})
-    compiles = CompileCounter()
-    report["device"] = device_info()
-    report["memory_stats_start"] = memory_stats()
-    report["timings"] = {}
+    compiles = {"count": 0, "seconds": 0.0}
+
+    def on_event(event: str, duration: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles["count"] += 1
+            compiles["seconds"] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    report.update(device=device_info(), memory_stats_start=memory_stats(), timings={})
     cfg, model, optimizer, step, state, tokens = _init_train(spec, conf, report)
     write("initialized")
     model, state, mu = _first_step(spec, report, model, step, state, tokens)
@@ -285,13 +306,8 @@ def worker_train(spec: dict, report: dict, write) -> None:
     model, state = _timed_steps(spec, report, model, step, state, tokens, compiles)
     report["trace_count"] = step.trace_count
     write("measured")
-    _gradient_check(report, mu)
-    del mu
-    _planner(spec, conf, cfg, report)
-    if not spec.get("hlo_dump"):  # else the compiled program's host transfers are counted (by the parent)
-        _transfers(report, model, tokens)
+    _extras(spec, conf, cfg, report, mu, model, optimizer, state)
     write("extras")
-    _memory_analysis(spec, report, model, optimizer, state)
 
 
 def enable_compile_cache(path: str, report: dict) -> None:
@@ -306,15 +322,6 @@ def enable_compile_cache(path: str, report: dict) -> None:
         report["compile_cache"] = path
     except Exception as err:
         report["compile_cache"] = f"not enabled ({type(err).__name__}: {err})"
-
-
-def _platform_refused(spec: dict, report: dict) -> str | None:
-    """The worker's own platform check (JAX may fall back to the CPU in this process alone)."""
-    import jax
-
-    report["platform"] = jax.default_backend()
-    report["allow_cpu"] = bool(spec.get("allow_cpu"))
-    return refusal(report["platform"], report["allow_cpu"], where=f"worker {report['name']!r}")
 
 
 WORKERS = {"bandwidth": worker_bandwidth, "parity": worker_parity, "train": worker_train}
@@ -339,7 +346,10 @@ def worker_main(name: str, spec_path: Path, out_path: Path) -> int:
         raise RuntimeError(f"injected crash in worker {name!r} (--test-crash)")
     if spec.get("compile_cache"):  # before anything is compiled
         enable_compile_cache(spec["compile_cache"], report)
-    refused = _platform_refused(spec, report)
+    import jax  # the worker's own platform check: JAX may fall back to the CPU in this process alone
+
+    report.update(platform=jax.default_backend(), allow_cpu=bool(spec.get("allow_cpu")))
+    refused = refusal(report["platform"], report["allow_cpu"], where=f"worker {name!r}")
     if refused:
         report["error"] = refused
         write("refused")

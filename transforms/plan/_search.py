@@ -9,6 +9,8 @@ from typing import Any
 
 import jax
 
+from zoo._jax_compat import memory_analysis
+
 from ._advice import Budgets, plan_notes, suggest
 from ._bytes import ACTIVATION_OPTIONS, OPT_STATE_OPTIONS, Candidate, evaluate
 from ._checks import OPTIMIZERS as OPTIMIZERS
@@ -266,7 +268,7 @@ def compiled_memory(model, optimizer, *, batch: int, seq: int, opt_state=None) -
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
     step = TrainStep(__import__("zoo").lm_loss, optimizer)
     stats = jax.jit(step._build(static), donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()
-    ma = stats.memory_analysis()
+    ma = memory_analysis(stats)
     out = {
         "arguments": int(ma.argument_size_in_bytes),
         "outputs": int(ma.output_size_in_bytes),
