@@ -27,6 +27,8 @@ from ._lora import merge_lora as merge_lora
 from ._memory import host_and_device_share_memory as host_and_device_share_memory
 from ._opt_state import offload_opt_state as offload_opt_state
 from ._params import offload_params as offload_params
+from ._quantize import dequantize as dequantize
+from ._quantize import quantize as quantize
 from ._report import MemoryReport as MemoryReport
 from ._report import TransferReport as TransferReport
 from ._report import format_bytes as format_bytes

@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from zoo import nn
 from zoo.nn._frozen import unfreeze
 from zoo.nn._lora import LoRALinear, add_lora
 
@@ -121,7 +122,8 @@ def merge_lora(model):
     ``weight + (alpha / rank) * lora_a @ lora_b`` (computed in float32 on the device, one layer
     at a time, and stored in the base's dtype, sharding and memory kind). Every frozen module is
     unfrozen (:func:`transforms.unfreeze`): the result is the plain model that
-    :func:`zoo.save_hf` writes and ``transformers`` loads.
+    :func:`zoo.save_hf` writes and ``transformers`` loads. Quantized weights
+    (:func:`transforms.quantize`) are dequantized first, so a QLoRA model merges into dense weights.
 
     **Example:**
 
@@ -135,6 +137,7 @@ def merge_lora(model):
     ```
     """
 
+    model = nn.dequantize_weights(model)  # a quantized base (QLoRA) is merged into dense weights
     layers = [n for n in jax.tree.leaves(model, is_leaf=_is_lora) if _is_lora(n)]
     weights = iter(_merge_weights(layers))
 

@@ -16,15 +16,23 @@ def _selected(model, where: Callable | None):
     """Boolean pytree (over array leaves) of what ``where`` selects; default: floating leaves
     except LoRA adapters (small, trained every step: they stay on the device)."""
     if where is None:
-        adapters = adapter_mask(model)
-        return jax.tree.map(lambda x, a: is_arraylike(x) and is_floating(x) and not a, model, adapters)
+        adapters, codes = adapter_mask(model), _quantized_mask(model)
+        return jax.tree.map(lambda x, a, c: is_arraylike(x) and (is_floating(x) or c) and not a, model, adapters, codes)
     if not callable(where):
         raise TypeError(f"where must be a callable filter (leaf -> bool) or None, got {type(where).__name__}")
     return jax.tree.map(lambda x: bool(is_arraylike(x) and where(x)), model)
 
 
+def _quantized_mask(model):
+    """True for the leaves of quantized weights (:func:`transforms.quantize`): their integer codes
+    are weights too, streamed like the floating ones."""
+    is_q = lambda n: isinstance(n, nn.QuantizedWeight)
+    return jax.tree.map(lambda n: jax.tree.map(lambda _: is_q(n), n) if is_q(n) else False, model, is_leaf=is_q)
+
+
 def offload_params(model, *, where: Callable | None = None, prefetch: bool = False):
-    """Place the model's floating-point weights in host memory (``pinned_host``).
+    """Place the model's floating-point weights (and quantized weights' codes) in host memory
+    (``pinned_host``).
 
     Each selected leaf keeps its sharding (`PartitionSpec`, mesh) and changes only its memory
     kind. Nothing else about the model changes: its layers read every weight through
@@ -77,7 +85,8 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
     chosen = [x for x, flag in zip(leaves, flags, strict=True) if flag]
     if not chosen:
         raise ValueError("offload_params: the filter selects no array leaf of the model; nothing would move")
-    bad = [x for x in chosen if not is_floating(x)]
+    codes = {id(x) for x, c in zip(leaves, jax.tree.leaves(_quantized_mask(model)), strict=True) if c}
+    bad = [x for x in chosen if not is_floating(x) and id(x) not in codes]
     if bad:
         raise TypeError(
             f"offload_params: `where` selected {len(bad)} non-floating leaves "

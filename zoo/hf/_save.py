@@ -17,6 +17,7 @@ import numpy as np
 from .._build import abstract_model
 from .._decoder import RotaryDecoder
 from .._gpt2 import GPT2
+from ..nn import QuantizedWeight
 from ..nn._lora import LoRALinear
 from . import _table, _weights
 from ._load import INDEX_FILE, SINGLE_FILE, param_dtype_name
@@ -86,6 +87,13 @@ def save_hf(
     """
     if not isinstance(model, GPT2 | RotaryDecoder):
         raise TypeError(f"save_hf saves a zoo model of a family zoo.load_hf reads, got {type(model).__name__}")
+    if any(
+        isinstance(n, QuantizedWeight) for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, QuantizedWeight))
+    ):
+        raise ValueError(
+            "save_hf: the model has quantized weights; write dense ones with transforms.dequantize(model) "
+            "(or transforms.merge_lora(model) for a QLoRA model)"
+        )
     if any(isinstance(n, LoRALinear) for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoRALinear))):
         raise ValueError(
             "save_hf: the model has LoRA adapters; fold them in first (transforms.merge_lora) for a full model, "

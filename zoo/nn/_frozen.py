@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ._placement import is_arraylike
+from ._quant import QuantizedWeight
 
 _MARK = "__zoo_frozen__"
 
@@ -130,7 +131,8 @@ def trainable_mask(tree):
     """Which leaves of ``tree`` are trained: a pytree of bools with ``tree``'s structure.
 
     ``True`` for every floating-point array (concrete or abstract) not under a frozen module
-    (:func:`freeze`, :func:`transforms.lora`), ``False`` for everything else. This is what
+    (:func:`freeze`, :func:`transforms.lora`) or a quantized weight (:func:`transforms.quantize`),
+    ``False`` for everything else. This is what
     :func:`transforms.train_step` differentiates and hands to the optimizer:
     ``eqx.filter(model, transforms.trainable_mask(model))``.
 
@@ -146,11 +148,11 @@ def trainable_mask(tree):
     """
 
     def one(node):
-        if is_frozen(node):
+        if is_frozen(node) or isinstance(node, QuantizedWeight):  # quantized weights are always frozen
             return jax.tree.map(lambda _: False, node)
         return bool(is_arraylike(node) and _is_floating(node))
 
-    return jax.tree.map(one, tree, is_leaf=is_frozen)
+    return jax.tree.map(one, tree, is_leaf=lambda n: is_frozen(n) or isinstance(n, QuantizedWeight))
 
 
 def trainable_params(tree):

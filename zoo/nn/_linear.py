@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._jax_compat import innermost_transform_is_vmap
 from ._axes import AxisNamed
 from ._placement import use_param
+from ._quant import QuantizedWeight, quantized_matmul
 
 _FOLD = contextvars.ContextVar("zoo_fold_batch_into_rows", default=False)
 
@@ -77,7 +78,9 @@ class Linear(AxisNamed):
     """``y = x @ weight + bias`` with ``weight`` stored as ``(in_features, out_features)``.
 
     The weight is cast to the input's dtype at the point of use, so the compute dtype is the
-    dtype of the activations and the parameter dtype is whatever the weights are stored in.
+    dtype of the activations and the parameter dtype is whatever the weights are stored in. A
+    weight may also be a frozen :class:`zoo.nn.QuantizedWeight` (:func:`transforms.quantize`),
+    dequantized at the point of use.
 
     **Arguments:**
 
@@ -109,14 +112,18 @@ class Linear(AxisNamed):
         self.axes = tuple(axes)
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        y = matmul(x, use_param(self.weight, x.dtype))
+        if isinstance(self.weight, QuantizedWeight):  # frozen codes, dequantized here on the device
+            y = quantized_matmul(x, self.weight)
+        else:
+            y = matmul(x, use_param(self.weight, x.dtype))
         if self.bias is not None:
             y = y + use_param(self.bias, x.dtype).reshape((1,) * (y.ndim - 1) + self.bias.shape)
         return y
 
     def logical_axes(self) -> Linear:
         bias = None if self.bias is None else P(self.axes[1])
-        return eqx.tree_at(lambda m: (m.weight, m.bias), self, (P(*self.axes), bias), is_leaf=lambda x: x is None)
+        weight = self.weight.logical_axes(self.axes) if isinstance(self.weight, QuantizedWeight) else P(*self.axes)
+        return eqx.tree_at(lambda m: (m.weight, m.bias), self, (weight, bias), is_leaf=lambda x: x is None)
 
 
 class Embedding(AxisNamed):

@@ -18,6 +18,7 @@ from ._axes import AxisNamed
 from ._frozen import _is_floating, freeze, is_frozen, unfreeze
 from ._linear import Linear
 from ._placement import is_arraylike, use_param
+from ._quant import QuantizedWeight
 
 
 @custom_vmap
@@ -152,8 +153,11 @@ class LoRALinear(AxisNamed):
 
     def merged(self) -> Linear:
         """The base :class:`zoo.nn.Linear` with the update folded in (in float32, then stored in
-        the base's dtype): ``weight + (alpha / rank) * lora_a @ lora_b``."""
+        the base's dtype): ``weight + (alpha / rank) * lora_a @ lora_b``; a quantized base weight is
+        dequantized first, so the result is dense."""
         w = self.base.weight
+        if isinstance(w, QuantizedWeight):  # a quantized base: merged into its dense weights
+            w = w.dequantize()
         delta = jnp.matmul(
             self.lora_a.astype(jnp.float32), self.lora_b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
         )

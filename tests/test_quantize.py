@@ -1,0 +1,173 @@
+"""Quantized frozen weights (transforms.quantize): NF4 as bitsandbytes computes it, int8 by its
+formula, QLoRA gradients equal to LoRA on the dequantized base, codes (not float weights) streamed
+from host memory, no dequantized weight kept for the backward pass, and generation equal to the
+dense copy's."""
+
+import itertools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from test_offload_structure import DEV, H, device_puts
+
+import transforms
+import zoo
+from zoo import nn
+from zoo._jax_compat import saved_residuals
+
+CFG = zoo.LlamaConfig.preset("tiny", n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return zoo.Llama(CFG, key=jax.random.key(0))
+
+
+CASES = [(o, i, b) for o, i in [(8, 128), (24, 256), (3, 64)] for b in (32, 64, 128) if i % b == 0]
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "block_size"), CASES)
+def test_nf4_dequantized_weights_equal_bitsandbytes(out_features, in_features, block_size):
+    import bitsandbytes.functional as F
+
+    w_hf = np.random.default_rng(out_features + block_size).standard_normal((out_features, in_features))
+    w_hf = w_hf.astype(np.float32) * 0.05
+    packed, state = F.quantize_4bit(torch.from_numpy(w_hf), blocksize=block_size, quant_type="nf4")
+    reference = F.dequantize_4bit(packed, state, quant_type="nf4").numpy()
+    q = nn.quantize_weight(jnp.asarray(w_hf.T), "nf4", block_size=block_size)  # the zoo's (in, out)
+    np.testing.assert_array_equal(np.asarray(q.dequantize()).T, reference)
+    np.testing.assert_array_equal(np.asarray(q.codes).reshape(-1), packed.numpy().reshape(-1))
+    np.testing.assert_array_equal(np.asarray(q.absmax).reshape(-1), state.absmax.numpy())
+
+
+def test_int8_follows_its_formula_per_block():
+    w = np.random.default_rng(3).standard_normal((64, 16)).astype(np.float32)  # (in, out)
+    q = nn.quantize_weight(jnp.asarray(w), "int8", block_size=32)
+    blocks = w.T.reshape(16, 2, 32)
+    absmax = np.abs(blocks).max(-1, keepdims=True)
+    expected = (np.round(blocks / absmax * 127) * absmax / 127).reshape(16, 64).T
+    np.testing.assert_allclose(np.asarray(q.dequantize()), expected, rtol=1e-6, atol=1e-7)
+    assert q.codes.dtype == jnp.int8 and q.absmax.dtype == jnp.float32
+
+
+def test_bad_requests_fail_with_one_clear_error(model):
+    with pytest.raises(ValueError, match=r"unknown quantization scheme 'nf3'.*'nf4', 'int8'"):
+        transforms.quantize(model, "nf3")
+    with pytest.raises(ValueError, match=r"block_size 48 does not divide in_features 64 of stack\.layers\.attn"):
+        transforms.quantize(model, "int8", block_size=48)
+    q = transforms.quantize(model, "nf4")
+    with pytest.raises(ValueError, match="already has quantized weights"):
+        transforms.quantize(q, "nf4")
+    with pytest.raises(ValueError, match=r"no projection named 'qproj'"):
+        transforms.quantize(model, "nf4", targets=("qproj",))
+
+
+def test_default_targets_are_the_stack_and_the_head_only_when_named(model):
+    q = transforms.quantize(model, "nf4")
+    assert isinstance(q.stack.layers.mlp.down.weight, nn.QuantizedWeight)
+    assert not isinstance(q.lm_head.weight, nn.QuantizedWeight)
+    head = transforms.quantize(model, "int8", targets=("lm_head",))
+    assert isinstance(head.lm_head.weight, nn.QuantizedWeight)
+    assert not isinstance(head.stack.layers.mlp.down.weight, nn.QuantizedWeight)
+    # Quantized weights are frozen whatever the modules' marks: no gradient, no optimizer state.
+    mask = transforms.trainable_mask(transforms.unfreeze(q))
+    assert not any(jax.tree.leaves(mask.stack.layers.attn.q_proj.weight))
+
+
+def _tokens(batch=2, seq=16):
+    return jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (batch, seq + 1)), jnp.int32)
+
+
+def _trainable_grads(m, tokens):
+    params, rest = eqx.partition(m, transforms.trainable_mask(m))
+    return jax.grad(lambda p: zoo.lm_loss(eqx.combine(p, rest), tokens))(params)
+
+
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+def test_qlora_gradients_equal_lora_on_the_dequantized_base(model, scheme):
+    qlora = transforms.quantize(transforms.lora(model, rank=4, alpha=8, key=jax.random.key(1)), scheme)
+    dense = transforms.dequantize(qlora)
+    tokens = _tokens()
+    a, b = _trainable_grads(qlora, tokens), _trainable_grads(dense, tokens)
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) > 0
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_the_backward_pass_keeps_no_dequantized_weight(model):
+    q = transforms.quantize(model, "nf4")
+    params, static = eqx.partition(q, eqx.is_array)
+    residuals = saved_residuals(lambda p, t: zoo.lm_loss(eqx.combine(p, static), t), params, _tokens())
+    weight_shapes = {(CFG.n_layers, *x.shape[-2:]) for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_array))}
+    weight_shapes = {s for s in weight_shapes if len(s) == 3}
+    kept = [a.shape for a, _ in residuals if jnp.issubdtype(a.dtype, jnp.floating) and tuple(a.shape) in weight_shapes]
+    assert kept == [], f"dequantized weights kept for the backward pass: {kept}"
+    dense, dense_static = eqx.partition(transforms.dequantize(q), eqx.is_array)
+    dense_residuals = saved_residuals(lambda p, t: zoo.lm_loss(eqx.combine(p, dense_static), t), dense, _tokens())
+    assert len(dense_residuals) > 0  # the check reads real residuals
+
+
+def test_streamed_quantized_weights_move_codes_not_floats(model):
+    q = transforms.offload_params(transforms.quantize(model, "nf4"))
+    assert q.stack.layers.attn.q_proj.weight.codes.sharding.memory_kind == "pinned_host"
+    moves = list(device_puts(jax.make_jaxpr(eqx.filter_value_and_grad(zoo.lm_loss))(q, _tokens()).jaxpr))
+    q_codes = q.stack.layers.attn.q_proj.weight.codes.shape[1:]
+    in_scan = [shape for scan, src, dst, shape in moves if scan and src == H and dst == DEV]
+    assert q_codes in in_scan  # one layer's codes at a time, inside the scan body
+    dense_q = model.stack.layers.attn.q_proj.weight.shape[1:]
+    assert dense_q not in in_scan  # never a float weight over the link
+
+    def loss(params, static, t):
+        return zoo.lm_loss(eqx.combine(params, static), t)
+
+    params, static = eqx.partition(q, eqx.is_array)
+    lowered = jax.jit(loss, static_argnums=1).trace(params, static, _tokens()).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "ui8" in text and "pinned_host" in text
+
+
+def test_qlora_trains_with_the_base_in_host_memory(model):
+    m = transforms.lora(transforms.quantize(model, "nf4"), rank=4, alpha=8, key=jax.random.key(2))
+    m = transforms.offload_params(m)
+    opt = optax.adam(2e-2)
+    state = opt.init(eqx.filter(m, transforms.trainable_mask(m)))
+    step = transforms.train_step(zoo.lm_loss, opt)
+    tokens = _tokens(batch=4, seq=32)
+    losses = []
+    for _ in range(8):
+        m, state, metrics = step(m, state, tokens)
+        losses.append(float(metrics["loss"]))
+    assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < losses[0] - 0.1, losses
+    assert m.stack.layers.attn.q_proj.base.weight.codes.sharding.memory_kind == "pinned_host"
+    assert m.stack.layers.attn.q_proj.base.weight.codes.dtype == jnp.uint8
+
+
+def test_generation_with_quantized_weights_equals_its_dense_copy(model):
+    q = transforms.quantize(model, "int8")
+    prompt = jnp.arange(3, 11)
+    ours = zoo.generate(q, prompt, max_new_tokens=12)
+    dense = zoo.generate(transforms.dequantize(q), prompt, max_new_tokens=12)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(dense))
+
+
+def test_merge_lora_on_a_quantized_base_exports_dense_weights(model):
+    m = transforms.lora(transforms.quantize(model, "nf4"), rank=4, alpha=8, key=jax.random.key(3))
+    merged = transforms.merge_lora(m)
+    w = merged.stack.layers.attn.q_proj.weight
+    assert isinstance(w, jax.Array) and w.dtype == model.stack.layers.attn.q_proj.weight.dtype
+
+
+def test_a_quantized_model_is_saved_dense_and_its_adapters_as_peft(model, tmp_path):
+    q = transforms.lora(transforms.quantize(model, "nf4"), rank=4, alpha=8, key=jax.random.key(4))
+    with pytest.raises(ValueError, match=r"quantized weights; write dense ones with transforms.dequantize"):
+        zoo.save_hf(q, tmp_path / "full")
+    zoo.hf.save_peft_adapter(q, tmp_path / "adapter")
+    dense_base = transforms.dequantize(transforms.quantize(model, "nf4"))
+    back = zoo.hf.load_peft_adapter(dense_base, tmp_path / "adapter")
+    tokens = jnp.arange(10)
+    np.testing.assert_allclose(np.asarray(back(tokens)), np.asarray(transforms.dequantize(q)(tokens)), atol=1e-5)
