@@ -171,3 +171,14 @@ def test_a_quantized_model_is_saved_dense_and_its_adapters_as_peft(model, tmp_pa
     back = zoo.hf.load_peft_adapter(dense_base, tmp_path / "adapter")
     tokens = jnp.arange(10)
     np.testing.assert_allclose(np.asarray(back(tokens)), np.asarray(transforms.dequantize(q)(tokens)), atol=1e-5)
+
+
+def test_load_hf_quantizes_weight_by_weight_into_host_memory(model, tmp_path):
+    zoo.save_hf(model, tmp_path)
+    q = zoo.load_hf(tmp_path, quantize="nf4", memory_kind="pinned_host")
+    expected = transforms.quantize(model, "nf4")
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    codes = q.stack.layers.mlp.up.weight.codes
+    assert codes.dtype == jnp.uint8 and codes.sharding.memory_kind == "pinned_host"
+    assert q.embed.weight.sharding.memory_kind == "pinned_host"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ from .._build import abstract_model
 from .._config import DTYPES
 from .._decoder import RotaryDecoder
 from .._gpt2 import GPT2
+from ..nn import QuantizedWeight, quantize_linears, quantize_weight
 from ..nn._placement import is_arraylike
 from . import _table, _weights
 from ._safetensors import DTYPES as ST_DTYPES
@@ -121,6 +123,8 @@ def load_hf(
     rules: Mapping | None = None,
     sharding: Sharding | None = None,
     memory_kind: str | None = None,
+    quantize: str | None = None,
+    block_size: int = 64,
 ) -> GPT2 | RotaryDecoder:
     """Load a local Hugging Face checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
     Gemma 2 or Gemma 3 text) as a zoo model.
@@ -147,6 +151,10 @@ def load_hf(
     - `mesh`, `rules`: shard every weight over ``mesh`` by the rules of :mod:`zoo.sharding`.
     - `sharding`: instead of a mesh, one `jax.sharding.Sharding` for every weight.
     - `memory_kind`: e.g. ``"pinned_host"``, ``"device"``; default: the sharding's default.
+    - `quantize`: ``"nf4"`` or ``"int8"``: the projections inside the stack are quantized as they
+      load (see :func:`transforms.quantize`, with `block_size`): each weight is read to the device,
+      quantized there and only its codes and scales go to their target memory, so a dense copy of
+      the model never exists; the other weights load as usual.
 
     Without `mesh` or `sharding` the weights go to the first device.
 
@@ -196,11 +204,14 @@ def load_hf(
     abstract = abstract_model(config)
     arrays, static = eqx.partition(abstract, is_arraylike)
     leaves = _weights.leaf_paths(arrays)
+    quantized = _quantized_paths(abstract, quantize, block_size)
 
     if mesh is not None:
         targets = _weights.leaf_paths(_sharding.shardings(arrays, mesh, rules, memory_kind=memory_kind))
+        on_device = _weights.leaf_paths(_sharding.shardings(arrays, mesh, rules, memory_kind="device"))
     else:
         one = SingleDeviceSharding(jax.devices()[0]) if sharding is None else sharding
+        on_device = dict.fromkeys(leaves, one.with_memory_kind("device"))
         one = one if memory_kind is None else one.with_memory_kind(memory_kind)
         targets = dict.fromkeys(leaves, one)
 
@@ -214,9 +225,42 @@ def load_hf(
             if path in derived:
                 loaded.append(jax.device_put(derived[path].astype(leaf.dtype), targets[path]))
                 continue
-            loaded.append(loader.load(path, leaf.dtype, targets[path]))
+            if path in quantized:  # read to the device, quantized there; only codes and scales stay
+                dense = loader.load(path, leaf.dtype, on_device[path])
+                loaded.append(_quantize_to(dense, quantize, block_size, memory_kind))
+                del dense
+            else:
+                loaded.append(loader.load(path, leaf.dtype, targets[path]))
             reader.close()  # unmap after each weight: the pages read stay in the page cache, not in this process
     finally:
         reader.close()
     treedef = jax.tree_util.tree_structure(arrays)
-    return eqx.combine(jax.tree_util.tree_unflatten(treedef, loaded), static)
+    return eqx.combine(jax.tree_util.tree_unflatten(treedef, loaded), static, is_leaf=_is_quantized)
+
+
+def _is_quantized(node) -> bool:
+    return isinstance(node, QuantizedWeight)
+
+
+def _quantized_paths(abstract, scheme: str | None, block_size: int) -> set[str]:
+    """The leaf paths of the weights ``load_hf(..., quantize=scheme)`` quantizes (none without one)."""
+    if scheme is None:
+        return set()
+    arrays, static = eqx.partition(abstract, is_arraylike)
+    quantized = jax.eval_shape(
+        lambda a: quantize_linears(eqx.combine(a, static), scheme, block_size=block_size), arrays
+    )
+    flat = jax.tree_util.tree_flatten_with_path(quantized, is_leaf=_is_quantized)[0]
+    return {jax.tree_util.keystr(p, simple=True, separator=".") for p, n in flat if _is_quantized(n)}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_on_device(dense, scheme: str, block_size: int) -> QuantizedWeight:
+    return quantize_weight(dense, scheme, block_size=block_size)
+
+
+def _quantize_to(dense, scheme: str, block_size: int, memory_kind: str | None) -> QuantizedWeight:
+    q = _quantize_on_device(dense, scheme, block_size)
+    if memory_kind in (None, "device"):
+        return q
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(memory_kind)), q)
