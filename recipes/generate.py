@@ -41,17 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     a("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest intact one)")
     a("--dtype", default=None, help="parameter dtype of a Hugging Face model (default: the checkpoint's)")
     a("--offload", default="", choices=["", "params"], help="'params': layer weights stream from host memory")
+    a("--quantize", default=None, choices=["nf4", "int8"], help="generate with the layers' weights quantized")
     a("--cache-memory-kind", default=None, help="'pinned_host' keeps the KV cache in host memory")
     a("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-sequence token")
     return p
 
 
-def load(source: str, *, step: int | None, dtype: str | None):
-    """``(model, tokenizer, eos_id)`` of a Hugging Face directory or a ``train_lm`` run directory."""
+def load(source: str, *, step: int | None, dtype: str | None, quantize: str | None = None):
+    """``(model, tokenizer, eos_id)`` of a Hugging Face directory or a ``train_lm`` run directory
+    (with ``quantize``, the layers' weights quantized: a checkpoint's as they load)."""
     path = pathlib.Path(source)
     if is_hf_dir(source):
         try:
-            model = zoo.load_hf(source, dtype=dtype)
+            model = zoo.load_hf(source, dtype=dtype, quantize=quantize)
         except (ValueError, FileNotFoundError) as err:
             raise SystemExit(f"--model {source}: {err}") from None
         if not (path / "tokenizer.json").is_file():
@@ -65,9 +67,22 @@ def load(source: str, *, step: int | None, dtype: str | None):
         with checkpointing.Checkpointer(path / "checkpoints") as ckpt:
             _, state, meta = ckpt.restore(run.state(), step=step)
         run.set_state(state, meta)
-        return run.model, run.tokenizer, getattr(run.tokenizer, "eos_id", None)
+        model = run.model
+        if quantize is not None:
+            try:
+                model = transforms.quantize(transforms.merge_lora(model) if _has_lora(model) else model, quantize)
+            except ValueError as err:
+                raise SystemExit(f"--quantize {quantize}: {err}") from None
+        return model, run.tokenizer, getattr(run.tokenizer, "eos_id", None)
     raise SystemExit(
         f"--model {source}: neither a Hugging Face checkpoint (config.json) nor a train_lm run (checkpoints/)"
+    )
+
+
+def _has_lora(model) -> bool:
+    return any(
+        isinstance(n, zoo.nn.LoRALinear)
+        for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, zoo.nn.LoRALinear))
     )
 
 
@@ -91,7 +106,7 @@ class _Printer:
 def main(argv=None, *, out=None) -> dict:
     args = build_parser().parse_args(argv)
     out = sys.stdout if out is None else out
-    model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype)
+    model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype, quantize=args.quantize)
     if args.offload == "params":
         model = transforms.offload_params(model)
     prompt = tokenizer.encode(args.prompt.encode())

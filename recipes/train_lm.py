@@ -103,6 +103,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     a("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default: twice the rank)")
     a("--lora-targets", default="q_proj,v_proj", help="projections to adapt (q_proj,k_proj,v_proj,o_proj,gate,up,down)")
     a("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    a("--quantize", default=None, choices=["nf4", "int8"], help="with --lora-rank: the frozen base quantized (QLoRA)")
     a("--compute-dtype", default="float32", help="e.g. bfloat16 on a GPU")
     a("--seed", type=int, default=0)
     a("--mesh", default=None, help="device mesh sizes, e.g. data=2,fsdp=4,tensor=1 (default: no mesh)")
@@ -167,6 +168,8 @@ def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespa
         parser.error(
             f"--lora-rank must be >= 0 and --lora-dropout in [0, 1), got {args.lora_rank}, {args.lora_dropout}"
         )
+    if getattr(args, "quantize", None) and not args.lora_rank:
+        parser.error(f"--quantize {args.quantize} needs --lora-rank: quantized weights are frozen, only adapters train")
     if args.data_bytes is not None and args.data_bytes < 1:
         parser.error(f"--data-bytes must be >= 1, got {args.data_bytes}")
     if args.batch % args.accum:
@@ -232,11 +235,18 @@ class Run:
             # Full fine-tuning trains --param-dtype master weights; a LoRA base stays frozen in --base-dtype.
             dtype = getattr(args, "base_dtype", None) if self.lora else args.param_dtype
             self.model = build_model(
-                args.model, None, self.mesh, seed=args.seed, compute_dtype=args.compute_dtype, dtype=dtype
+                args.model,
+                None,
+                self.mesh,
+                seed=args.seed,
+                compute_dtype=args.compute_dtype,
+                dtype=dtype,
+                quantize=getattr(args, "quantize", None),
             )
             self.config = self.model.config
         else:
-            self.model = build_model(args.model, self.config, self.mesh, seed=args.seed)
+            quantize = getattr(args, "quantize", None)
+            self.model = build_model(args.model, self.config, self.mesh, seed=args.seed, quantize=quantize)
         if self.config.vocab_size < self.tokenizer.vocab_size:
             raise SystemExit(
                 f"{args.model} has {self.config.vocab_size} tokens, the tokenizer {self.tokenizer.vocab_size}"

@@ -298,3 +298,46 @@ def test_a_lora_run_resumes_from_its_adapter_checkpoint_and_matches_the_offloade
     assert expected.keys() == got.keys() and any("lora_a" in k for k in got)
     for k in expected:  # this run kept the base on the device: the same numbers up to float32 rounding
         np.testing.assert_allclose(got[k], expected[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+# ---------------------------------------------------------------------------- QLoRA
+
+
+def test_qlora_finetunes_an_nf4_base_in_host_memory_and_exports_an_adapter_the_dense_base_loads(
+    checkpoints, notes, tmp_path, capsys
+):
+    flags = [str(checkpoints["tied"]), "--data", str(notes), *FAST, "--steps", "3", "--lr", "3e-2", "--warmup", "1"]
+    flags += ["--lora-rank", "4", "--base-dtype", "float32", "--export-dtype", "float32"]
+    with pytest.raises(SystemExit):
+        finetune_hf.main([str(checkpoints["tied"]), "--data", str(notes), *FAST, "--quantize", "nf4"])
+    assert "--quantize nf4 needs --lora-rank: quantized weights are frozen" in capsys.readouterr().err
+    summary = finetune_hf.main(
+        [
+            *flags,
+            "--quantize",
+            "nf4",
+            "--offload",
+            "params",
+            "--out",
+            str(tmp_path / "run"),
+            "--export",
+            str(tmp_path / "a"),
+        ]
+    )
+    base = summary["model"].stack.layers.attn.q_proj.base.weight
+    assert isinstance(base, zoo.nn.QuantizedWeight) and base.codes.sharding.memory_kind == "pinned_host"
+    dense = transforms.dequantize(zoo.load_hf(checkpoints["tied"], quantize="nf4", dtype="float32"))
+    adapted = zoo.hf.load_peft_adapter(dense, tmp_path / "a")
+    tokens = np.arange(1, 12)
+    expected = _logits_zoo(transforms.dequantize(summary["model"]), tokens)
+    np.testing.assert_allclose(_logits_zoo(adapted, tokens), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_recipe_with_quantized_weights_gives_the_tokens_of_their_dense_copy(lora_run):
+    merged = lora_run["root"] / "merged"
+    flags = ["--model", str(merged), "--prompt", "def main(", "--max-new-tokens", "8", "--no-stop"]
+    result = generate.main([*flags, "--quantize", "int8"])
+    tokenizer = data.HFTokenizer(merged)
+    prompt = jax.numpy.asarray(tokenizer.encode(b"def main("))
+    dense = transforms.dequantize(zoo.load_hf(merged, quantize="int8"))
+    assert result["new_ids"] == [int(t) for t in zoo.generate(dense, prompt, max_new_tokens=8)]

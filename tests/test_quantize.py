@@ -182,3 +182,15 @@ def test_load_hf_quantizes_weight_by_weight_into_host_memory(model, tmp_path):
     codes = q.stack.layers.mlp.up.weight.codes
     assert codes.dtype == jnp.uint8 and codes.sharding.memory_kind == "pinned_host"
     assert q.embed.weight.sharding.memory_kind == "pinned_host"
+
+
+def test_a_quantized_model_shards_its_codes_over_a_mesh_and_computes_the_same(model):
+    from zoo import sharding
+
+    q = transforms.quantize(model, "nf4")
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = sharding.shard(q, mesh)
+    codes = sharded.stack.layers.attn.q_proj.weight.codes
+    assert codes.sharding.spec[:2] == (None, "tensor")  # layers, then the output rows like the weight's
+    tokens = jnp.arange(12)
+    np.testing.assert_allclose(np.asarray(sharded(tokens)), np.asarray(q(tokens)), rtol=1e-5, atol=1e-5)

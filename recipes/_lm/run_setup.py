@@ -85,18 +85,30 @@ def hf_config(directory: str):
         raise SystemExit(f"--model {directory}: {err}") from None
 
 
-def build_model(spec: str, cfg, mesh, *, seed: int, compute_dtype: str | None = None, dtype: str | None = None):
+def build_model(
+    spec: str,
+    cfg,
+    mesh,
+    *,
+    seed: int,
+    compute_dtype: str | None = None,
+    dtype: str | None = None,
+    quantize: str | None = None,
+):
     """A fresh model (preset), or the weights of a Hugging Face directory in ``dtype`` (default:
-    the checkpoint's own); sharded over ``mesh``."""
-    if is_hf_dir(spec):
-        try:
-            return zoo.load_hf(spec, mesh=mesh, dtype=dtype, compute_dtype=compute_dtype)
-        except (ValueError, FileNotFoundError) as err:
-            raise SystemExit(f"--model {spec}: {err}") from None
-    key = jax.random.key(seed)
-    if mesh is None:
-        return zoo.build_model(cfg, key=key)
-    return sharding.init_sharded(lambda k: zoo.build_model(cfg, key=k), mesh, key=key)
+    the checkpoint's own); sharded over ``mesh``; with ``quantize`` (``nf4``/``int8``) the stack's
+    projections quantized (a checkpoint's as they load)."""
+    try:
+        if is_hf_dir(spec):
+            return zoo.load_hf(spec, mesh=mesh, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize)
+        key = jax.random.key(seed)
+        if mesh is None:
+            model = zoo.build_model(cfg, key=key)
+        else:
+            model = sharding.init_sharded(lambda k: zoo.build_model(cfg, key=k), mesh, key=key)
+        return model if quantize is None else transforms.quantize(model, quantize)
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"--model {spec}: {err}") from None
 
 
 def parse_targets(spec: str) -> tuple[str, ...]:

@@ -112,7 +112,7 @@ class QuantizedWeight(AxisNamed):
     def logical_axes(self, axes: tuple[str | None, str | None] = (None, None)) -> QuantizedWeight:
         """Sharded by the weight's output axis (the rows of the codes); the packed input axis whole."""
         _, out_axis = axes
-        return QuantizedWeight(P(out_axis, None), P(out_axis, None), self.scheme, self.block_size, self.dense_dtype)
+        return eqx.tree_at(lambda m: (m.codes, m.absmax), self, (P(out_axis, None), P(out_axis, None)))
 
 
 def _blocks(w_hf, block_size: int):
