@@ -3,6 +3,7 @@
     python -m recipes.evaluate runs/llama-tiny-20261202-120000            # its last intact checkpoint
     python -m recipes.evaluate runs/llama-tiny-20261202-120000 --step 200
     python -m recipes.evaluate path/to/hf_checkpoint --data notes.txt      # a Hugging Face directory
+    python -m recipes.evaluate runs/llama-tiny-20261202-120000 --quantize nf4   # with NF4 weights
 
 A run directory brings its own flags (model, data, sequence length, ...); for a Hugging Face
 directory, pass the training recipe's data flags after it.
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import checkpointing
+import transforms
 from recipes._lm.run_setup import init_distributed, is_hf_dir, sample
 from recipes.train_lm import Run, build_parser, resume_args
 
@@ -31,6 +33,9 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=100, help="tokens per sample")
     p.add_argument("--prompt", default=None)
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument(
+        "--quantize", default=None, choices=["nf4", "int8"], help="evaluate with the layers' weights quantized"
+    )
     args, rest = p.parse_known_args(argv)
     init_distributed(None, None, None)
     source = pathlib.Path(args.source)
@@ -49,6 +54,8 @@ def main(argv=None) -> dict:
         with checkpointing.Checkpointer(source / "checkpoints") as ckpt:
             step, state, meta = ckpt.restore(run.state(), step=args.step)
         run.set_state(state, meta)
+    if args.quantize:
+        run.model = transforms.quantize(run.model, args.quantize)
     val = run.val_bits_per_byte()
     baseline = run.corpus.unigram_bits_per_byte()
     print(f"{args.source} (step {step}): val {val:.3f} bits/byte (unigram {baseline:.3f})")
@@ -61,6 +68,7 @@ def main(argv=None) -> dict:
             samples.append(prompt_text + run.tokenizer.decode(row))
             print("sample:", repr(samples[-1]))
     result = {"source": str(source), "step": step, "val_bits_per_byte": val, "unigram_bits_per_byte": baseline}
+    result["quantize"] = args.quantize
     result["samples"] = samples
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2))

@@ -194,3 +194,14 @@ def test_a_quantized_model_shards_its_codes_over_a_mesh_and_computes_the_same(mo
     assert codes.sharding.spec[:2] == (None, "tensor")  # layers, then the output rows like the weight's
     tokens = jnp.arange(12)
     np.testing.assert_allclose(np.asarray(sharded(tokens)), np.asarray(q(tokens)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_benchmark_reads_a_streamed_layer_at_about_a_quarter_of_bfloat16_for_nf4():
+    from benchmarks.quantize_cpu import streamed_layer_bytes
+
+    b = streamed_layer_bytes("llama:tiny")
+    c = CFG  # one layer of llama:tiny in bfloat16: its weights and norms
+    q, kv = c.n_heads * c.head_size, c.n_kv_heads * c.head_size
+    dense = 2 * (2 * c.d_model * q + 2 * c.d_model * kv + 3 * c.d_model * c.d_ff + 2 * c.d_model)
+    assert b["bfloat16"] == dense
+    assert 0.26 < b["nf4"] / dense < 0.32 and 0.5 < b["int8"] / dense < 0.56
