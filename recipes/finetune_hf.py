@@ -30,12 +30,14 @@ import argparse
 import json
 import pathlib
 import shutil
+import sys
 
 import jax
 
 import transforms
 import zoo
 from recipes._lm.run_setup import is_hf_dir
+from recipes.train_lm import build_parser
 from recipes.train_lm import main as train_main
 from zoo.nn import LoRALinear
 
@@ -121,20 +123,34 @@ def export(model, source: pathlib.Path, *, full: str | None, merged: str | None,
         print(f"exported the merged model to {merged} (with {', '.join(copied) or 'no tokenizer files'})")
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _add_own_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="Hugging Face checkpoint directory")
     p.add_argument("--export", default=None, help="write the result here (the full model, or the LoRA adapter)")
     p.add_argument("--export-merged", default=None, help="with --lora-rank: write the merged full model here")
     p.add_argument("--export-dtype", default=None, help="dtype of exported weights (default: the checkpoint's)")
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:  # every flag it accepts: its own and train_lm's
+        full = argparse.ArgumentParser(
+            description=__doc__.split("\n\n")[0],
+            parents=[build_parser(DEFAULTS)],
+            conflict_handler="resolve",
+        )
+        _add_own_flags(full)
+        full.print_help()
+        raise SystemExit(0)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    _add_own_flags(p)
     args, rest = p.parse_known_args(argv)
     source = pathlib.Path(args.checkpoint)
     if not is_hf_dir(args.checkpoint):
         raise SystemExit(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json)")
     if args.export_merged and "--lora-rank" not in " ".join(rest) and "--resume" not in rest:
         raise SystemExit("--export-merged needs --lora-rank (a LoRA run); --export writes the full model")
-    if args.export_dtype not in (None, *zoo._config.DTYPES):
-        raise SystemExit(f"--export-dtype {args.export_dtype!r}: choose one of {', '.join(zoo._config.DTYPES)}")
+    if args.export_dtype not in (None, *zoo.DTYPES):
+        raise SystemExit(f"--export-dtype {args.export_dtype!r}: choose one of {', '.join(zoo.DTYPES)}")
     if "--resume" not in rest:
         rest = ["--model", args.checkpoint, *rest]
     summary = train_main(rest, defaults=DEFAULTS)

@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import pathlib
+import sys
 import time
 
 import equinox as eqx
@@ -167,6 +168,21 @@ def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespa
     if args.lora_rank < 0 or not 0 <= args.lora_dropout < 1:
         parser.error(
             f"--lora-rank must be >= 0 and --lora-dropout in [0, 1), got {args.lora_rank}, {args.lora_dropout}"
+        )
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.clip > 0:
+        parser.error(f"--clip must be > 0 (a global gradient-norm bound), got {args.clip}")
+    for flag in ("param_dtype", "compute_dtype", "base_dtype"):
+        value = getattr(args, flag, None)
+        if value is not None and value not in zoo.DTYPES:
+            parser.error(f"--{flag.replace('_', '-')} {value!r}: choose one of {', '.join(zoo.DTYPES)}")
+    if args.steps < args.warmup:
+        print(
+            f"warning: --steps {args.steps} is below --warmup {args.warmup}: the learning rate never reaches --lr",
+            file=sys.stderr,
         )
     if getattr(args, "quantize", None) and not args.lora_rank:
         parser.error(f"--quantize {args.quantize} needs --lora-rank: quantized weights are frozen, only adapters train")

@@ -271,3 +271,41 @@ def test_evaluate_reproduces_the_runs_validation_loss(straight):
     assert result["step"] == STEPS
     assert result["val_bits_per_byte"] == pytest.approx(straight["val"][STEPS], rel=1e-6)
     assert len(result["samples"]) == 2 and all(s.startswith("def main(") for s in result["samples"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+        (["--warmup", "-3"], "--warmup must be >= 0, got -3"),
+        (["--clip", "0"], "--clip must be > 0"),
+        (["--compute-dtype", "float7"], "--compute-dtype 'float7': choose one of float32, bfloat16, float16"),
+        (["--quantize", "nf4"], "--quantize nf4 needs --lora-rank"),
+    ],
+)
+def test_bad_values_are_one_line_before_anything_runs(flags, message, capsys, tmp_path):
+    from recipes.train_lm import main as train_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_main([*flags, "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_fewer_steps_than_warmup_warn_and_finetune_help_lists_every_flag(capsys):
+    import recipes.finetune_hf as finetune_hf
+    from recipes.train_lm import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        finetune_hf.main(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    flags = [o for action in build_parser()._actions for o in action.option_strings if o.startswith("--")]
+    assert all(f in shown for f in [*flags, "--export", "--export-merged", "--export-dtype"])
+    from recipes.train_lm import main as train_main
+
+    with pytest.raises(SystemExit):  # stopped by a later check, after the warning
+        train_main(["--steps", "5", "--warmup", "40", "--batch", "3", "--accum", "2"])
+    assert "warning: --steps 5 is below --warmup 40: the learning rate never reaches --lr" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from ._build import abstract_model as abstract_model
 from ._build import build_model as build_model
 from ._build import config_from_name as config_from_name
 from ._build import model_names as model_names
+from ._config import DTYPES as DTYPES
 from ._config import DecoderConfig as DecoderConfig
 from ._config import GPT2Config as GPT2Config
 from ._describe import LayerSpec as LayerSpec
