@@ -21,6 +21,7 @@ params, gradients, optimizer state, activations).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import pathlib
@@ -160,6 +161,7 @@ def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespa
         defaults = {k: parser.get_default(k) for k in given}
         args = argparse.Namespace(**{**defaults, **meta_args, **{k: given[k] for k in RUN_CONTROL}})
         args.out = args.resume
+        _apply_overrides(parser, argv, given, args)
     for name in ("steps", "batch", "seq", "accum", "eval_every", "eval_batches", "log_every", "keep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -196,6 +198,56 @@ def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespa
         raise SystemExit("--prefetch needs --offload params (it schedules the copies of host-resident weights)")
     parse_offload(args.offload)
     return args
+
+
+#: Flags a resumed run may change: the schedule, the optimizer's scalars, saving, evaluation and
+#: logging. Everything else (model, data, sequence, batch, mesh, offload set, LoRA, ...) shaped the
+#: checkpoint or the data stream and is refused. A changed --steps, --lr or --warmup gives a new
+#: schedule, which the optimizer's step count continues on: extending --steps re-stretches the
+#: cosine over the new length from the step reached (the next update uses the new schedule's rate
+#: at that step).
+CHANGEABLE = (
+    "steps",
+    "lr",
+    "warmup",
+    "clip",
+    "weight_decay",
+    "save_every",
+    "keep",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "prompt",
+    "sample_before",
+)
+
+
+def _given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The destinations of the flags given on the command line (not their defaults)."""
+    quiet = copy.copy(parser)
+    quiet._actions = [copy.copy(a) for a in parser._actions]
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    quiet._defaults = {}
+    return set(vars(quiet.parse_args(argv)))
+
+
+def _apply_overrides(parser, argv, given: dict, args: argparse.Namespace) -> None:
+    """On --resume: apply the changeable flags given now (one line each), refuse the others by name."""
+    for dest in sorted(_given_flags(parser, argv) - set(RUN_CONTROL) - {"resume", "out"}):
+        flag = "--" + dest.replace("_", "-")
+        old, new = getattr(args, dest, None), given[dest]
+        if old == new:
+            continue
+        if dest not in CHANGEABLE:
+            parser.error(
+                f"{flag} cannot change when resuming ({old!r} in {args.out}): the checkpoint and its data "
+                f"stream were made with it; start a new run to change it (changeable: "
+                f"{', '.join('--' + c.replace('_', '-') for c in CHANGEABLE)})"
+            )
+        print(f"{flag}: {old} -> {new}")
+        setattr(args, dest, new)
 
 
 def resume_args(run_dir: str) -> dict:

@@ -5,6 +5,7 @@ One uninterrupted run (the `straight` fixture) is the reference of every other r
 its flags, so they also share its compiled programs (the session's compilation cache)."""
 
 import importlib.util
+import json
 import os
 import pathlib
 import shutil
@@ -309,3 +310,26 @@ def test_fewer_steps_than_warmup_warn_and_finetune_help_lists_every_flag(capsys)
     with pytest.raises(SystemExit):  # stopped by a later check, after the warning
         train_main(["--steps", "5", "--warmup", "40", "--batch", "3", "--accum", "2"])
     assert "warning: --steps 5 is below --warmup 40: the learning rate never reaches --lr" in capsys.readouterr().err
+
+
+def test_resume_can_extend_the_run_and_lower_the_lr_but_refuses_what_shaped_the_checkpoint(small, tmp_path, capsys):
+    from recipes._lm.run_setup import lr_schedule
+
+    out = tmp_path / "run"
+    base = [f for f in small if f not in ("--steps", str(STEPS))]
+    train_lm.main([*base, "--steps", "6", "--warmup", "2", "--lr", "3e-3", "--save-every", "3", "--out", str(out)])
+    capsys.readouterr()
+    summary = train_lm.main(["--resume", str(out), "--steps", "10", "--lr", "1e-3"])
+    printed = capsys.readouterr().out
+    assert "--steps: 6 -> 10" in printed and "--lr: 0.003 -> 0.001" in printed
+    assert summary["start_step"] == 6 and summary["final_step"] == 10 and summary["finished"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if r.get("kind") == "train"}
+    extended = lr_schedule(lr=1e-3, warmup=2, steps=10)  # the cosine re-stretched over 10 steps
+    assert sorted(lrs) == list(range(1, 11))
+    for step in range(7, 11):
+        assert lrs[step] == pytest.approx(float(extended(step - 1)), rel=1e-6)
+    with pytest.raises(SystemExit):
+        train_lm.main(["--resume", str(out), "--seq", "64"])
+    err = capsys.readouterr().err
+    assert "--seq cannot change when resuming (32 in" in err and "Traceback" not in err
