@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import checkpointing
 import transforms
-from recipes._lm.run_setup import init_distributed, is_hf_dir, sample
+from recipes._lm.run_setup import init_distributed, is_hf_dir, one_line_warnings, sample
 from recipes.train_lm import Run, build_parser, resume_args
 
 
@@ -52,7 +52,10 @@ def main(argv=None) -> dict:
     step = None
     if (source / "checkpoints").is_dir():
         with checkpointing.Checkpointer(source / "checkpoints") as ckpt:
-            step, state, meta = ckpt.restore(run.state(), step=args.step)
+            try:
+                step, state, meta = ckpt.restore(run.state(), step=args.step)
+            except checkpointing.CorruptCheckpointError as err:
+                raise SystemExit(f"{args.source}: {err}") from None
         run.set_state(state, meta)
     if args.quantize:
         run.model = transforms.quantize(run.model, args.quantize)
@@ -76,4 +79,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    one_line_warnings()
     main()

@@ -36,7 +36,7 @@ import jax
 
 import transforms
 import zoo
-from recipes._lm.run_setup import is_hf_dir
+from recipes._lm.run_setup import is_hf_dir, one_line_warnings
 from recipes.train_lm import build_parser
 from recipes.train_lm import main as train_main
 from zoo.nn import LoRALinear
@@ -163,4 +163,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    one_line_warnings()
     main()

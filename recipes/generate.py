@@ -25,7 +25,7 @@ import checkpointing
 import transforms
 import zoo
 from recipes._lm.data import HFTokenizer
-from recipes._lm.run_setup import is_hf_dir
+from recipes._lm.run_setup import is_hf_dir, one_line_warnings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,10 @@ def load(source: str, *, step: int | None, dtype: str | None, quantize: str | No
 
         run = Run(argparse.Namespace(**resume_args(source)))
         with checkpointing.Checkpointer(path / "checkpoints") as ckpt:
-            _, state, meta = ckpt.restore(run.state(), step=step)
+            try:
+                _, state, meta = ckpt.restore(run.state(), step=step)
+            except checkpointing.CorruptCheckpointError as err:
+                raise SystemExit(f"--model {source}: {err}") from None
         run.set_state(state, meta)
         model = run.model
         if quantize is not None:
@@ -138,4 +141,5 @@ def main(argv=None, *, out=None) -> dict:
 
 
 if __name__ == "__main__":
+    one_line_warnings()
     main()

@@ -58,6 +58,7 @@ from recipes._lm.run_setup import (
     lr_schedule,
     make_config,
     make_optimizer,
+    one_line_warnings,
     parse_mesh,
     parse_offload,
     process_rows,
@@ -451,7 +452,11 @@ def open_run(args) -> tuple[Run, pathlib.Path, checkpointing.Checkpointer, int]:
     args.out = str(out)
     ckpt = checkpointing.Checkpointer(out / "checkpoints", keep=args.keep)
     if args.resume:
-        start, state, meta = ckpt.restore(run.state())
+        try:
+            start, state, meta = ckpt.restore(run.state())
+        except checkpointing.CorruptCheckpointError as err:
+            ckpt.close()
+            raise SystemExit(f"--resume {args.resume}: {err}") from None
         run.set_state(state, meta)
         return run, out, ckpt, start
     if ckpt.latest_step() is not None:
@@ -605,4 +610,5 @@ def main(argv=None, *, defaults: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    one_line_warnings()
     main()

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import equinox as eqx
 import jax
@@ -333,3 +334,24 @@ def test_resume_can_extend_the_run_and_lower_the_lr_but_refuses_what_shaped_the_
         train_lm.main(["--resume", str(out), "--seq", "64"])
     err = capsys.readouterr().err
     assert "--seq cannot change when resuming (32 in" in err and "Traceback" not in err
+
+
+def test_when_every_checkpoint_is_corrupt_the_recipes_say_so_in_lines_not_tracebacks(small, tmp_path):
+    out = tmp_path / "run"
+    base = [f for f in small if f not in ("--steps", str(STEPS))]
+    train_lm.main([*base, "--steps", "4", "--save-every", "2", "--out", str(out)])
+    for data in (out / "checkpoints").glob("*/state/ocdbt.process_0/d/*"):
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    calls = [
+        lambda: train_lm.main(["--resume", str(out)]),
+        lambda: evaluate.main([str(out), "--samples", "0"]),
+        lambda: generate.main(["--model", str(out), "--prompt", "def ", "--max-new-tokens", "2"]),
+    ]
+    for call in calls:
+        with warnings.catch_warnings(record=True), pytest.raises(SystemExit) as exit_info:
+            warnings.simplefilter("always")
+            call()
+        text = str(exit_info.value)
+        assert "no intact checkpoint" in text and "checkpoints/4:" in text and "checkpoints/2:" in text, text

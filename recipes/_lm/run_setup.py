@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,12 @@ import zoo
 from zoo import sharding
 
 OFFLOADABLE = ("params", "opt_state", "activations")
+
+
+def one_line_warnings() -> None:
+    """Show each warning as one line (``warning: ...``), without the source line Python adds: a
+    recipe's warnings (a corrupted checkpoint skipped, ...) are for its user, not its code."""
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
 
 
 def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
