@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
         with checkpointing.Checkpointer(source / "checkpoints") as ckpt:
             try:
                 step, state, meta = ckpt.restore(run.state(), step=args.step)
-            except checkpointing.CorruptCheckpointError as err:
+            except (checkpointing.CorruptCheckpointError, FileNotFoundError) as err:
                 raise SystemExit(f"{args.source}: {err}") from None
         run.set_state(state, meta)
     if args.quantize:

@@ -67,7 +67,7 @@ def load(source: str, *, step: int | None, dtype: str | None, quantize: str | No
         with checkpointing.Checkpointer(path / "checkpoints") as ckpt:
             try:
                 _, state, meta = ckpt.restore(run.state(), step=step)
-            except checkpointing.CorruptCheckpointError as err:
+            except (checkpointing.CorruptCheckpointError, FileNotFoundError) as err:
                 raise SystemExit(f"--model {source}: {err}") from None
         run.set_state(state, meta)
         model = run.model
@@ -107,7 +107,17 @@ class _Printer:
 
 
 def main(argv=None, *, out=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Checked before anything loads or prints.
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     out = sys.stdout if out is None else out
     model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype, quantize=args.quantize)
     if args.offload == "params":

@@ -335,18 +335,24 @@ class Run:
         hyper["mask"] = decay_mask(self.model)  # no decay on norms, biases, scalars
         self.plan = None
         if args.plan:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
-            self.plan = transforms.plan(
-                self.config, batch=args.batch, seq=args.seq, device=args.plan, clip_norm=args.clip
-            )
+            try:
+                self.plan = transforms.plan(
+                    self.config, batch=args.batch, seq=args.seq, device=args.plan, clip_norm=args.clip
+                )
+            except (ValueError, TypeError) as err:
+                raise SystemExit(f"--plan {args.plan}: {err}") from None
             optimizer = make_optimizer(**hyper, clip=None)
             self.model, optimizer = self.plan.apply(self.model, optimizer, clip_norm=args.clip)
             if args.prefetch and self.plan.candidate.params:
                 self.model = zoo.nn.with_prefetch(self.model, True)
         else:
             optimizer = make_optimizer(**hyper, clip=args.clip)
-            self.model, optimizer = apply_offload(
-                self.model, optimizer, parse_offload(args.offload), args.activations, prefetch=args.prefetch
-            )
+            try:
+                self.model, optimizer = apply_offload(
+                    self.model, optimizer, parse_offload(args.offload), args.activations, prefetch=args.prefetch
+                )
+            except (ValueError, TypeError) as err:
+                raise SystemExit(f"--offload {args.offload} --activations {args.activations}: {err}") from None
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
         self.step_fn = transforms.train_step(zoo.lm_loss_and_metrics, optimizer, accum_steps=args.accum, has_aux=True)
         self.opt_state = self.step_fn.init(self.model)

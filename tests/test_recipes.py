@@ -355,3 +355,33 @@ def test_when_every_checkpoint_is_corrupt_the_recipes_say_so_in_lines_not_traceb
             call()
         text = str(exit_info.value)
         assert "no intact checkpoint" in text and "checkpoints/4:" in text and "checkpoints/2:" in text, text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--top-p", "7"], "--top-p must be in (0, 1], got 7.0"),
+        (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    ],
+)
+def test_generate_checks_its_arguments_before_it_loads_or_prints(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        generate.main(["--model", "no/such/dir", "--prompt", "hello", *flags])
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--offload", "activations", "--activations", "nosuchname"], "unknown activation names ['nosuchname']"),
+        (["--plan", "nosuchgpu"], "--plan nosuchgpu: unknown device profile 'nosuchgpu'"),
+    ],
+)
+def test_bad_offload_choices_are_one_line(small, flags, message, tmp_path):
+    base = [f for f in small if f not in ("--steps", str(STEPS))]
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.main([*base, "--steps", "1", *flags, "--out", str(tmp_path / "run")])
+    assert message in str(exit_info.value) and "\n" not in str(exit_info.value)
