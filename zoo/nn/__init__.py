@@ -26,8 +26,8 @@ from ._norm import OffsetRMSNorm as OffsetRMSNorm
 from ._norm import RMSNorm as RMSNorm
 from ._quant import QuantizedWeight as QuantizedWeight
 from ._quant import dequantize_weights as dequantize_weights
-from ._quant import quantize_linears as quantize_linears
 from ._quant import quantize_weight as quantize_weight
+from ._quantize_model import quantize_linears as quantize_linears
 from ._remat import Remat as Remat
 from ._rotary import Llama3RopeScaling as Llama3RopeScaling
 from ._rotary import RotaryEmbedding as RotaryEmbedding
