@@ -7,8 +7,9 @@ Three measurements, each dense vs NF4 vs int8 side by side in one run:
    with the weights offloaded (:func:`transforms.offload_params`), in ``bfloat16`` for the dense
    row; the quantized rows stream codes and float32 scales instead.
 2. **Quality** of the default trained tiny model (the README's quick start, ``recipes.train_lm``
-   with its defaults; or ``--run DIR``): validation bits per byte (``recipes.evaluate``) dense and
-   quantized, and how many of 64 greedy tokens (:func:`zoo.generate`) agree with the dense model's.
+   with its defaults; or ``--run DIR``), through the recipes' command lines: validation bits per
+   byte (``recipes.evaluate --quantize``) dense and quantized, and how many of 64 greedy bytes
+   (``recipes.generate --quantize``) agree with the dense model's before the first difference.
 3. **Decode tokens/s at batch 1** on a larger random model (``--decode-model``, default
    ``llama:small`` in float32): fewer weight bytes per token. The three variants take turns round
    after round and the median round is reported.
@@ -25,7 +26,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,33 +79,39 @@ def streamed_layer_bytes(name: str, seq: int = 64) -> dict[str, int]:
     return out
 
 
-def train_default_run(quick: bool) -> Path:
-    from recipes.train_lm import main as train_main
+def _recipe(module: str, *args: str) -> str:
+    """Run ``python -m recipes.<module> args`` (a user's command line); its standard output."""
+    cmd = [sys.executable, "-m", f"recipes.{module}", *args]
+    return subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
+
+def train_default_run(quick: bool) -> Path:
     out = ROOT / "runs" / "quantize-bench"
-    flags = ["--out", str(out), "--quiet-samples"] + (["--steps", "20"] if quick else [])
-    train_main(flags)
+    shutil.rmtree(out, ignore_errors=True)
+    _recipe("train_lm", "--out", str(out), "--quiet-samples", *(["--steps", "20"] if quick else []))
     return out
 
 
-def quality(run: Path, prompt_tokens: int = 16, new: int = 64) -> dict:
-    from recipes import evaluate
-    from recipes.generate import load
-
-    rows = {}
-    model, tokenizer, _ = load(str(run), step=None, dtype=None)
-    prompt = jnp.asarray(tokenizer.encode(b"def __init__(self")[:prompt_tokens], jnp.int32)
-    dense_tokens = np.asarray(zoo.generate(model, prompt, max_new_tokens=new))
+def quality(run: Path, new: int = 64) -> dict:
+    """Validation bits/byte (``recipes.evaluate``) and greedy text (``recipes.generate``), dense and
+    quantized; the greedy texts are compared character by character (bytes: the tiny model's tokens)."""
+    rows, dense_text = {}, None
+    prompt = "def __init__(self"
     for scheme in (None, *SCHEMES):
-        flags = [str(run), "--samples", "0"] + ([] if scheme is None else ["--quantize", scheme])
-        result = evaluate.main(flags)
-        tokens = dense_tokens
-        if scheme is not None:
-            tokens = np.asarray(zoo.generate(transforms.quantize(model, scheme), prompt, max_new_tokens=new))
+        quant = [] if scheme is None else ["--quantize", scheme]
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = Path(tmp) / "eval.json"
+            _recipe("evaluate", str(run), "--samples", "0", "--json", str(result_file), *quant)
+            result = json.loads(result_file.read_text())
+        flags = ["--model", str(run), "--prompt", prompt, "--max-new-tokens", str(new), "--no-stop"]
+        text = _recipe("generate", *flags, *quant)[len(prompt) : -1]  # the prompt, the text, a newline
+        dense_text = text if scheme is None else dense_text
+        agree = next((i for i, (a, b) in enumerate(zip(text, dense_text, strict=False)) if a != b), len(text))
         rows[scheme or "dense"] = {
             "val_bits_per_byte": result["val_bits_per_byte"],
-            "greedy_agreement": int(np.sum(tokens == dense_tokens)),
+            "greedy_agreement": agree,
             "greedy_tokens": new,
+            "text": text,
         }
     return rows
 
@@ -134,7 +146,8 @@ def table(report: dict) -> str:
     lines += [f"| {k} | {v:,} | {v / b['bfloat16']:.2f}x |" for k, v in b.items()]
     q = report["quality"]
     lines += ["", f"Default tiny model ({report['run']}):", ""]
-    lines += ["| weights | val bits/byte | greedy tokens equal to dense |", "|---|---:|---:|"]
+    lines += ["| weights | val bits/byte | greedy bytes equal to dense (before the first difference) |"]
+    lines += ["|---|---:|---:|"]
     lines += [
         f"| {k} | {v['val_bits_per_byte']:.3f} | {v['greedy_agreement']}/{v['greedy_tokens']} |" for k, v in q.items()
     ]
