@@ -68,7 +68,7 @@ TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def source_dtype(directory: pathlib.Path) -> str | None:
     """The dtype the checkpoint stores its weights in (``None`` if mixed)."""
-    tensors = zoo.hf._load.read_tensors(directory)
+    tensors = zoo.hf.read_tensors(directory)
     stored = {info.dtype for info in tensors.values()}
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     return names.get(stored.pop()) if len(stored) == 1 else None
@@ -133,8 +133,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json)")
     if args.export_merged and "--lora-rank" not in " ".join(rest) and "--resume" not in rest:
         raise SystemExit("--export-merged needs --lora-rank (a LoRA run); --export writes the full model")
-    if args.export_dtype not in (None, *zoo._config.DTYPES):
-        raise SystemExit(f"--export-dtype {args.export_dtype!r}: choose one of {', '.join(zoo._config.DTYPES)}")
+    if args.export_dtype not in (None, *zoo.DTYPES):
+        raise SystemExit(f"--export-dtype {args.export_dtype!r}: choose one of {', '.join(zoo.DTYPES)}")
     if "--resume" not in rest:
         rest = ["--model", args.checkpoint, *rest]
     summary = train_main(rest, defaults=DEFAULTS)

@@ -6,8 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from zoo.nn._frozen import unfreeze
-from zoo.nn._lora import LoRALinear, add_lora
+from zoo.nn import LoRALinear, add_lora, unfreeze
 
 from ._memory import restore_kinds, to_device, traced_kind
 from ._opt_stream import _layer_scan

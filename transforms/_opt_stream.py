@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zoo.nn._placement import on_host
+from zoo.nn import on_host
 
 from ._memory import (
     DEVICE,
@@ -43,6 +43,7 @@ from ._memory import (
     traced_kind,
     tree_to_device,
 )
+from ._optimizer import OffloadedOptimizer
 from ._tree import stack_units as _units
 from ._tree import stack_view as _view
 from ._tree import sum_squares
@@ -417,7 +418,7 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     return _merge(units, [out_rest, *outs]), new_state, g_norm
 
 
-class StreamedOptimizer(optax.GradientTransformation):
+class StreamedOptimizer(OffloadedOptimizer):
     """An optax transformation whose update is streamed over the layers of each :class:`zoo.nn.Stack`.
 
     Made by :func:`transforms.offload_opt_state` with ``stream=True``. Besides optax's ``init`` and
@@ -433,8 +434,7 @@ class StreamedOptimizer(optax.GradientTransformation):
             new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
             return new_updates, new_state
 
-        self = super().__new__(cls, init, update)
-        self._offload_inner = inner
+        self = super().__new__(cls, init, update, inner)
         self.clip_norm = clip_norm
         return self
 
@@ -445,4 +445,4 @@ class StreamedOptimizer(optax.GradientTransformation):
         device or host memory and comes back where it was. ``grad_norm`` is the global norm of
         ``grads`` before clipping.
         """
-        return _run(self._offload_inner, self.clip_norm, grads, state, params, apply=True)
+        return _run(self.inner, self.clip_norm, grads, state, params, apply=True)

@@ -17,6 +17,7 @@ from ._build import abstract_model as abstract_model
 from ._build import build_model as build_model
 from ._build import config_from_name as config_from_name
 from ._build import model_names as model_names
+from ._config import DTYPES as DTYPES
 from ._config import DecoderConfig as DecoderConfig
 from ._config import GPT2Config as GPT2Config
 from ._describe import LayerSpec as LayerSpec
@@ -30,6 +31,8 @@ from ._generate import generate as generate
 from ._gpt2 import GPT2 as GPT2
 from ._llama import Llama as Llama
 from ._llama import LlamaConfig as LlamaConfig
+from ._loss import AUTO_CHUNK_LOGIT_BYTES as AUTO_CHUNK_LOGIT_BYTES
+from ._loss import auto_chunk_tokens as auto_chunk_tokens
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._loss import cross_entropy as cross_entropy
 from ._loss import lm_loss as lm_loss
