@@ -105,6 +105,7 @@ PUBLIC = [
     zoo.nn.trainable_params,
     zoo.nn.add_lora,
     transforms.OffloadedOptimizer,
+    zoo.nn.prefetch_scan,
 ]
 
 

@@ -38,6 +38,7 @@ from ._placement import any_on_host as any_on_host
 from ._placement import is_arraylike as is_arraylike
 from ._placement import on_host as on_host
 from ._placement import use_param as use_param
+from ._prefetch import prefetch_scan as prefetch_scan
 from ._remat import Remat as Remat
 from ._rotary import Llama3RopeScaling as Llama3RopeScaling
 from ._rotary import RotaryEmbedding as RotaryEmbedding
