@@ -70,7 +70,7 @@ TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def source_dtype(directory: pathlib.Path) -> str | None:
     """The dtype the checkpoint stores its weights in (``None`` if mixed)."""
-    tensors = zoo.hf._load.read_tensors(directory)
+    tensors = zoo.hf.read_tensors(directory)
     stored = {info.dtype for info in tensors.values()}
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     return names.get(stored.pop()) if len(stored) == 1 else None

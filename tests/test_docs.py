@@ -93,6 +93,19 @@ PUBLIC = [
     zoo.nn.LoRALinear,
     zoo.hf.save_peft_adapter,
     zoo.hf.load_peft_adapter,
+    zoo.hf.read_config,
+    zoo.hf.read_tensors,
+    zoo.auto_chunk_tokens,
+    zoo.nn.on_host,
+    zoo.nn.any_on_host,
+    zoo.nn.use_param,
+    zoo.nn.is_arraylike,
+    zoo.nn.memory_space,
+    zoo.nn.var_memory_space,
+    zoo.nn.trainable_params,
+    zoo.nn.add_lora,
+    transforms.OffloadedOptimizer,
+    zoo.nn.prefetch_scan,
 ]
 
 

@@ -127,3 +127,61 @@ def test_no_sys_path_edits():
                 if attr and ast.unparse(node.value) == "sys.path":
                     offenders.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+# Imports of private zoo modules still in the planner, which is being reworked on its own; their
+# public names exist (zoo.nn.DEFAULT_ATTENTION_BLOCK, zoo.auto_chunk_tokens). Nothing may join this list.
+PRIVATE_ZOO_PENDING = {
+    ("transforms/plan/_model.py", "zoo.nn._attend"),
+    ("transforms/plan/_long_context.py", "zoo._loss"),
+}
+
+
+def private_zoo_names(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, name)`` for each import of, or attribute path into, a private part of ``zoo`` in ``path``:
+    a dotted name rooted at ``zoo`` with a segment starting with ``_`` (dunders aside)."""
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] == "zoo" and any(p.startswith("_") and not p.endswith("__") for p in parts[1:])
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute | ast.Name):
+            names = [ast.unparse(node)]
+        else:
+            continue
+        out += [(node.lineno, name) for name in names if private(name)]
+    return sorted(set(out))
+
+
+def test_the_layers_above_zoo_use_only_its_public_names():
+    offenders = []
+    for pkg in ("transforms", "checkpointing", "recipes", "benchmarks"):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            for line, name in private_zoo_names(p):
+                if not any(rel == f and (name == m or name.startswith(m + ".")) for f, m in PRIVATE_ZOO_PENDING):
+                    offenders.append(f"{rel}:{line} {name}")
+    assert not offenders, offenders
+
+
+def test_the_private_name_finder_finds_them(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import zoo._loss\nfrom zoo.nn._attend import X\nfrom zoo.nn import _placement\nfrom zoo import nn\n"
+        "import zoo\nzoo._config.DTYPES\nzoo.nn.Stack\nzoo.__version__\n"
+    )
+    found = [name for _, name in private_zoo_names(src)]
+    assert found == [
+        "zoo._loss",
+        "zoo.nn._attend",
+        "zoo.nn._attend.X",
+        "zoo.nn._placement",
+        "zoo._config",
+        "zoo._config.DTYPES",
+    ]

@@ -364,7 +364,7 @@ def test_apply_with_the_streamed_update_runs_and_clips():
     with pytest.raises(ValueError, match=r"optax.clip_by_global_norm.*clip_norm="):
         p.apply(zoo.Llama(cfg, key=jax.random.key(0)), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
     model, opt = p.apply(zoo.Llama(cfg, key=jax.random.key(0)), optax.adamw(1e-3))
-    assert isinstance(opt, transforms._opt_stream.StreamedOptimizer) and opt.clip_norm == 0.5
+    assert isinstance(opt, transforms.StreamedOptimizer) and opt.clip_norm == 0.5
     step = transforms.train_step(zoo.lm_loss, opt)
     state = step.init(model)
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
@@ -557,7 +557,7 @@ def test_apply_uses_the_real_transforms_and_the_step_runs():
     model, opt = p.apply(zoo.Llama(cfg, key=jax.random.key(0)), optax.adamw(1e-3))
     assert model.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
     assert model.stack.remat.offload == ("block_input",)
-    assert opt._offload_inner is not None
+    assert isinstance(opt, transforms.OffloadedOptimizer)
     step = transforms.train_step(zoo.lm_loss, opt)
     state = step.init(model)
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
@@ -718,7 +718,7 @@ def test_apply_to_a_users_model_and_its_checks():
     p.chosen = row(p, params=True, opt_state=True, activations="offload:block_input")
     applied, opt = p.apply(model, optax.adamw(1e-3))
     assert applied.stack.layers.mlp.up.weight.sharding.memory_kind == "pinned_host"
-    assert applied.stack.remat.offload == ("block_input",) and opt._offload_inner is not None
+    assert applied.stack.remat.offload == ("block_input",) and isinstance(opt, transforms.OffloadedOptimizer)
     with pytest.raises(ValueError, match="differs from the planned one"):
         p.apply(_own(256, 64, 3, 4, 2, 192, mlp="gelu"), optax.adamw(1e-3))
     with pytest.raises(ValueError, match="differs from the planned one"):  # same spec, other parameters

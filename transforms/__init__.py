@@ -15,10 +15,10 @@ print(transforms.memory_report(params=model, opt_state=state))
 ```
 """
 
-from zoo.nn._frozen import freeze as freeze
-from zoo.nn._frozen import is_frozen as is_frozen
-from zoo.nn._frozen import trainable_mask as trainable_mask
-from zoo.nn._frozen import unfreeze as unfreeze
+from zoo.nn import freeze as freeze
+from zoo.nn import is_frozen as is_frozen
+from zoo.nn import trainable_mask as trainable_mask
+from zoo.nn import unfreeze as unfreeze
 
 from ._activations import PRESETS as ACTIVATION_PRESETS
 from ._activations import offload_activations as offload_activations
@@ -26,6 +26,9 @@ from ._lora import lora as lora
 from ._lora import merge_lora as merge_lora
 from ._memory import host_and_device_share_memory as host_and_device_share_memory
 from ._opt_state import offload_opt_state as offload_opt_state
+from ._opt_stream import StreamedOptimizer as StreamedOptimizer
+from ._opt_stream import StreamedState as StreamedState
+from ._optimizer import OffloadedOptimizer as OffloadedOptimizer
 from ._params import offload_params as offload_params
 from ._quantize import dequantize as dequantize
 from ._quantize import quantize as quantize

@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo import nn
-from zoo.nn._frozen import unfreeze
-from zoo.nn._lora import LoRALinear, add_lora
+from zoo.nn import LoRALinear, add_lora, unfreeze
 
 from ._memory import restore_kinds, to_device, traced_kind
 from ._opt_stream import _layer_scan

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zoo.nn._placement import is_arraylike as is_arraylike
-from zoo.nn._placement import on_host
+from zoo.nn import is_arraylike as is_arraylike
+from zoo.nn import on_host
 
 HOST = "pinned_host"
 DEVICE = "device"

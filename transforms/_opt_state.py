@@ -21,6 +21,7 @@ from ._memory import (
     tree_to_device,
 )
 from ._opt_stream import StreamedOptimizer
+from ._optimizer import OffloadedOptimizer
 
 
 def _default_where(x) -> bool:
@@ -54,7 +55,7 @@ def offload_opt_state(
     updated once, leaf by leaf. :class:`transforms.TrainStep` runs this path through the wrapper's
     ``apply(grads, state, params) -> (params, state, grad_norm)``; ``update`` stays a valid optax
     update (it returns the whole ``updates`` tree). The state is a
-    :class:`~transforms._opt_stream.StreamedState`: the wrapped optimizer's state per stack, built
+    :class:`transforms.StreamedState`: the wrapped optimizer's state per stack, built
     layer by layer, so each of its leaves (step counters and injected hyperparameters included)
     has the stack's leading layer axis, and its state for the other leaves. This is exact for
     optimizers that update each layer on its own (Adam, SGD, Lion, schedules,
@@ -100,7 +101,7 @@ def offload_opt_state(
     """
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(f"offload_opt_state wraps an optax.GradientTransformation, got {type(optimizer).__name__}")
-    if isinstance(getattr(optimizer, "_offload_inner", None), optax.GradientTransformation):
+    if isinstance(optimizer, OffloadedOptimizer):
         raise ValueError("offload_opt_state: this optimizer is already wrapped")
     select = _default_where if where is None else where
     if not callable(select):
@@ -149,13 +150,4 @@ def offload_opt_state(
         )
         return new_updates, restore_kinds(new_state, kinds)
 
-    return _Offloaded(init, update, optimizer)
-
-
-class _Offloaded(optax.GradientTransformation):
-    """An optax transformation whose state is offloaded (remembers the wrapped one)."""
-
-    def __new__(cls, init, update, inner):
-        self = super().__new__(cls, init, update)
-        self._offload_inner = inner
-        return self
+    return OffloadedOptimizer(init, update, optimizer)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zoo.nn._placement import on_host
+from zoo.nn import on_host, prefetch_scan
 
 from ._memory import (
     DEVICE,
@@ -38,11 +38,11 @@ from ._memory import (
     mesh_of,
     restore_kinds,
     state_shardings,
-    to_device,
     to_host,
     traced_kind,
     tree_to_device,
 )
+from ._optimizer import OffloadedOptimizer
 from ._tree import stack_units as _units
 from ._tree import stack_view as _view
 from ._tree import sum_squares
@@ -85,39 +85,21 @@ def _layer_count(units, params, k: int) -> int:
 def _layer_scan(body: Callable, carry, xs, length: int, place_out: Callable):
     """``lax.scan(body, carry, xs)`` with device values in the body, whatever the inputs' memory.
 
-    ``body(carry, x) -> (carry, y)`` sees one layer of every leaf of ``xs`` in device memory.
-    Host-resident leaves are fetched one layer ahead: the copy of layer ``i + 1`` is issued at
-    the start of iteration ``i`` and carried to the next, independent of iteration ``i``'s
-    math, so it can overlap with it (the last iteration fetches its own layer again, as
-    `lax.scan` has no shorter body for it). Device-resident leaves are ordinary scan inputs.
-    ``place_out(y)`` puts each output where it belongs (host outputs become host scan outputs).
+    ``body(carry, x) -> (carry, y)`` sees one layer of every leaf of ``xs`` in device memory:
+    :func:`zoo.nn.prefetch_scan` with the host-resident leaves fetched one layer ahead and the
+    device-resident ones as ordinary scan inputs. ``place_out(y)`` puts each output where it
+    belongs (host outputs become host scan outputs).
     """
     leaves, treedef = jax.tree.flatten(xs)
     host = [on_host(x) for x in leaves]
-    if length == 1:
-        # No loop of trip count one: host offload inside one fails to compile on some backends
-        # (maxtext#4995). The whole leaf is one layer, so it moves as it is.
-        x0 = [to_device(x)[0] for x in leaves]
-        carry, y = body(carry, jax.tree.unflatten(treedef, x0))
-        return carry, place_out(jax.tree.map(lambda a: a[None], y))
+
+    def layer(carry, host_slices, device_slices):
+        from_host, from_device = iter(host_slices), iter(device_slices)
+        return body(carry, jax.tree.unflatten(treedef, [next(from_host) if h else next(from_device) for h in host]))
 
     host_leaves = [x for x, h in zip(leaves, host, strict=True) if h]
     device_leaves = [x for x, h in zip(leaves, host, strict=True) if not h]
-
-    def fetch(i):
-        return [to_device(jax.lax.dynamic_index_in_dim(x, i, keepdims=False)) for x in host_leaves]
-
-    def step(state, scanned):
-        inner, current = state
-        i, device_slices = scanned
-        prefetched = fetch(jnp.minimum(i + 1, length - 1))
-        from_host, from_device = iter(current), iter(device_slices)
-        x = jax.tree.unflatten(treedef, [next(from_host) if h else next(from_device) for h in host])
-        inner, y = body(inner, x)
-        return (inner, prefetched), place_out(y)
-
-    (carry, _), ys = jax.lax.scan(step, (carry, fetch(0)), (jnp.arange(length), device_leaves))
-    return carry, ys
+    return prefetch_scan(layer, carry, host_leaves, device_leaves, length=length, place=place_out)
 
 
 def _clip(tree, g_norm, max_norm: float):
@@ -417,7 +399,7 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     return _merge(units, [out_rest, *outs]), new_state, g_norm
 
 
-class StreamedOptimizer(optax.GradientTransformation):
+class StreamedOptimizer(OffloadedOptimizer):
     """An optax transformation whose update is streamed over the layers of each :class:`zoo.nn.Stack`.
 
     Made by :func:`transforms.offload_opt_state` with ``stream=True``. Besides optax's ``init`` and
@@ -433,8 +415,7 @@ class StreamedOptimizer(optax.GradientTransformation):
             new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
             return new_updates, new_state
 
-        self = super().__new__(cls, init, update)
-        self._offload_inner = inner
+        self = super().__new__(cls, init, update, inner)
         self.clip_norm = clip_norm
         return self
 
@@ -445,4 +426,4 @@ class StreamedOptimizer(optax.GradientTransformation):
         device or host memory and comes back where it was. ``grad_norm`` is the global norm of
         ``grads`` before clipping.
         """
-        return _run(self._offload_inner, self.clip_norm, grads, state, params, apply=True)
+        return _run(self.inner, self.clip_norm, grads, state, params, apply=True)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from zoo._jax_compat import var_memory_space
+from zoo.nn import var_memory_space
 
 from ._memory import DEVICE, HOST, host_and_device_share_memory, is_arraylike
 

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zoo.nn import Stack
-from zoo.nn._frozen import trainable_mask, trainable_params
-from zoo.nn._placement import any_on_host
+from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
 from ._lora import needs_key, with_step_keys
 from ._memory import mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
 from ._opt_stream import StreamedOptimizer
+from ._optimizer import OffloadedOptimizer
 from ._tree import global_norm
 
 
@@ -205,7 +204,7 @@ class TrainStep:
         :func:`transforms.offload_opt_state` puts its state in host memory itself.
         """
         params = trainable_params(model)
-        if isinstance(getattr(self.optimizer, "_offload_inner", None), optax.GradientTransformation):
+        if isinstance(self.optimizer, OffloadedOptimizer):
             return self.optimizer.init(params)
 
         def build(p):

@@ -31,6 +31,8 @@ from ._generate import generate as generate
 from ._gpt2 import GPT2 as GPT2
 from ._llama import Llama as Llama
 from ._llama import LlamaConfig as LlamaConfig
+from ._loss import AUTO_CHUNK_LOGIT_BYTES as AUTO_CHUNK_LOGIT_BYTES
+from ._loss import auto_chunk_tokens as auto_chunk_tokens
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._loss import cross_entropy as cross_entropy
 from ._loss import lm_loss as lm_loss

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from ._loss import loss_chunk_for
 from .nn import ATTENTION_IMPLEMENTATIONS
 
+#: The dtype names a config accepts (`dtype`, `param_dtype`) and `save_hf` can export to.
+#: The dtype names a config's ``param_dtype`` and ``compute_dtype`` accept (and `load_hf`/`save_hf` take).
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -14,14 +14,31 @@ import jax
 
 def memory_space(x):
     """The memory space (`jax.memory.Space`) of an array or a tracer, or ``None`` for a value that
-    has none (a NumPy array, a `jax.ShapeDtypeStruct`)."""
+    has none (a NumPy array, a `jax.ShapeDtypeStruct`).
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    zoo.nn.memory_space(jnp.ones(2)) == jax.memory.Space.Device   # True
+    ```
+    """
     if not isinstance(x, jax.Array):
         return None
     return getattr(jax.typeof(x), "memory_space", None)
 
 
 def var_memory_space(var):
-    """The memory space of a jaxpr variable (``eqn.invars[i]``), or ``None`` if it has none."""
+    """The memory space of a jaxpr variable (``eqn.invars[i]``), or ``None`` if it has none.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    jaxpr = jax.make_jaxpr(lambda x: x + 1)(jnp.ones(2)).jaxpr
+    zoo.nn.var_memory_space(jaxpr.invars[0]) == jax.memory.Space.Device   # True
+    ```
+    """
     return getattr(getattr(var, "aval", None), "memory_space", None)
 
 

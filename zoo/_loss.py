@@ -20,7 +20,15 @@ AUTO_CHUNK_LOGIT_BYTES = 256 * 2**20
 
 
 def auto_chunk_tokens(vocab_size: int) -> int:
-    """The most tokens whose float32 logits fit :data:`AUTO_CHUNK_LOGIT_BYTES` (at least 1)."""
+    """The most tokens whose float32 logits fit :data:`AUTO_CHUNK_LOGIT_BYTES` (at least 1).
+
+    **Example:**
+
+    ```python
+    import zoo
+    zoo.auto_chunk_tokens(128256), zoo.auto_chunk_tokens(32768)   # (523, 2048)
+    ```
+    """
     return max(1, AUTO_CHUNK_LOGIT_BYTES // (4 * vocab_size))
 
 

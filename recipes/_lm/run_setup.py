@@ -87,7 +87,7 @@ def hf_config(directory: str):
     """The zoo config of a Hugging Face directory, read from ``config.json`` alone (no weights):
     an unsupported ``model_type`` or setting is one line, before anything is loaded."""
     try:
-        return zoo.hf.config_from_hf(zoo.hf._load.read_config(pathlib.Path(directory)))
+        return zoo.hf.config_from_hf(zoo.hf.read_config(pathlib.Path(directory)))
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"--model {directory}: {err}") from None
 

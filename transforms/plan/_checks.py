@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import optax
 
+from .._optimizer import OffloadedOptimizer
+
 #: Optimizers known by name (built with a placeholder learning rate: only the state's shape matters).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-3),
@@ -31,10 +33,9 @@ def resolve_optimizer(optimizer) -> tuple[optax.GradientTransformation, str, lis
             "custom optimizer: the update is assumed to run leaf by leaf; a global-norm clip "
             "(optax.clip_by_global_norm) materialises a second model-sized copy of the gradients"
         ]
-        inner = getattr(optimizer, "_offload_inner", None)
-        if isinstance(inner, optax.GradientTransformation):
+        if isinstance(optimizer, OffloadedOptimizer):
             notes.append("the optimizer given is already wrapped by offload_opt_state; the plan decides that itself")
-            optimizer = inner
+            optimizer = optimizer.inner
         return optimizer, "custom optax transform", notes
     raise TypeError(f"optimizer must be a name {sorted(OPTIMIZERS)} or an optax.GradientTransformation")
 

@@ -29,6 +29,8 @@ assert jnp.array_equal(again.embed.weight, model.embed.weight)
 """
 
 from ._load import load_hf as load_hf
+from ._load import read_config as read_config
+from ._load import read_tensors as read_tensors
 from ._peft import load_peft_adapter as load_peft_adapter
 from ._peft import save_peft_adapter as save_peft_adapter
 from ._save import save_hf as save_hf
@@ -42,6 +44,8 @@ __all__ = [
     "load_hf",
     "load_hf_tokenizer",
     "load_peft_adapter",
+    "read_config",
+    "read_tensors",
     "save_hf",
     "save_peft_adapter",
 ]

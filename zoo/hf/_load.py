@@ -41,7 +41,22 @@ def param_dtype_name(dtype: Any) -> str:
     return name
 
 
-def read_config(directory: pathlib.Path) -> dict[str, Any]:
+def read_config(directory: str | pathlib.Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face model directory, as a dict (no weights are read).
+
+    **Raises:** `FileNotFoundError` if there is none, `ValueError` if it is not a JSON object.
+
+    **Example:**
+
+    ```python
+    import tempfile, jax, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    with tempfile.TemporaryDirectory() as d:
+        zoo.hf.save_hf(model, d)
+        assert zoo.hf.config_from_hf(zoo.hf.read_config(d)) == model.config
+    ```
+    """
+    directory = pathlib.Path(directory)
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory")
@@ -52,8 +67,21 @@ def read_config(directory: pathlib.Path) -> dict[str, Any]:
     return config
 
 
-def read_tensors(directory: pathlib.Path) -> dict[str, TensorInfo]:
-    """Name -> location of every tensor of the checkpoint (headers only; no tensor is read)."""
+def read_tensors(directory: str | pathlib.Path) -> dict[str, TensorInfo]:
+    """Name -> location of every tensor of the checkpoint (headers only; no tensor is read): each a
+    ``TensorInfo`` with its ``file``, safetensors ``dtype`` name (``"F32"``, ``"BF16"``, ...) and ``shape``.
+
+    **Example:**
+
+    ```python
+    import tempfile, jax, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    with tempfile.TemporaryDirectory() as d:
+        zoo.hf.save_hf(model, d)
+        {info.dtype for info in zoo.hf.read_tensors(d).values()}   # {'F32'}
+    ```
+    """
+    directory = pathlib.Path(directory)
     single, index = directory / SINGLE_FILE, directory / INDEX_FILE
     if single.is_file():  # the file transformers prefers when both exist
         return read_header(single)[0]

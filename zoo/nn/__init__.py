@@ -1,5 +1,8 @@
 """Layers of the zoo: unbatched Equinox modules (batch with `jax.vmap`)."""
 
+from .._jax_compat import memory_space as memory_space
+from .._jax_compat import var_memory_space as var_memory_space
+from ._attend import DEFAULT_BLOCK as DEFAULT_ATTENTION_BLOCK
 from ._attend import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from ._attend import attend as attend
 from ._attention import Attention as Attention
@@ -8,11 +11,17 @@ from ._attention import LayerKind as LayerKind
 from ._axes import AxisNamed as AxisNamed
 from ._axes import logical_axes as logical_axes
 from ._block import Block as Block
+from ._frozen import freeze as freeze
+from ._frozen import is_frozen as is_frozen
+from ._frozen import trainable_mask as trainable_mask
+from ._frozen import trainable_params as trainable_params
+from ._frozen import unfreeze as unfreeze
 from ._kv_cache import KVCache as KVCache
 from ._kv_cache import LayeredKVCache as LayeredKVCache
 from ._linear import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._lora import LoRALinear as LoRALinear
+from ._lora import add_lora as add_lora
 from ._mlp import FeedForward as FeedForward
 from ._mlp import GeGLU as GeGLU
 from ._mlp import GeluMLP as GeluMLP
@@ -24,6 +33,12 @@ from ._moe import router_losses as router_losses
 from ._norm import LayerNorm as LayerNorm
 from ._norm import OffsetRMSNorm as OffsetRMSNorm
 from ._norm import RMSNorm as RMSNorm
+from ._placement import PARAM_NAME as PARAM_NAME
+from ._placement import any_on_host as any_on_host
+from ._placement import is_arraylike as is_arraylike
+from ._placement import on_host as on_host
+from ._placement import use_param as use_param
+from ._prefetch import prefetch_scan as prefetch_scan
 from ._quant import QuantizedWeight as QuantizedWeight
 from ._quant import dequantize_weights as dequantize_weights
 from ._quant import quantize_weight as quantize_weight

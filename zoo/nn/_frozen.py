@@ -156,5 +156,15 @@ def trainable_mask(tree):
 
 
 def trainable_params(tree):
-    """The trained leaves of ``tree`` (``None`` elsewhere): what an optimizer's ``init`` takes."""
+    """The trained leaves of ``tree`` (``None`` elsewhere): what an optimizer's ``init`` takes.
+
+    **Example:**
+
+    ```python
+    import jax, optax, zoo
+    model = zoo.nn.freeze(zoo.GPT2(zoo.GPT2Config.preset("tiny"), key=jax.random.key(0)), lambda m: m.wte)
+    state = optax.adam(1e-3).init(zoo.nn.trainable_params(model))   # no moments for the embedding
+    assert zoo.nn.trainable_params(model).wte.weight is None
+    ```
+    """
     return eqx.filter(tree, trainable_mask(tree))

@@ -282,7 +282,17 @@ def add_lora(
     key: PRNGKeyArray,
 ):
     """``model`` with a :class:`LoRALinear` around each :class:`Linear` named in ``targets`` and
-    every other module frozen: :func:`transforms.lora` (see there)."""
+    every other module frozen: :func:`transforms.lora` (see there).
+
+    **Example:**
+
+    ```python
+    import jax, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    model = zoo.nn.add_lora(model, rank=4, alpha=8, key=jax.random.key(1))
+    isinstance(model.stack.layers.attn.q_proj, zoo.nn.LoRALinear)   # True
+    ```
+    """
     if isinstance(targets, str):
         targets = (targets,)
     targets = tuple(targets)

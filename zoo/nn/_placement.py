@@ -21,13 +21,30 @@ PARAM_NAME = "zoo_streamed_param"
 
 
 def on_host(x) -> bool:
-    """True if ``x`` (an array or a tracer inside `jit`) lives in host memory."""
+    """True if ``x`` (an array or a tracer inside `jit`) lives in host memory.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    zoo.nn.on_host(jnp.ones(3))   # False: a new array is in device memory
+    ```
+    """
     return memory_space(x) == jax.memory.Space.Host
 
 
 def use_param(p, dtype=None):
     """``p`` on the device and in ``dtype``: a copy from host if ``p`` lives there (tagged
-    :data:`PARAM_NAME`), otherwise just the cast."""
+    :data:`PARAM_NAME`), otherwise just the cast.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    w = jnp.ones((4, 4))
+    jax.jit(lambda w: zoo.nn.use_param(w, jnp.bfloat16))(w).dtype   # bfloat16, in device memory
+    ```
+    """
     if on_host(p):
         p = jax.device_put(p, jax.memory.Space.Device)
         if dtype is not None:
@@ -37,10 +54,28 @@ def use_param(p, dtype=None):
 
 
 def is_arraylike(node) -> bool:
-    """True for arrays and for abstract arrays (`jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`)."""
+    """True for arrays and for abstract arrays (`jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`).
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    assert zoo.nn.is_arraylike(jnp.ones(2)) and zoo.nn.is_arraylike(jax.ShapeDtypeStruct((2,), jnp.float32))
+    assert not zoo.nn.is_arraylike(2.0)
+    ```
+    """
     return eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
 
 
 def any_on_host(tree) -> bool:
-    """True if any leaf of ``tree`` lives in host memory."""
+    """True if any leaf of ``tree`` lives in host memory.
+
+    **Example:**
+
+    ```python
+    import jax, zoo
+    model = zoo.GPT2(zoo.GPT2Config.preset("tiny"), key=jax.random.key(0))
+    zoo.nn.any_on_host(model)   # False until transforms.offload_params moves weights to pinned_host
+    ```
+    """
     return any(on_host(leaf) for leaf in jax.tree.leaves(tree))

@@ -1,5 +1,8 @@
 """A stack of host-resident layers run with an explicit one-layer-ahead prefetch.
 
+:func:`prefetch_scan` is the loop itself (fetch layer ``i + 1`` while layer ``i`` computes), shared by
+the forward and backward passes here, :meth:`zoo.nn.Stack.decode` and the streamed optimizer update.
+
 Forward: iteration ``i`` issues the copy of layer ``i + 1``'s weights (host -> device) before it
 computes layer ``i`` with the copy carried in from iteration ``i - 1``; the device holds two
 layers' weights. What each layer keeps for the backward pass is what the stack's checkpoint
@@ -38,6 +41,62 @@ def fetch_layer(arrays, i):
         return jax.device_put(layer, _DEVICE) if on_host(a) else layer
 
     return jax.tree.map(one, arrays)
+
+
+def prefetch_scan(body, carry, fetched, xs=None, *, length: int, reverse: bool = False, place=None):
+    """A `lax.scan` over ``length`` layers that fetches the next layer while computing this one.
+
+    ``body(carry, layer, x) -> (carry, y)`` runs layer ``i``: ``layer`` is layer ``i`` of the
+    stacked pytree ``fetched`` with its host-resident leaves copied to the device, ``x`` is layer
+    ``i`` of ``xs`` (ordinary scan inputs, wherever they live). The copy of the next layer's
+    ``fetched`` (``i + 1``, or ``i - 1`` with ``reverse``) is issued at the start of iteration ``i``,
+    before the body, and carried to the next iteration, so it can overlap with layer ``i``'s
+    compute; the device holds two layers of ``fetched`` at a time (the last iteration fetches its
+    own layer again, as `lax.scan` has no shorter body for it). ``place(y)`` (default: as is) puts
+    each layer's output where it belongs, e.g. host memory, before the scan stacks it. Returns
+    ``(carry, ys)`` as `lax.scan` does. With nothing to fetch this is `lax.scan` itself.
+
+    A single layer runs without a loop: XLA fails to compile host offload inside a while loop of
+    trip count 1 on some backends (seen as maxtext#4995). Its host leaves then move whole (a
+    leading axis of one), and ``place`` sees the output with its layer axis.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    weights = jnp.arange(12.0).reshape(4, 3)          # 4 layers (in host memory after offloading)
+
+    def body(h, w, _):
+        h = h * w
+        return h, h.sum()
+
+    h, sums = zoo.nn.prefetch_scan(body, jnp.ones(3), weights, length=4)
+    h.shape, sums.shape   # ((3,), (4,))
+    ```
+    """
+    place = (lambda y: y) if place is None else place
+    if length == 1:
+        layer = jax.tree.map(lambda a: (jax.device_put(a, _DEVICE) if on_host(a) else a)[0], fetched)
+        carry, y = body(carry, layer, jax.tree.map(lambda a: a[0], xs))
+        return carry, place(jax.tree.map(lambda a: a[None], y))
+    if not jax.tree.leaves(fetched):
+        return jax.lax.scan(lambda c, x: _placed(body(c, fetched, x), place), carry, xs, length=length, reverse=reverse)
+
+    def step(state, scanned):
+        inner, current = state
+        i, x = scanned
+        ahead = fetch_layer(fetched, jnp.maximum(i - 1, 0) if reverse else jnp.minimum(i + 1, length - 1))
+        inner, y = body(inner, current, x)
+        return (inner, ahead), place(y)
+
+    first = fetch_layer(fetched, length - 1 if reverse else 0)
+    (carry, _), ys = jax.lax.scan(step, (carry, first), (jnp.arange(length), xs), reverse=reverse)
+    return carry, ys
+
+
+def _placed(carry_and_y, place):
+    carry, y = carry_and_y
+    return carry, place(y)
 
 
 def _to_host_like(grads, arrays):
@@ -97,16 +156,12 @@ def _layer_vjp(apply, policy, w, h, kw):
 def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
     """The layers over ``x``; with a ``policy``, also what the backward pass needs of each."""
 
-    def body(carry, i):
-        h, w = carry
-        ahead = fetch_layer(arrays, jnp.minimum(i + 1, n_layers - 1))  # issued before layer i computes
+    def body(h, w, _):
         if policy is None:
-            return (apply(w, h, kw), ahead), None
-        y, saved = _layer_vjp(apply, policy, w, h, kw)
-        return (y, ahead), saved
+            return apply(w, h, kw), None
+        return _layer_vjp(apply, policy, w, h, kw)
 
-    (h, _), saved = jax.lax.scan(body, (x, fetch_layer(arrays, 0)), jnp.arange(n_layers))
-    return h, saved
+    return prefetch_scan(body, x, arrays, length=n_layers)
 
 
 def _backward(arrays, saved: _Saved, kw, g, n_layers: int):
@@ -114,16 +169,14 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int):
     (summed over the layers, which all read them)."""
     kf = _floating(kw)[0]
 
-    def body(carry, xs):
-        dh, dkf, w = carry
-        i, layer_saved = xs
-        behind = fetch_layer(arrays, jnp.maximum(i - 1, 0))  # issued before layer i is differentiated
+    def body(carry, w, layer_saved):
+        dh, dkf = carry
         dw, dh, dk = layer_saved.vjp((_floating(w)[0], kw))(dh)
         dkf = jax.tree.map(jnp.add, dkf, dk)
-        return (dh, dkf, behind), _to_host_like(dw, _floating(arrays)[0])
+        return (dh, dkf), _to_host_like(dw, _floating(arrays)[0])
 
-    init = (g, jax.tree.map(jnp.zeros_like, kf), fetch_layer(arrays, n_layers - 1))
-    (dx, dkf, _), dws = jax.lax.scan(body, init, (jnp.arange(n_layers), saved), reverse=True)
+    init = (g, jax.tree.map(jnp.zeros_like, kf))
+    (dx, dkf), dws = prefetch_scan(body, init, arrays, saved, length=n_layers, reverse=True)
     # Integer leaves get the symbolic zero cotangent.
     zeros = lambda tree: jax.tree.map(_zero_cotangent, eqx.filter(tree, eqx.is_inexact_array, inverse=True))
     return eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from ._axes import AxisNamed, logical_axes
 from ._kv_cache import LayeredKVCache
 from ._placement import any_on_host, is_arraylike, on_host
-from ._prefetch import fetch_layer, prefetched_scan
+from ._prefetch import prefetch_scan, prefetched_scan
 from ._remat import Remat
 
 
@@ -194,10 +194,10 @@ class Stack(AxisNamed):
 
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        # A loop of one iteration is run without `lax.scan`: XLA fails to compile host offload
-        # inside a while loop of trip count 1 on some backends (seen as maxtext#4995).
-        if self.scan and self.n_layers > 1:
-            state, _ = jax.lax.scan(body, state, arrays)
+        if self.scan:
+            state, _ = prefetch_scan(
+                lambda s, _, layer_arrays: body(s, layer_arrays), state, None, arrays, length=self.n_layers
+            )
             return state
         for i in range(self.n_layers):
             state, _ = body(state, jax.tree.map(lambda a, i=i: a[i], arrays))
@@ -234,23 +234,9 @@ class Stack(AxisNamed):
                 h, layer_cache = layer.decode(h, layer_cache, **kwargs)
             return h, jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, layer_cache, homes)
 
-        if self.n_layers == 1:
-            x, layer_cache = run(x, *jax.tree.map(lambda a: a[0], (arrays, cache)))
-            return x, jax.tree.map(lambda a: a[None], layer_cache)
-        if not any_on_host(arrays):
-            return jax.lax.scan(lambda h, xs: run(h, *xs), x, (arrays, cache))
-
-        # Host-resident weights: iteration i issues the copy of layer i + 1 before computing
-        # layer i with the copy carried in, so the copy overlaps the compute.
-        def prefetching(carry, layer_cache):
-            h, current, i = carry
-            upcoming = fetch_layer(arrays, jnp.minimum(i + 1, self.n_layers - 1))
-            h, layer_cache = run(h, current, layer_cache)
-            return (h, upcoming, i + 1), layer_cache
-
-        start = (x, fetch_layer(arrays, 0), jnp.int32(0))
-        (x, _, _), cache = jax.lax.scan(prefetching, start, cache)
-        return x, cache
+        if any_on_host(arrays):  # each layer's weights fetched while the one before computes
+            return prefetch_scan(run, x, arrays, cache, length=self.n_layers)
+        return prefetch_scan(lambda h, _, xs: run(h, *xs), x, None, (arrays, cache), length=self.n_layers)
 
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
