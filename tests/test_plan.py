@@ -63,6 +63,13 @@ ACCURACY_CASES = [
         128,
         None,
     ),
+    # Blocks of other shapes, read from describe(): post-norms only and norms over the query/key
+    # projections (OLMo 2); pre- and post-norms, per-head query/key norms, GeGLU and per-layer
+    # attention kinds (Gemma 3).
+    *(
+        (zoo.config_from_name(f"{family}:tiny").replace(d_model=256, vocab_size=1024, d_ff=640), 2, 128, None)
+        for family in ("olmo2", "gemma3")
+    ),
 ]
 
 
@@ -85,14 +92,21 @@ def test_device_bytes_agree_with_compiled_memory_analysis(case):
     assert abs(error) < 0.15, f"{error:+.1%}"
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+#: Families whose blocks differ in what the planner reads from describe(): pre-norms only
+#: (Llama, GPT-2's LayerNorm and GELU MLP, Phi-3), query/key norms per head (Qwen3), over the
+#: projection and post-norms only (OLMo 2), pre- and post-norms with GeGLU, soft-capping and
+#: per-layer attention kinds (Gemma 2), and with query/key norms (Gemma 3).
+RESIDUAL_FAMILIES = ["llama", "gpt2", "phi3", "qwen3", "olmo2", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("family", RESIDUAL_FAMILIES)
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_saved_activation_model_matches_what_jax_saves(family, compute_dtype):
-    """The per-layer saved bytes (derived from the architecture) equal JAX's residuals exactly."""
+    """The per-layer saved bytes (derived from the model's describe()) equal JAX's residuals exactly."""
     if family == "llama":  # head_dim != d_model / n_heads, grouped-query attention
         cfg = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8, compute_dtype=compute_dtype)
     else:
-        cfg = zoo.GPT2Config.preset("tiny", n_layers=3, compute_dtype=compute_dtype)
+        cfg = zoo.config_from_name(f"{family}:tiny").replace(n_layers=3, compute_dtype=compute_dtype)
     batch, seq = 2, 32
     p = transforms.plan(cfg, batch=batch, seq=seq, device="h100")
     candidates = [
@@ -122,6 +136,24 @@ def test_saved_activation_model_matches_what_jax_saves(family, compute_dtype):
             for w in ("device", "host")
         }
         assert model_bytes == stacked, cand.label
+
+
+def test_describe_reports_the_norms_each_block_has():
+    def norms(family):
+        return [(n.name, n.place, n.over) for n in zoo.describe(zoo.config_from_name(f"{family}:tiny")).layer.norms]
+
+    assert norms("llama") == [("attn_norm", "pre", 64), ("mlp_norm", "pre", 64)]
+    assert norms("olmo2") == [("q_norm", "qk", 64), ("k_norm", "qk", 32), ("attn_post_norm", "post", 64),
+                              ("mlp_post_norm", "post", 64)]  # fmt: skip
+    assert [n[:2] for n in norms("gemma3")] == [
+        ("attn_norm", "pre"), ("q_norm", "qk"), ("k_norm", "qk"), ("attn_post_norm", "post"), ("mlp_norm", "pre"),
+        ("mlp_post_norm", "post"),
+    ]  # fmt: skip
+    assert norms("qwen3")[1] == ("q_norm", "qk", 16)  # per head
+    with pytest.raises(ValueError, match="place"):
+        zoo.NormSpec("n", "middle", 64, 64)
+    with pytest.raises(ValueError, match="multiple"):
+        zoo.NormSpec("n", "qk", 64, 24)
 
 
 def test_flops_match_the_config_count():

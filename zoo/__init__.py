@@ -22,6 +22,7 @@ from ._config import DecoderConfig as DecoderConfig
 from ._config import GPT2Config as GPT2Config
 from ._describe import LayerSpec as LayerSpec
 from ._describe import ModelSpec as ModelSpec
+from ._describe import NormSpec as NormSpec
 from ._describe import describe as describe
 from ._gemma import Gemma2 as Gemma2
 from ._gemma import Gemma2Config as Gemma2Config

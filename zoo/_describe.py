@@ -10,6 +10,7 @@ from ._build import abstract_model
 from ._config import DecoderConfig
 from .nn._spec import LayerSpec as LayerSpec
 from .nn._spec import ModelSpec as ModelSpec
+from .nn._spec import NormSpec as NormSpec
 
 _PROTOCOL = """\
 To describe a model of your own, give it a method describe() returning a zoo.ModelSpec; for a model

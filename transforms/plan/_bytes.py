@@ -13,28 +13,39 @@ their buffers and add nothing.
 
 The architecture comes from the model's :class:`zoo.ModelSpec` (``describe()``), the bytes from its
 parameter tree: the leaves under a :class:`zoo.nn.Stack` are the layers, the others are outside
-the stack. The formulas below are those of the zoo's parts (:class:`zoo.nn.Block` of
-:class:`zoo.nn.Attention`, a gated or GELU MLP and two norms), whatever model holds them.
+the stack. What differs between blocks is read from the layer's :class:`zoo.LayerSpec`, which the
+modules build (``Block``, ``Attention``, the MLP's ``describe()``): its norms (:class:`zoo.NormSpec`:
+pre-norms, post-norms, query/key norms, each with its width and the elements normalised
+together), the MLP's input matmuls and the hidden-width values its backward keeps, the widths of
+the named activations, soft-capping and per-layer attention kinds. Nothing here names a family.
 
 **Saved activations, per layer and example** (``S`` = sequence, ``d`` = width, ``q = heads * head_dim``,
 ``kv = kv_heads * head_dim``, ``f`` = MLP width, ``H`` = heads, ``c`` = compute itemsize; norms
 compute in float32):
 
 - *No transform* (everything the backward pass needs is saved, as JAX linearises the block): each
-  norm keeps two float32 ``(S, d)`` values and its statistics, and its output once per matmul that
-  reads it, ``S*d*(2*4 + n*c)``: the matmuls flatten their rows and each keeps its own flattened
-  input (``n`` = 3 for the attention's q, k and v, ``mlp_inputs`` for the MLP, 1 for a router);
-  the rotated query and key and the values, ``S*(q + 2*kv)*c``; the softmax numerator (float32)
-  and probabilities, ``H*S*S*(4 + c)`` (``jax.nn.dot_product_attention``'s XLA implementation
-  materialises the full score matrix, on CPU and GPU alike); ``attn_context``, ``S*q*c``; six ``(S, f)`` tensors in
-  ``c`` for the MLP (gate/up outputs and the nonlinearity's intermediates, and ``mlp_hidden``;
-  GELU's tanh form keeps as many). Per layer, not per example: the compute-dtype copies of the
-  matmul weights when ``param_dtype != compute_dtype``. Once per batch: the causal mask and its
-  fill value, ``H*S*S*(1 + 4)``.
+  norm of the spec (``width`` ``w``, normalising ``over`` elements together) keeps two float32
+  ``(S, w)`` values and two float32 statistics per group, ``S*w*2*4 + 2*S*(w/over)*4``, and its
+  scale broadcast in float32 (per layer, not per example). Each matmul flattens its rows and
+  keeps its own flattened input, ``S*d*c`` (a pre-norm's output, or the residual stream itself
+  when the block has none): three for the attention's q, k and v, ``mlp_inputs`` for the MLP (1
+  for a router). Then the rotated query and key and the values, ``S*(q + 2*kv)*c``; the softmax
+  numerator (float32) and probabilities, ``H*S*S*(4 + c)`` (``jax.nn.dot_product_attention``'s
+  XLA implementation materialises the full score matrix, on CPU and GPU alike); ``attn_context``,
+  ``S*q*c``; the spec's ``hidden_residuals`` ``(S, f)`` tensors in ``c`` for the MLP (gate/up
+  outputs, the nonlinearity's intermediates and ``mlp_hidden``: 6 for SwiGLU and GELU, 8 for
+  GeGLU). When the scores are written out (soft-capping, or a window selected per layer inside
+  the scan: ``layer_kinds > 1``) the boolean mask twice, ``2*H*S*S``, and with soft-capping
+  tanh's float32 input and output, ``2*H*S*S*4``; with per-layer kinds and rotary, the cos/sin
+  tables the layer computes, ``8*S*(head_dim/2)*4`` per layer. Per layer, not per example: the
+  compute-dtype copies of the matmul weights when ``param_dtype != compute_dtype``. Once per
+  batch: the causal mask and its fill value, ``H*S*S*(1 + 4)`` (written-out scores: two float32
+  fills, ``H*S*S*8``).
 - *Weights in host memory, no activation policy* (:func:`transforms.offload_params` makes the
   stack save matmul outputs and named values, never a weight copy): ``block_input``, the three
   projections, the float32 scores ``H*S*S*4``, ``attn_context``, ``attn_residual``, the gate/up
-  outputs and ``mlp_hidden``.
+  outputs and ``mlp_hidden``, and the input of each post-norm (a sub-layer's last matmul output,
+  ``S*d*c``, which its backward reads).
 - *An activation policy* (:func:`transforms.offload_activations`): exactly the named values it
   saves (device) or offloads (host), each ``S*width*c`` with the width the model's
   :class:`zoo.LayerSpec` gives it (for the zoo's blocks: ``block_input``, ``attn_out``,
@@ -45,7 +56,9 @@ compute in float32):
 Outside the stack: the final norm ``S*d*(2*4 + c)``, the float32 log-softmax ``S*V*4``, and a
 ``(V, d)`` compute-dtype copy of the output head when it is tied (a transpose), cast, or streamed.
 ``tests/test_plan.py`` checks the per-layer sums of all three cases against the residuals JAX
-itself saves (``saved_residuals``), byte for byte, for both families in float32 and bfloat16.
+itself saves (``saved_residuals``), byte for byte, for blocks of every shape the zoo builds (pre-,
+post- and query/key norms, GELU, SwiGLU and GeGLU, soft-capping, per-layer attention kinds) in
+float32 and bfloat16.
 
 *Mixture of experts* (a layer whose spec has ``n_experts``): each token runs through
 ``experts_per_token`` (``k``) experts, so the MLP's per-token widths above are ``k * f``; without
@@ -70,8 +83,8 @@ are counted as materialising the full score matrix, which is what ``"xla"`` does
 **Working buffers** (the transient part of each phase's peak):
 
 - *Layer backward*: what one layer recomputes, counting only what cannot be fused away (matmul
-  outputs, the softmax probabilities ``H*S*S*c``, and the values feeding matmuls: both norms'
-  outputs, q, k, v, ``attn_context``, ``attn_residual``, the MLP's pre-activations and
+  outputs, the softmax probabilities ``H*S*S*c``, and the values feeding matmuls: the
+  pre-norms' outputs, q, k, v, ``attn_context``, ``attn_residual``, the MLP's pre-activations and
   ``mlp_hidden``), minus what the policy keeps on the device (nothing without remat: it is all
   saved); plus the cotangents of the MLP, ``(n_in + 1)*S*f*c + 2*S*d*4``, and of the attention,
   ``H*S*S*(4 + c) + S*(2q + 2kv)*c + S*d*4``, both counted (XLA does not always free the MLP's
@@ -270,32 +283,47 @@ def _sd(S: int, width: int, itemsize: int) -> int:
     return S * width * itemsize
 
 
+def norm_items(g: Geometry, S: int) -> dict[str, int]:
+    """Per-example bytes each of the layer's norms keeps with no transform (its spec's
+    :class:`zoo.NormSpec` s): two float32 values of its width (its input and the normalised
+    value) and two float32 statistics per group of ``over`` elements it normalises together."""
+    return {n.name: _sd(S, n.width, 2 * NORM_ITEMSIZE) + 2 * S * (n.width // n.over) * NORM_ITEMSIZE for n in g.norms}
+
+
 def full_layer_items(g: Geometry, S: int) -> dict[str, int]:
     """Per-example bytes of one layer's residuals with no transform (see the module docstring)."""
     c = g.c
-
-    def norm(readers: int) -> int:
-        """A norm's two float32 ``(S, d)`` values and statistics, and its output once per matmul
-        that reads it (each matmul keeps its own row-flattened copy of its input)."""
-        return _sd(S, g.d, 2 * NORM_ITEMSIZE + readers * c) + 2 * S * NORM_ITEMSIZE
-
     # Blockwise: the custom backward keeps the output and a float32 log-normaliser per query and head.
     blockwise = g.attention == "blockwise"
     probabilities = g.heads * S * 4 if blockwise else g.heads * S * S * (4 + c) + 2 * g.heads * S * 4
     items = {
-        "attn_norm (input, statistics, output)": norm(3),  # read by q, k and v
+        **norm_items(g, S),
+        # Each matmul keeps its own row-flattened copy of its input (a pre-norm's output, or the
+        # residual stream itself without one): q, k and v; the router, or the MLP's input matmuls.
+        "attention input (per q, k, v matmul)": 3 * _sd(S, g.d, c),
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
         "v_proj": _sd(S, g.kv, c),
         "attention probabilities": probabilities,
         "attn_context": _sd(S, g.q, c),
-        "mlp_norm (input, statistics, output)": norm(1 if g.moe else g.n_mlp_in),  # the router, or gate/up
-        "mlp pre-activations and nonlinearity": 5 * _sd(S, g.f_active, c),
+        "mlp input (per input matmul)": (1 if g.moe else g.n_mlp_in) * _sd(S, g.d, c),
+        "mlp pre-activations and nonlinearity": (g.hidden_residuals - 1) * _sd(S, g.f_active, c),
         "mlp_hidden": _sd(S, g.f_active, c),
     }
+    if g.explicit_scores:  # the mask, broadcast over the heads, before and after the softmax
+        items["attention masks"] = 2 * g.heads * S * S
+    if g.softcap and not blockwise:  # tanh's input and output, float32
+        items["soft-capped scores"] = 2 * g.heads * S * S * 4
     if g.moe:
         items.update(moe_items(g, S))
     return items
+
+
+def rotary_tables(g: Geometry, S: int) -> int:
+    """Per-layer bytes of the rotary cos/sin tables a layer computes when its frequencies are
+    selected inside the scan (several attention kinds): float32 ``(S, head_dim / 2)``, kept once
+    per use, four per rotation of the queries and of the keys. Otherwise they are constants."""
+    return 8 * S * (g.head_dim // 2) * 4 if g.rotary and g.layer_kinds > 1 else 0
 
 
 def moe_items(g: Geometry, S: int) -> dict[str, int]:
@@ -328,35 +356,45 @@ def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
             if g.moe
             else {}
         ),
+        # A post-norm's input is a sub-layer's last matmul output, which its backward pass reads.
+        **{f"{n.name} input": _sd(S, n.width, c) for n in g.norms if n.place == "post"},
     }
 
 
-def recompute_items(g: Geometry, S: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Per-example bytes one layer materialises when recomputed: (attention half, MLP half).
+def pre_norm_outputs(g: Geometry, S: int) -> dict[str, int]:
+    """Per-example bytes of the outputs of the layer's pre-norms (the inputs of its matmuls)."""
+    return {f"{n.name} output": _sd(S, n.width, g.c) for n in g.norms if n.place == "pre"}
+
+
+def probabilities_bytes(g: Geometry, S: int) -> int:
+    """Per-example bytes of the softmax probabilities a recomputed layer materialises (blockwise:
+    each block's die inside the forward scan; only its output remains)."""
+    return 0 if g.attention == "blockwise" else g.heads * S * S * g.c
+
+
+def recompute_items(g: Geometry, S: int) -> dict[str, int]:
+    """Per-example bytes one layer materialises when recomputed.
 
     Only what cannot be fused away: matmul outputs, the softmax probabilities (a reduction) and
-    the values that feed matmuls. The norms' and nonlinearities' elementwise intermediates, which
-    the no-transform case must keep (they cross the layer loop), fuse into their consumers here.
+    the values that feed matmuls (the pre-norms' outputs). The norms' and nonlinearities'
+    elementwise intermediates, which the no-transform case must keep (they cross the layer
+    loop), fuse into their consumers here.
     """
     c = g.c
-    attn = {
-        "attn_norm output": _sd(S, g.d, c),
+    items = {
+        **pre_norm_outputs(g, S),
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
         "v_proj": _sd(S, g.kv, c),
-        # Blockwise: each block's probabilities die inside the forward scan; only its output remains.
-        "attention probabilities": 0 if g.attention == "blockwise" else g.heads * S * S * c,
+        "attention probabilities": probabilities_bytes(g, S),
         "attn_context": _sd(S, g.q, c),
-    }
-    mlp = {
         "attn_residual": _sd(S, g.d, c),
-        "mlp_norm output": _sd(S, g.d, c),
         "mlp pre-activations": g.n_mlp_in * _sd(S, g.f_active, c),
         "mlp_hidden": _sd(S, g.f_active, c),
     }
     if g.moe:
-        mlp.update(moe_items(g, S))
-    return attn, mlp
+        items.update(moe_items(g, S))
+    return items
 
 
 def cotangent_bytes(g: Geometry, S: int) -> tuple[int, int]:
@@ -497,7 +535,8 @@ def saved_per_layer(g: Geometry, cand: Candidate, S: int) -> Saved:
     policy = cand.policy
     if policy is None and not cand.params:
         const = g.layer_matmul_elems * g.c if g.p != g.c else 0
-        const += 2 * g.d * NORM_ITEMSIZE  # norm scales, broadcast in float32
+        const += sum(n.over for n in g.norms) * NORM_ITEMSIZE  # norm scales, broadcast in float32
+        const += rotary_tables(g, S)
         return Saved("all", {k: (v, "device") for k, v in full_layer_items(g, S).items()}, const)
     if policy is None:
         return Saved("dots", {k: (v, "device") for k, v in dots_layer_items(g, S).items()}, 0)
@@ -516,7 +555,10 @@ def outside_stack(g: Geometry, cand: Candidate, sh: Shares, saved: Saved) -> tup
     c, p = g.c, g.p
     norm = _sd(sh.S, g.d, 2 * NORM_ITEMSIZE + c)
     head_copy = g.head_elems * c // sh.fsdp if (g.tied_head or p != c or cand.params) else 0
-    mask = g.heads * sh.S * sh.S * 5 if saved.mode == "all" and g.attention != "blockwise" else 0
+    # XLA's fused form: a boolean mask and its float32 fill; written-out scores: the two float32
+    # fills (masked scores, and probabilities of queries that see nothing), broadcast.
+    per_score = 8 if g.explicit_scores else 5
+    mask = g.heads * sh.S * sh.S * per_score if saved.mode == "all" and g.attention != "blockwise" else 0
     return sh.mb * (norm + mask) + head_copy, sh.mb * mask
 
 
@@ -534,17 +576,14 @@ def layer_backward_bytes(g: Geometry, cand: Candidate, sh: Shares, saved: Saved)
     """
     attn_cot, mlp_cot = cotangent_bytes(g, sh.S)
     if saved.mode == "all":
-        rec_attn = rec_mlp = 0
+        recomputed = 0
+    elif saved.mode == "dots":  # matmul outputs and named values are saved: norm outputs and probabilities come back
+        recomputed = sum(pre_norm_outputs(g, sh.S).values()) + probabilities_bytes(g, sh.S)
     else:
-        attn_rec, mlp_rec = recompute_items(g, sh.S)
         kept = saved.device_names()
-        if saved.mode == "dots":  # matmul outputs are saved: only norm outputs and probabilities come back
-            kept |= set(attn_rec) | set(mlp_rec)
-            kept -= {"attn_norm output", "mlp_norm output", "attention probabilities"}
-        rec_attn = sum(v for n, v in attn_rec.items() if n not in kept)
-        rec_mlp = sum(v for n, v in mlp_rec.items() if n not in kept)
+        recomputed = sum(v for n, v in recompute_items(g, sh.S).items() if n not in kept)
     layer_grads = g.two_largest_layer_weights // sh.fsdp * _cast_factor(g)
-    layer_work = sh.mb * (rec_attn + rec_mlp + mlp_cot + attn_cot) + int(layer_grads)
+    layer_work = sh.mb * (recomputed + mlp_cot + attn_cot) + int(layer_grads)
     streamed = 2 * sh.P_layer * _cast_factor(g) if cand.params else 0
     gather = 2 * g.layer_param_bytes if sh.fsdp > 1 else 0  # one layer all-gathered, and the next
     return int(layer_work + streamed + gather)

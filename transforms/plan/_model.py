@@ -118,6 +118,11 @@ class Geometry:
     n_mlp_in: int  # input matmuls of the MLP: 2 (gated: gate, up) or 1 (up)
     tied_head: bool
     widths: dict[str, int]  # named activation -> elements per token
+    norms: tuple  # the layer's zoo.NormSpec s (place, width, elements normalised together)
+    hidden_residuals: int  # MLP hidden-width values its backward keeps with no checkpointing
+    softcap: bool  # the attention soft-caps its scores
+    layer_kinds: int  # attention kinds the layers select from inside the scan (1: static)
+    rotary: bool
     n_params: int  # floating parameters
     param_bytes: int  # floating parameter bytes (= gradient bytes)
     stack_param_bytes: int
@@ -162,6 +167,12 @@ class Geometry:
     def f_active(self) -> int:
         """MLP hidden elements per token: ``d_ff``, or ``experts_per_token * d_ff`` for experts."""
         return self.f * self.experts_per_token if self.moe else self.f
+
+    @property
+    def explicit_scores(self) -> bool:
+        """The "xla" implementation writes the scores, mask and softmax out (soft-capping, or a
+        window selected per layer inside the scan) instead of XLA's fused causal form."""
+        return self.attention != "blockwise" and (self.softcap or self.layer_kinds > 1)
 
     def score_cols(self, S: int) -> int:
         """Keys whose scores exist at once per query: all ``S`` (the score matrix is materialised),
@@ -246,6 +257,11 @@ def geometry(spec, model, config=None) -> Geometry:
         n_mlp_in=layer.mlp_inputs,
         tied_head=spec.tied_head,
         widths=layer.widths,
+        norms=layer.norms,
+        hidden_residuals=layer.hidden_residuals,
+        softcap=layer.softcap,
+        layer_kinds=layer.layer_kinds,
+        rotary=layer.rotary,
         n_params=sum(math.prod(x.shape) for x in params),
         param_bytes=sum(nbytes(x) for x in params),
         stack_param_bytes=sum(nbytes(x) for x in stack),

@@ -280,14 +280,25 @@ class Attention(eqx.Module):
 
     def describe(self) -> dict:
         """This attention's part of a :class:`zoo.LayerSpec`: ``d_model``, head counts and width,
-        ``sliding_window`` (when every layer has the same one) and the widths per token of the
-        activations it names.
+        ``sliding_window`` (when every layer has the same one), the widths per token of the
+        activations it names, its query/key norms (``norms``: ``(name, width, over)``, the
+        elements per token each normalises and how many together), whether it soft-caps its
+        scores, how many attention kinds its layers select from, and whether it is rotary.
 
         Works on a single layer and on the stacked layers of a :class:`zoo.nn.Stack` alike.
         """
         d_model = self.q_proj.weight.shape[-2]
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        norms = tuple(
+            (name, width, _norm_width(norm, width))
+            for name, norm, width in (("q_norm", self.q_norm, q), ("k_norm", self.k_norm, kv))
+            if norm is not None
+        )
         return {
+            "norms": norms,
+            "softcap": self.softcap is not None,
+            "layer_kinds": len(self.kinds),
+            "rotary": self.kinds[0].rotary is not None,
             "d_model": d_model,
             "n_heads": self.n_heads,
             "n_kv_heads": self.n_kv_heads,
@@ -295,3 +306,9 @@ class Attention(eqx.Module):
             "sliding_window": self.sliding_window,
             "activations": (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("attn_context", q), ("attn_out", d_model)),
         }
+
+
+def _norm_width(norm, width: int) -> int:
+    """Elements a norm normalises together: its scale's length (the last axis, also when stacked)."""
+    weight = getattr(norm, "weight", None)
+    return width if weight is None else int(weight.shape[-1])

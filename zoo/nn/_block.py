@@ -7,9 +7,9 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from ._attention import Attention
+from ._attention import Attention, _norm_width
 from ._mlp import FeedForward
-from ._spec import LayerSpec
+from ._spec import LayerSpec, NormSpec
 
 
 def _maybe(norm, x):
@@ -77,7 +77,8 @@ class Block(eqx.Module):
 
     def describe(self) -> LayerSpec:
         """The :class:`zoo.LayerSpec` of this block: its attention's and MLP's parts (their
-        ``describe()``), with ``attn_residual`` between them. A :class:`zoo.nn.Stack` adds
+        ``describe()``), with ``attn_residual`` between them, and the norms it has (pre, post and
+        the attention's query/key norms, as :class:`zoo.NormSpec` s). A :class:`zoo.nn.Stack` adds
         ``block_input``. Raises `TypeError` if the MLP does not describe itself."""
         attn = self.attn.describe()
         describe_mlp = getattr(self.mlp, "describe", None)
@@ -88,7 +89,17 @@ class Block(eqx.Module):
             )
         mlp = describe_mlp()
         names = (*attn.pop("activations"), ("attn_residual", attn["d_model"]), *mlp.pop("activations"))
-        return LayerSpec(**attn, **mlp, activations=names)
+        d = attn["d_model"]
+        qk = [NormSpec(name, "qk", width, over) for name, width, over in attn.pop("norms", ())]
+        around = (
+            ("attn_norm", "pre", self.attn_norm),
+            ("attn_post_norm", "post", self.attn_post_norm),
+            ("mlp_norm", "pre", self.mlp_norm),
+            ("mlp_post_norm", "post", self.mlp_post_norm),
+        )
+        norms = [NormSpec(name, place, d, _norm_width(norm, d)) for name, place, norm in around if norm is not None]
+        norms[int(self.attn_norm is not None) : int(self.attn_norm is not None)] = qk  # after the attention's pre-norm
+        return LayerSpec(**attn, **mlp, activations=names, norms=tuple(norms))
 
     def zero_carry(self) -> dict:
         """The start of the carry a :class:`zoo.nn.Stack` of these blocks accumulates: the MLP's

@@ -70,8 +70,10 @@ class GeluMLP(FeedForward):
         return self.down(h)
 
     def describe(self) -> dict:
-        """This MLP's part of a :class:`zoo.LayerSpec`: ``d_ff``, one input matmul, ``mlp_hidden``."""
-        return _mlp_part(self.down, mlp_inputs=1)
+        """This MLP's part of a :class:`zoo.LayerSpec`: ``d_ff``, one input matmul, ``mlp_hidden``,
+        and the six hidden-width values its backward keeps (the matmul's output, the tanh form's
+        four intermediates and ``mlp_hidden``)."""
+        return _mlp_part(self.down, mlp_inputs=1, hidden_residuals=6)
 
 
 class _GatedMLP(FeedForward):
@@ -85,6 +87,8 @@ class _GatedMLP(FeedForward):
     down: Linear
 
     checkpoint_names = ("mlp_hidden",)
+    #: Hidden-width values the backward keeps with no checkpointing (see :class:`zoo.LayerSpec`).
+    hidden_residuals = 6
 
     def __init__(
         self,
@@ -109,8 +113,8 @@ class _GatedMLP(FeedForward):
 
     def describe(self) -> dict:
         """This MLP's part of a :class:`zoo.LayerSpec`: ``d_ff``, two input matmuls (gate and up),
-        ``mlp_hidden``."""
-        return _mlp_part(self.down, mlp_inputs=2)
+        ``mlp_hidden``, and the hidden-width values its backward keeps (``hidden_residuals``)."""
+        return _mlp_part(self.down, mlp_inputs=2, hidden_residuals=self.hidden_residuals)
 
 
 class SwiGLU(_GatedMLP):
@@ -134,9 +138,14 @@ class SwiGLU(_GatedMLP):
     _act = staticmethod(jax.nn.silu)
 
 
-def _mlp_part(down: Linear, *, mlp_inputs: int) -> dict:
+def _mlp_part(down: Linear, *, mlp_inputs: int, hidden_residuals: int) -> dict:
     d_ff = down.weight.shape[-2]  # (d_ff, d_model), with a leading layer axis inside a Stack
-    return {"d_ff": d_ff, "mlp_inputs": mlp_inputs, "activations": (("mlp_hidden", d_ff),)}
+    return {
+        "d_ff": d_ff,
+        "mlp_inputs": mlp_inputs,
+        "hidden_residuals": hidden_residuals,
+        "activations": (("mlp_hidden", d_ff),),
+    }
 
 
 class GeGLU(_GatedMLP):
@@ -157,6 +166,9 @@ class GeGLU(_GatedMLP):
     y = mlp(jnp.ones((10, 64)))    # (10, 64)
     ```
     """
+
+    #: The tanh form of GELU keeps two more hidden-width values than SiLU for its backward.
+    hidden_residuals = 8
 
     @staticmethod
     def _act(x):

@@ -293,6 +293,7 @@ class MoE(FeedForward):
         return {
             "d_ff": d_ff,
             "mlp_inputs": 2,
+            "hidden_residuals": 6,  # gate and up outputs, SiLU's intermediates, expert_hidden
             "n_experts": n_experts,
             "experts_per_token": k,
             "activations": (("router_logits", n_experts), ("expert_hidden", k * d_ff)),

@@ -51,6 +51,49 @@ def _dtype_name(owner: str, field: str, value) -> str:
     return dtype.name
 
 
+#: Where a norm sits in a layer (see :class:`NormSpec`).
+NORM_PLACES = ("pre", "post", "qk")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    """One norm of a layer, as the memory planner sees it.
+
+    - `name`: the module's name in the layer (``"attn_norm"``, ``"q_norm"``, ...), for reports.
+    - `place`: ``"pre"`` (normalises the residual stream into a sub-layer: its output is the input
+      of that sub-layer's matmuls), ``"post"`` (normalises a sub-layer's output, the output of its
+      last matmul, before the residual add) or ``"qk"`` (normalises the query or key projection).
+    - `width`: elements per token it normalises.
+    - `over`: elements normalised together (its scale's length): ``width`` for a norm over the
+      whole vector, ``head_dim`` for a norm over each head.
+    """
+
+    name: str
+    place: str
+    width: int
+    over: int
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"{owner}.name must be a non-empty string, got {self.name!r}")
+        if self.place not in NORM_PLACES:
+            raise ValueError(f"{owner}.place must be one of {NORM_PLACES}, got {self.place!r}")
+        _check_positive(owner, width=self.width, over=self.over)
+        if self.width % self.over:
+            raise ValueError(f"{owner}: width ({self.width}) must be a multiple of over ({self.over})")
+
+
+def _norms(owner: str, norms, d_model: int) -> tuple[NormSpec, ...]:
+    """``norms`` as a tuple of :class:`NormSpec`; ``None``: the two pre-norms over ``d_model``."""
+    if norms is None:
+        return (NormSpec("attn_norm", "pre", d_model, d_model), NormSpec("mlp_norm", "pre", d_model, d_model))
+    norms = tuple(NormSpec(**n) if isinstance(n, Mapping) else n for n in norms)
+    if not all(isinstance(n, NormSpec) for n in norms):
+        raise TypeError(f"{owner}.norms must be zoo.NormSpec values, got {norms!r}")
+    return norms
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerSpec:
     """The shapes of one transformer layer (attention, then an MLP), as the memory planner sees it.
@@ -69,6 +112,18 @@ class LayerSpec:
     - `n_experts`, `experts_per_token`: a mixture-of-experts MLP (:class:`zoo.nn.MoE`) of
       ``n_experts`` experts, each ``d_ff`` wide with ``mlp_inputs`` input matmuls, of which each
       token uses ``experts_per_token``; both ``0`` for a dense MLP.
+    - `hidden_residuals`: how many values of the MLP's hidden width (per token, and per chosen
+      expert) its backward pass keeps when nothing is checkpointed: the input matmuls' outputs,
+      the nonlinearity's intermediates and ``mlp_hidden`` (6 for SwiGLU and the GELU MLP, 8 for
+      GeGLU, whose tanh-form GELU keeps more).
+    - `softcap`: the attention soft-caps its scores (``softcap * tanh(scores / softcap)``).
+    - `layer_kinds`: distinct attention kinds (window and rotary frequencies) among the layers;
+      with more than one, each layer selects its own inside the scan (see
+      :class:`zoo.nn.AttentionKind`), so its mask and rotary tables are computed per layer.
+    - `rotary`: the attention rotates queries and keys (``False``: positions added outside).
+    - `norms`: the layer's norms, in order, as :class:`NormSpec` s (or mappings of their
+      fields); ``None`` (the default) is a pre-norm layer: ``attn_norm`` and ``mlp_norm`` over
+      ``d_model``. A layer without a pre-norm still feeds its matmuls the residual stream.
 
     **Example:**
 
@@ -82,6 +137,7 @@ class LayerSpec:
     )
     spec = block.describe()                  # a zoo.LayerSpec
     assert spec.widths["k_proj"] == 2 * 16 and spec.mlp_inputs == 2
+    assert [(n.name, n.place, n.width) for n in spec.norms] == [("attn_norm", "pre", 64), ("mlp_norm", "pre", 64)]
     ```
     """
 
@@ -95,6 +151,11 @@ class LayerSpec:
     sliding_window: int | None = None
     n_experts: int = 0
     experts_per_token: int = 0
+    hidden_residuals: int = 6
+    softcap: bool = False
+    layer_kinds: int = 1
+    rotary: bool = True
+    norms: tuple[NormSpec, ...] | None = None
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -106,6 +167,8 @@ class LayerSpec:
             head_dim=self.head_dim,
             d_ff=self.d_ff,
             mlp_inputs=self.mlp_inputs,
+            hidden_residuals=self.hidden_residuals,
+            layer_kinds=self.layer_kinds,
         )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{owner}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
@@ -118,6 +181,7 @@ class LayerSpec:
                     f"{owner}: experts_per_token ({self.experts_per_token}) exceeds n_experts ({self.n_experts})"
                 )
         object.__setattr__(self, "activations", _pairs(owner, self.activations))
+        object.__setattr__(self, "norms", _norms(owner, self.norms, self.d_model))
 
     @property
     def q_width(self) -> int:
@@ -142,6 +206,7 @@ class LayerSpec:
         """A JSON-serialisable dict (``activations`` as ``{name: width}``)."""
         out = dataclasses.asdict(self)
         out["activations"] = self.widths
+        out["norms"] = [dataclasses.asdict(n) for n in self.norms]
         return out
 
 
