@@ -51,7 +51,7 @@ import optax
 
 import zoo
 from benchmarks import _environment as benchmark_env
-from zoo._jax_compat import memory_analysis
+from zoo import memory_analysis
 
 try:
     from benchmarks import minimal_step

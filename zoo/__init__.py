@@ -30,6 +30,7 @@ from ._gemma import Gemma3 as Gemma3
 from ._gemma import Gemma3Config as Gemma3Config
 from ._generate import generate as generate
 from ._gpt2 import GPT2 as GPT2
+from ._jax_compat import memory_analysis as memory_analysis
 from ._llama import Llama as Llama
 from ._llama import LlamaConfig as LlamaConfig
 from ._loss import AUTO_CHUNK_LOGIT_BYTES as AUTO_CHUNK_LOGIT_BYTES

@@ -59,8 +59,7 @@ def remat_policy(model) -> str:
     else the policy that host-resident weights impose (see ``zoo.nn.Stack``), else none."""
     import jax
 
-    from zoo.nn import Stack
-    from zoo.nn._placement import any_on_host
+    from zoo.nn import Stack, any_on_host
 
     policies = []
     for stack in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, Stack)):

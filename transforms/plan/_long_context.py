@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo._loss import auto_chunk_tokens
+from zoo import auto_chunk_tokens
 
 from ._bytes import Candidate
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo import loss_chunk_for
-from zoo.nn._attend import DEFAULT_BLOCK
+from zoo.nn import DEFAULT_ATTENTION_BLOCK as DEFAULT_BLOCK
 
 from .._memory import is_arraylike, is_floating
 from .._report import nbytes

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from zoo._jax_compat import memory_analysis
+from zoo import memory_analysis
 
 from ._advice import Budgets, plan_notes, suggest
 from ._bytes import ACTIVATION_OPTIONS, OPT_STATE_OPTIONS, Candidate, evaluate
