@@ -304,7 +304,8 @@ class Checkpointer:
 
     def _no_intact(self, tried: list[int]) -> CorruptCheckpointError:
         lines = "\n".join(f"  {self._step_path(s)}: {self._damaged[s]}" for s in tried)
-        return CorruptCheckpointError(f"no intact checkpoint in {self.directory}:\n{lines}")
+        problems = {s: self._damaged[s] for s in tried}
+        return CorruptCheckpointError(f"no intact checkpoint in {self.directory}:\n{lines}", problems)
 
     def metadata(self, step: int | None = None) -> dict:
         """The metadata saved with checkpoint ``step`` (default: the newest complete checkpoint

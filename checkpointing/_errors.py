@@ -5,7 +5,12 @@ from __future__ import annotations
 
 class CorruptCheckpointError(RuntimeError):
     """No intact checkpoint could be restored: every candidate was unreadable or failed its
-    fingerprint check. The message lists each checkpoint's path and what was wrong with it."""
+    fingerprint check. The message lists each checkpoint's path and what was wrong with it;
+    ``problems`` holds the same as ``{step: problem}``, newest first."""
+
+    def __init__(self, message: str, problems: dict[int, str] | None = None):
+        super().__init__(message)
+        self.problems = dict(problems or {})
 
 
 class Damaged(Exception):
@@ -20,9 +25,15 @@ class UnknownFormat(ValueError):
     """A checkpoint written in another layout (never read, never a reason to fall back)."""
 
 
-def brief(error: BaseException, limit: int = 400) -> str:
-    """``Type: message`` of an exception, on one line and cut to ``limit`` characters."""
+def brief(error: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of what went wrong, on one line and cut to ``limit`` characters: the
+    exception the chain of ``raise ... from`` started with (orbax wraps a TensorStore error, which
+    names the file and the problem, in a generic one that adds a page-long TensorStore spec), and
+    never that spec."""
+    while error.__cause__ is not None:
+        error = error.__cause__
     text = " ".join(f"{type(error).__name__}: {error}".split())
+    text = text.split(" See full TensorStore details")[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

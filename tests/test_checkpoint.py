@@ -1,5 +1,6 @@
 """checkpointing.Checkpointer: round trips, placements, tree-path keys, pruning, killed saves, corruption, errors."""
 
+import asyncio
 import gc
 import json
 import os
@@ -716,3 +717,45 @@ def test_reports_of_abandoned_orbax_reads_are_dropped_and_other_reports_kept(mon
         quiet.failed = True  # a read failed: collect on exit, while reports are still filtered
     gc.collect()
     assert seen == ["ours"]
+
+
+def test_the_reads_a_failed_read_leaves_behind_finish_before_their_event_loop_closes():
+    # As orbax reads: many reads gathered on a loop of its own, closed as soon as one fails.
+    finished = []
+
+    async def fail():
+        raise OSError("read")
+
+    async def read(i):
+        await asyncio.sleep(0.01 * i)
+        finished.append(i)
+
+    async def gathered():
+        await asyncio.gather(fail(), *(read(i) for i in range(3)))
+
+    with _quiet.QuietAbandonedReads():
+        loop = asyncio.new_event_loop()
+        try:
+            with pytest.raises(OSError, match="read"):
+                loop.run_until_complete(gathered())
+        finally:
+            loop.close()
+    assert finished == [0, 1, 2]  # nothing left to complete into the closed loop
+    assert not [t for t in asyncio.all_tasks(loop) if not t.done()]
+    outside = asyncio.new_event_loop()
+    assert type(outside) is not type(loop)  # the policy is restored on exit
+    outside.close()
+
+
+def test_a_corrupt_checkpoint_is_described_by_the_error_that_started_it_without_tensorstore_specs(tmp_path):
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, small(1))
+    os.truncate(largest_file(tmp_path / "1"), 100)
+    with (
+        checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt,
+        pytest.raises(checkpointing.CorruptCheckpointError) as e,
+    ):
+        ckpt.restore(small(0))
+    problem = e.value.problems[1]
+    assert problem.startswith("reading its arrays failed (") and "\n" not in problem
+    assert "TensorStore details" not in problem and "'driver'" not in problem, problem
