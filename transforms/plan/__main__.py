@@ -36,8 +36,15 @@ def _loss_chunk(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (``error: ...``, exit status 2), as the planner's own, not the usage and a line."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m transforms.plan",
         description="What to offload for a model, batch and device: bytes per component, the cheapest set of "
         "transforms that fits, bytes moved per step and predicted step-time overhead.",
