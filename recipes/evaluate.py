@@ -6,7 +6,7 @@
     python -m recipes.evaluate runs/llama-tiny-20261202-120000 --quantize nf4   # with NF4 weights
 
 A run directory brings its own flags (model, data, sequence length, ...); for a Hugging Face
-directory, pass the training recipe's data flags after it.
+directory, the data and model flags below say what to evaluate on (as ``recipes.train_lm``'s do).
 """
 
 from __future__ import annotations
@@ -20,45 +20,71 @@ import jax.numpy as jnp
 
 import checkpointing
 import transforms
+from recipes._lm import cli
 from recipes._lm.run_setup import init_distributed, is_hf_dir, one_line_warnings, sample
-from recipes.train_lm import Run, build_parser, resume_args
+from recipes.train_lm import Run, build_parser, check, saved_flags
+
+#: The flags of ``recipes.train_lm`` that say what a Hugging Face directory is evaluated on.
+HF_FLAGS = ("data", "data_bytes", "data_dtype", "seq", "batch", "seed", "param_dtype", "compute_dtype", "mesh")
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_evaluate_parser() -> argparse.ArgumentParser:
+    p = cli.Parser(prog="python -m recipes.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a train_lm run directory, or a Hugging Face checkpoint directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest intact one)")
-    p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--eval-batches", type=int, default=16, help="batches of the validation split")
+    p.add_argument("--samples", type=int, default=3, help="continuations to sample (0: none)")
     p.add_argument("--tokens", type=int, default=100, help="tokens per sample")
-    p.add_argument("--prompt", default=None)
+    p.add_argument("--prompt", default=None, help="prompt of the samples (default: the run's)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument(
         "--quantize", default=None, choices=["nf4", "int8"], help="evaluate with the layers' weights quantized"
     )
-    args, rest = p.parse_known_args(argv)
+    hf = p.add_argument_group("for a Hugging Face directory (as recipes.train_lm's; a run brings its own)")
+    build_parser(only=HF_FLAGS, parser=hf)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_evaluate_parser().parse_args(argv)
+    given = cli.given_flags(build_evaluate_parser(), argv)
     init_distributed(None, None, None)
+    cli.at_least("eval_batches", args.eval_batches, 1)
+    cli.at_least("samples", args.samples, 0)
+    cli.at_least("tokens", args.tokens, 1)
     source = pathlib.Path(args.source)
-    if (source / "checkpoints").is_dir():
-        run_args = argparse.Namespace(**resume_args(str(source)))
-        if rest:
-            p.error(f"a run directory brings its own flags; unexpected {rest}")
-    elif is_hf_dir(args.source):
-        run_args = build_parser().parse_args(["--model", args.source, *rest])
-    else:
-        raise SystemExit(f"{source} is neither a train_lm run directory (with checkpoints/) nor a Hugging Face one")
-    run_args.eval_batches = args.eval_batches
-    run = Run(run_args)
-    step = None
-    if (source / "checkpoints").is_dir():
-        with checkpointing.Checkpointer(source / "checkpoints") as ckpt:
-            try:
-                step, state, meta = ckpt.restore(run.state(), step=args.step)
-            except (checkpointing.CorruptCheckpointError, FileNotFoundError) as err:
-                raise SystemExit(f"{args.source}: {err}") from None
-        run.set_state(state, meta)
+    hf_given = [cli.flag(name) for name in HF_FLAGS if name in given]
+    with cli.LibraryLogs():
+        if (source / "checkpoints").is_dir():
+            if hf_given:
+                raise SystemExit(
+                    f"{' '.join(hf_given)}: {source} is a train_lm run, which brings its own flags; drop them"
+                )
+            cli.checkpoint_steps(source, args.step, str(source))
+            run_args = saved_flags(str(source))
+        elif is_hf_dir(args.source):
+            if args.step is not None:
+                raise SystemExit(f"--step {args.step}: {source} is a Hugging Face directory, which has no steps")
+            run_args = build_parser().parse_args(["--model", args.source])
+            for name in HF_FLAGS:
+                setattr(run_args, name, getattr(args, name))
+            check(run_args)
+        else:
+            raise SystemExit(
+                f"{source} is neither a train_lm run directory (with checkpoints/) nor a Hugging Face one (config.json)"
+            )
+        run_args.eval_batches = args.eval_batches
+        run = Run(run_args)
+        step = None
+        if (source / "checkpoints").is_dir():
+            with checkpointing.Checkpointer(source / "checkpoints") as ckpt:
+                step, state, meta = cli.restore(ckpt, run.state(), step=args.step, what=str(source))
+            run.set_state(state, meta)
     if args.quantize:
-        run.model = transforms.quantize(run.model, args.quantize)
+        try:
+            run.model = transforms.quantize(run.model, args.quantize)
+        except ValueError as err:
+            raise SystemExit(f"--quantize {args.quantize}: {err}") from None
     val = run.val_bits_per_byte()
     baseline = run.corpus.unigram_bits_per_byte()
     print(f"{args.source} (step {step}): val {val:.3f} bits/byte (unigram {baseline:.3f})")

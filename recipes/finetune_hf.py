@@ -30,15 +30,16 @@ import argparse
 import json
 import pathlib
 import shutil
-import sys
 
 import jax
 
 import transforms
 import zoo
+from recipes._lm import cli
 from recipes._lm.run_setup import is_hf_dir, one_line_warnings
-from recipes.train_lm import build_parser
+from recipes.train_lm import build_parser as train_parser
 from recipes.train_lm import main as train_main
+from recipes.train_lm import resume_args
 from zoo.nn import LoRALinear
 
 DEFAULTS = {
@@ -123,37 +124,35 @@ def export(model, source: pathlib.Path, *, full: str | None, merged: str | None,
         print(f"exported the merged model to {merged} (with {', '.join(copied) or 'no tokenizer files'})")
 
 
-def _add_own_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="Hugging Face checkpoint directory")
-    p.add_argument("--export", default=None, help="write the result here (the full model, or the LoRA adapter)")
-    p.add_argument("--export-merged", default=None, help="with --lora-rank: write the merged full model here")
-    p.add_argument("--export-dtype", default=None, help="dtype of exported weights (default: the checkpoint's)")
+def build_parser(defaults: dict | None = DEFAULTS) -> argparse.ArgumentParser:
+    """The checkpoint, the export flags and every flag of ``recipes.train_lm`` but ``--model``
+    (the checkpoint is the model), with this recipe's ``defaults``."""
+    own = " ".join(f"{cli.flag(k)} {v}" if not isinstance(v, bool) else cli.flag(k) for k, v in DEFAULTS.items())
+    p = cli.Parser(
+        prog="python -m recipes.finetune_hf",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Defaults that differ from recipes.train_lm's: {own}.",
+    )
+    p.add_argument("model", metavar="checkpoint", help="Hugging Face checkpoint directory")
+    out = p.add_argument_group("export")
+    out.add_argument("--export", default=None, help="write the result here (the full model, or the LoRA adapter)")
+    out.add_argument("--export-merged", default=None, help="with --lora-rank: write the merged full model here")
+    out.add_argument("--export-dtype", default=None, help="dtype of exported weights (default: the checkpoint's)")
+    train_parser(defaults, skip=("model",), parser=p.add_argument_group("training (as recipes.train_lm)"))
+    return p
 
 
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:  # every flag it accepts: its own and train_lm's
-        full = argparse.ArgumentParser(
-            description=__doc__.split("\n\n")[0],
-            parents=[build_parser(DEFAULTS)],
-            conflict_handler="resolve",
-        )
-        _add_own_flags(full)
-        full.print_help()
-        raise SystemExit(0)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
-    _add_own_flags(p)
-    args, rest = p.parse_known_args(argv)
-    source = pathlib.Path(args.checkpoint)
-    if not is_hf_dir(args.checkpoint):
-        raise SystemExit(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json)")
-    if args.export_merged and "--lora-rank" not in " ".join(rest) and "--resume" not in rest:
+    args = build_parser().parse_args(argv)
+    source = pathlib.Path(args.model)
+    if not is_hf_dir(args.model):
+        raise SystemExit(f"{args.model} is not a Hugging Face checkpoint directory (no config.json)")
+    if args.export_dtype is not None:
+        cli.choice("export_dtype", args.export_dtype, zoo.DTYPES)
+    lora = args.lora_rank > 0 if not args.resume else resume_args(args.resume).get("lora_rank", 0) > 0
+    if args.export_merged and not lora:
         raise SystemExit("--export-merged needs --lora-rank (a LoRA run); --export writes the full model")
-    if args.export_dtype not in (None, *zoo.DTYPES):
-        raise SystemExit(f"--export-dtype {args.export_dtype!r}: choose one of {', '.join(zoo.DTYPES)}")
-    if "--resume" not in rest:
-        rest = ["--model", args.checkpoint, *rest]
-    summary = train_main(rest, defaults=DEFAULTS)
+    summary = train_main(argv, defaults=DEFAULTS, build=build_parser)
     if (args.export or args.export_merged) and not summary.get("finished", True):
         print("not exported yet: the run stopped before its last step (export when it is resumed to the end)")
         return summary

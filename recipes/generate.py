@@ -14,6 +14,7 @@ the layer weights in host memory and streams them to the device one layer at a t
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 import time
@@ -24,27 +25,62 @@ import jax.numpy as jnp
 import checkpointing
 import transforms
 import zoo
+from recipes._lm import cli
 from recipes._lm.data import HFTokenizer
 from recipes._lm.run_setup import is_hf_dir, one_line_warnings
 
+CACHE_MEMORY_KINDS = ("device", "pinned_host")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog="python -m recipes.generate", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--model", required=True, help="a Hugging Face checkpoint directory or a train_lm run directory")
     a("--prompt", required=True, help="the text to continue")
-    a("--max-new-tokens", type=int, default=100)
+    a("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
     a("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    a("--top-k", type=int, default=None)
-    a("--top-p", type=float, default=None)
+    a("--top-k", type=int, default=None, help="sample among the k likeliest tokens (with --temperature > 0)")
+    a("--top-p", type=float, default=None, help="sample among the likeliest tokens of this total probability")
     a("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     a("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest intact one)")
     a("--dtype", default=None, help="parameter dtype of a Hugging Face model (default: the checkpoint's)")
     a("--offload", default="", choices=["", "params"], help="'params': layer weights stream from host memory")
     a("--quantize", default=None, choices=["nf4", "int8"], help="generate with the layers' weights quantized")
-    a("--cache-memory-kind", default=None, help="'pinned_host' keeps the KV cache in host memory")
+    a(
+        "--cache-memory-kind",
+        default=None,
+        choices=CACHE_MEMORY_KINDS,
+        help="'pinned_host' keeps the KV cache in host memory",
+    )
     a("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-sequence token")
     return p
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every check of the flags, before anything loads or prints (`SystemExit`: one line)."""
+    path = pathlib.Path(args.model)
+    run = (path / "checkpoints").is_dir()
+    if not run and not is_hf_dir(args.model):
+        raise SystemExit(
+            f"--model {args.model}: neither a Hugging Face checkpoint (config.json) nor a train_lm run (checkpoints/)"
+        )
+    if not args.prompt:
+        raise SystemExit("--prompt '': give some text to continue")
+    cli.at_least("max_new_tokens", args.max_new_tokens, 1)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise SystemExit(f"--temperature {args.temperature}: must be 0 (greedy) or above, e.g. --temperature 0.8")
+    if args.top_k is not None:
+        cli.at_least("top_k", args.top_k, 1)
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1], e.g. --top-p 0.9")
+    if args.dtype is not None:
+        if run:
+            raise SystemExit(f"--dtype {args.dtype}: applies to a Hugging Face directory; a run keeps its own dtype")
+        cli.choice("dtype", args.dtype, zoo.DTYPES)
+    if args.step is not None:
+        if not run:
+            raise SystemExit(f"--step {args.step}: {args.model} is a Hugging Face directory, which has no steps")
+        cli.checkpoint_steps(path, args.step, args.model)
 
 
 def load(source: str, *, step: int | None, dtype: str | None, quantize: str | None = None):
@@ -52,23 +88,20 @@ def load(source: str, *, step: int | None, dtype: str | None, quantize: str | No
     (with ``quantize``, the layers' weights quantized: a checkpoint's as they load)."""
     path = pathlib.Path(source)
     if is_hf_dir(source):
+        if not (path / "tokenizer.json").is_file():
+            raise SystemExit(f"--model {source}: no tokenizer.json to encode the prompt and decode the text")
         try:
             model = zoo.load_hf(source, dtype=dtype, quantize=quantize)
         except (ValueError, FileNotFoundError) as err:
             raise SystemExit(f"--model {source}: {err}") from None
-        if not (path / "tokenizer.json").is_file():
-            raise SystemExit(f"--model {source}: no tokenizer.json to encode the prompt and decode the text")
         tokenizer = HFTokenizer(source)
         return model, tokenizer, tokenizer.eos_id
     if (path / "checkpoints").is_dir():
-        from recipes.train_lm import Run, resume_args
+        from recipes.train_lm import Run, saved_flags
 
-        run = Run(argparse.Namespace(**resume_args(source)))
+        run = Run(saved_flags(source))
         with checkpointing.Checkpointer(path / "checkpoints") as ckpt:
-            try:
-                _, state, meta = ckpt.restore(run.state(), step=step)
-            except (checkpointing.CorruptCheckpointError, FileNotFoundError) as err:
-                raise SystemExit(f"--model {source}: {err}") from None
+            _, state, meta = cli.restore(ckpt, run.state(), step=step, what=f"--model {source}")
         run.set_state(state, meta)
         model = run.model
         if quantize is not None:
@@ -90,13 +123,23 @@ def _has_lora(model) -> bool:
 
 
 class _Printer:
-    """Prints the text of the tokens generated so far as they arrive (only the new characters:
-    a token may complete a character another one began)."""
+    """Prints the prompt, then the text of the tokens generated so far as they arrive (only the
+    new characters: a token may complete a character another one began). The prompt comes with
+    the first token (or :meth:`finish`), so nothing is printed when generation fails to start."""
 
-    def __init__(self, tokenizer, out):
-        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+    def __init__(self, tokenizer, out, prompt: str):
+        self.tokenizer, self.out, self.ids, self.shown, self.prompt = tokenizer, out, [], "", prompt
+
+    def finish(self) -> None:
+        if self.prompt is not None:
+            self.out.write(self.prompt)
+            self.prompt = None
+        self.out.write("\n")
 
     def __call__(self, token: int) -> None:
+        if self.prompt is not None:
+            self.out.write(self.prompt)
+            self.prompt = None
         self.ids.append(int(token))
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
@@ -107,26 +150,17 @@ class _Printer:
 
 
 def main(argv=None, *, out=None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    # Checked before anything loads or prints.
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        parser.error(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    args = build_parser().parse_args(argv)
+    check(args)
     out = sys.stdout if out is None else out
-    model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype, quantize=args.quantize)
+    with cli.LibraryLogs():
+        model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype, quantize=args.quantize)
     if args.offload == "params":
         model = transforms.offload_params(model)
     prompt = tokenizer.encode(args.prompt.encode())
     key = jax.random.key(args.seed) if args.temperature > 0 else None
     stop = () if args.no_stop or eos is None else (eos,)
-    printer = _Printer(tokenizer, out)
-    out.write(args.prompt)
+    printer = _Printer(tokenizer, out, args.prompt)
     start = time.perf_counter()
     try:
         new = zoo.generate(
@@ -144,7 +178,7 @@ def main(argv=None, *, out=None) -> dict:
     except (ValueError, TypeError) as err:
         raise SystemExit(f"generate: {err}") from None
     seconds = time.perf_counter() - start
-    out.write("\n")
+    printer.finish()
     ids = [int(t) for t in new]
     print(f"[{len(ids)} tokens in {seconds:.2f} s]", file=sys.stderr)
     return {"prompt_ids": [int(t) for t in prompt], "new_ids": ids, "text": tokenizer.decode(ids), "seconds": seconds}

@@ -9,19 +9,29 @@ through `sysconfig`: no download), in about two minutes on 2 CPU cores:
     python -m recipes.train_lm --plan h100                                # the planner chooses
     python -m recipes.train_lm --mesh data=2,fsdp=4                       # 8 devices
     python -m recipes.train_lm --resume runs/llama-tiny-20261202-120000   # continue a run
+    python -m recipes.train_lm --resume runs/llama-tiny-20261202-120000 --steps 600 --lr 1e-3
     python -m recipes.train_lm --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
 
 Each run writes to ``--out`` (default ``runs/<model>-<time>``): ``checkpoints/`` (orbax; the
 last ``--keep``; model, optimizer state, step, RNG, data position and every flag, so
 ``--resume DIR`` needs nothing else), ``metrics.jsonl``, ``loss.png`` (training and validation
-loss in bits per byte, with the unigram baseline) and ``placement.png`` (device vs host bytes of
-params, gradients, optimizer state, activations).
+loss in bits per byte, with the unigram baseline), ``placement.png`` (device vs host bytes of
+params, gradients, optimizer state, activations) and ``orbax.log`` (the checkpoint library's own
+log messages, kept off the terminal).
+
+``--resume DIR`` takes every flag from the run's checkpoint; flags given with it change what may
+change mid-run (`CHANGEABLE`: the schedule, clipping, checkpoints, evaluation, logging), each
+change printed (``--lr: 0.003 -> 0.001``); the others (`KEPT`: the model, the data, the batch, the
+mesh, the offload set) are refused, saying why. The learning rate of every step is the schedule
+of the current flags at that step: a longer ``--steps`` re-stretches the decay over the new
+length (from the resumed step on, the rate is what a run of that length has there).
+
+A mistake on the command line is one line on stderr and a nonzero exit, before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import pathlib
@@ -36,7 +46,8 @@ import numpy as np
 import checkpointing
 import transforms
 import zoo
-from recipes._lm.data import ByteTokenizer, HFTokenizer, batch_at, open_corpus
+from recipes._lm import cli
+from recipes._lm.data import TOKEN_DTYPES, ByteTokenizer, HFTokenizer, batch_at, open_corpus
 from recipes._lm.monitor import (
     MetricsLog,
     Progress,
@@ -56,6 +67,7 @@ from recipes._lm.run_setup import (
     init_distributed,
     is_hf_dir,
     lr_schedule,
+    lr_schedule_warning,
     make_config,
     make_optimizer,
     one_line_warnings,
@@ -68,12 +80,65 @@ from recipes._lm.run_setup import (
 
 #: Flags that control one invocation, not the run: a resumed run takes them from the command line.
 RUN_CONTROL = ("resume", "stop_after", "coordinator", "num_processes", "process_id", "quiet_samples")
+#: Flags a resumed run may change (``--resume DIR --lr 1e-3``), each change printed.
+CHANGEABLE = (
+    "steps",
+    "lr",
+    "warmup",
+    "schedule",
+    "clip",
+    "weight_decay",
+    "accum",
+    "save_every",
+    "keep",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "prompt",
+    "sample_before",
+)
+#: Flags a resumed run keeps from its checkpoint, and why (a different value is refused).
+KEPT = {
+    "the checkpoint holds this model's weights and optimizer state": (
+        "model",
+        "param_dtype",
+        "compute_dtype",
+        "base_dtype",
+        "lora_rank",
+        "lora_alpha",
+        "lora_targets",
+        "lora_dropout",
+        "quantize",
+    ),
+    "the batch of each step is drawn from the data with the seed, batch and sequence length, "
+    "so that a resumed run sees the batches an uninterrupted one would": (
+        "data",
+        "data_bytes",
+        "data_dtype",
+        "seed",
+        "batch",
+        "seq",
+    ),
+    "the run's arrays are laid out over its mesh": ("mesh",),
+    "where its state lives (the offload set) is part of the run": ("offload", "activations", "prefetch", "plan"),
+    "it writes to its own directory": ("out",),
+}
+SCHEDULES = ("cosine", "linear", "constant")
 VAL_SEED = 12345
 
 
-def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    a = p.add_argument
+def build_parser(
+    defaults: dict | None = None, *, only=None, skip=(), parser: argparse.ArgumentParser | None = None
+) -> argparse.ArgumentParser:
+    """The recipe's flags; for recipes built on this one, those named in ``only`` (default: all)
+    but not in ``skip``, added to ``parser`` (a parser or an argument group)."""
+    p = parser or cli.Parser(prog="python -m recipes.train_lm", description=__doc__.split("\n\n")[0])
+
+    def a(*names, **kwargs):
+        dest = names[0].lstrip("-").replace("-", "_")
+        if (only is None or dest in only) and dest not in skip:
+            p.add_argument(*names, **kwargs)
+
     a(
         "--model",
         default="llama:tiny",
@@ -96,9 +161,15 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--seq", type=int, default=128, help="tokens per sequence")
     a("--accum", type=int, default=1, help="gradient accumulation: micro-batches per step")
-    a("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, then cosine decay to lr/10)")
-    a("--warmup", type=int, default=40)
-    a("--weight-decay", type=float, default=0.1)
+    a("--lr", type=float, default=3e-3, help="peak learning rate (after --warmup; then --schedule)")
+    a("--warmup", type=int, default=40, help="steps of linear warmup from 0 to --lr")
+    a(
+        "--schedule",
+        default="cosine",
+        choices=SCHEDULES,
+        help="after the warmup: cosine or linear decay to lr/10 at --steps, or constant",
+    )
+    a("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     a("--clip", type=float, default=1.0, help="global gradient-norm clip")
     a("--param-dtype", default="float32", help="dtype of the trained weights (a checkpoint's too, unless --lora-rank)")
     a("--base-dtype", default=None, help="with --lora-rank: dtype of the frozen base (default: the checkpoint's own)")
@@ -108,7 +179,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     a("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     a("--quantize", default=None, choices=["nf4", "int8"], help="with --lora-rank: the frozen base quantized (QLoRA)")
     a("--compute-dtype", default="float32", help="e.g. bfloat16 on a GPU")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
     a("--mesh", default=None, help="device mesh sizes, e.g. data=2,fsdp=4,tensor=1 (default: no mesh)")
     a("--offload", default="", help="comma-separated subset of params,opt_state,activations for pinned_host")
     a(
@@ -128,138 +199,191 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
         default=None,
         help=f"apply the planner's choice ({', '.join(transforms.DEVICE_PROFILES)})",
     )
-    a("--eval-every", type=int, default=50)
-    a("--eval-batches", type=int, default=8)
-    a("--log-every", type=int, default=20)
+    a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
+    a("--eval-batches", type=int, default=8, help="batches of the validation split per evaluation")
+    a("--log-every", type=int, default=20, help="a progress line every N steps")
     a("--save-every", type=int, default=100, help="checkpoint every N steps (and at the end); 0: only at the end")
     a("--keep", type=int, default=3, help="checkpoints to keep")
     a("--out", default=None, help="run directory (default runs/<model>-<time>)")
-    a("--resume", default=None, metavar="DIR", help="continue the run in DIR from its last intact checkpoint")
+    a(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the run in DIR from its last intact checkpoint, with its flags; flags given with it "
+        "change the schedule, clipping, checkpoints, evaluation or logging (not the model, data, batch, mesh "
+        "or offload set)",
+    )
     a("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this many steps in this invocation")
     a("--prompt", default="def main(", help="prompt for the samples printed at the end")
     a("--quiet-samples", action="store_true", help="skip sampling at the end")
     a("--sample-before", action="store_true", help="also sample before the first step")
     a("--coordinator", default=None, help="HOST:PORT of process 0, for a multi-process run")
-    a("--num-processes", type=int, default=None)
-    a("--process-id", type=int, default=None)
+    a("--num-processes", type=int, default=None, help="processes of a multi-process run")
+    a("--process-id", type=int, default=None, help="this process's index (0 .. N-1)")
     if defaults:
         p.set_defaults(**defaults)
     return p
 
 
 def parse(argv, defaults=None, *, distributed: bool = False) -> argparse.Namespace:
-    """The run's flags; with ``--resume``, those saved in its checkpoint (plus this invocation's
-    control flags). ``distributed``: start the multi-process runtime first (it must precede any
-    other JAX call, reading a checkpoint included)."""
-    parser = build_parser(defaults)
+    """The run's flags (see :func:`parse_run`)."""
+    return parse_run(argv, defaults, distributed=distributed)[0]
+
+
+def parse_run(
+    argv, defaults=None, *, distributed: bool = False, build=build_parser
+) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """``(flags, changes, warnings)``: the run's flags; with ``--resume``, those saved in its
+    checkpoint, changed by the flags of `CHANGEABLE` given with it (``changes``: one line each)
+    and this invocation's `RUN_CONTROL` flags. Every value is checked (`SystemExit`: one line).
+    ``distributed``: start the multi-process runtime first (it must precede any other JAX call,
+    reading a checkpoint included). ``build(defaults)``: the parser of a recipe built on this one
+    (``finetune_hf``): its flags besides this recipe's are not the run's, and are dropped."""
+    parser = build(defaults)
     args = parser.parse_args(argv)
+    ours = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k in ours})
     if distributed:
         init_distributed(args.coordinator, args.num_processes, args.process_id)
+    changes = []
     if args.resume:
-        meta_args = resume_args(args.resume)
-        given = vars(args)
-        # (flags added since the run began take their defaults)
-        defaults = {k: parser.get_default(k) for k in given}
-        args = argparse.Namespace(**{**defaults, **meta_args, **{k: given[k] for k in RUN_CONTROL}})
-        args.out = args.resume
-        _apply_overrides(parser, argv, given, args)
+        given = {k: v for k, v in cli.given_flags(build(None), argv).items() if k in ours}
+        args, changes = resumed(parser, args, given)
+    check(args)
+    warnings = []
+    new_schedule = not args.resume or any(line.startswith(("--steps:", "--warmup:", "--lr:")) for line in changes)
+    if new_schedule and jax.process_index() == 0 and (line := lr_schedule_warning(args.lr, args.warmup, args.steps)):
+        warnings.append(line)
+    return args, changes, warnings
+
+
+def resumed(parser, args, given: dict) -> tuple[argparse.Namespace, list[str]]:
+    """The flags of the run ``args.resume`` continues: its saved ones, with those of ``given``
+    (the command line's) that may change applied, and ``args``' `RUN_CONTROL` flags."""
+    run_dir = pathlib.Path(args.resume)
+    metadata = cli.read_metadata(run_dir, f"--resume {args.resume}")
+    saved = metadata["args"]
+    # (flags added since the run began take their defaults)
+    flags = {**{k: parser.get_default(k) for k in vars(args)}, **saved}
+    flags.update({k: getattr(args, k) for k in RUN_CONTROL})
+    flags["out"] = args.resume
+    why = {name: reason for reason, names in KEPT.items() for name in names}
+    changes = []
+    for name, value in given.items():
+        if name in RUN_CONTROL or value == flags[name] or same_directory(value, flags[name]):
+            continue
+        if name not in CHANGEABLE:
+            kept = "none" if flags[name] in (None, "") else cli.shown(flags[name])
+            raise SystemExit(
+                f"{cli.flag(name)} {cli.shown(value)}: a resumed run keeps its {cli.flag(name)} ({kept}): "
+                f"{why[name]}; drop the flag, or start a new run without --resume"
+            )
+        changes.append(f"{cli.flag(name)}: {cli.shown(flags[name])} -> {cli.shown(value)}")
+        flags[name] = value
+    step = metadata.get("step", 0)
+    if flags["steps"] < step:
+        raise SystemExit(
+            f"--steps {flags['steps']}: the run in {args.resume} is at step {step} already; give --steps above "
+            f"{step} to train further"
+        )
+    return argparse.Namespace(**flags), changes
+
+
+def same_directory(a, b) -> bool:
+    """Whether ``a`` and ``b`` name one existing directory (a path spelled two ways)."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    a, b = pathlib.Path(a), pathlib.Path(b)
+    return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every check of the flags that needs no file and no model (`SystemExit`: one line)."""
     for name in ("steps", "batch", "seq", "accum", "eval_every", "eval_batches", "log_every", "keep"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.save_every < 0:
-        parser.error(f"--save-every must be >= 0, got {args.save_every}")
-    if args.lora_rank < 0 or not 0 <= args.lora_dropout < 1:
-        parser.error(
-            f"--lora-rank must be >= 0 and --lora-dropout in [0, 1), got {args.lora_rank}, {args.lora_dropout}"
-        )
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    if not args.clip > 0:
-        parser.error(f"--clip must be > 0 (a global gradient-norm bound), got {args.clip}")
-    for flag in ("param_dtype", "compute_dtype", "base_dtype"):
-        value = getattr(args, flag, None)
-        if value is not None and value not in zoo.DTYPES:
-            parser.error(f"--{flag.replace('_', '-')} {value!r}: choose one of {', '.join(zoo.DTYPES)}")
-    if args.steps < args.warmup:
-        print(
-            f"warning: --steps {args.steps} is below --warmup {args.warmup}: the learning rate never reaches --lr",
-            file=sys.stderr,
-        )
+        cli.at_least(name, getattr(args, name), 1)
+    cli.at_least("save_every", args.save_every, 0, " (0: a checkpoint at the end only)")
+    if args.stop_after is not None:
+        cli.at_least("stop_after", args.stop_after, 1)
+    cli.positive("lr", args.lr, "3e-3")
+    cli.at_least("warmup", args.warmup, 0)
+    cli.choice("schedule", args.schedule, SCHEDULES)
+    cli.positive("clip", args.clip, "1.0")
+    cli.at_least("weight_decay", args.weight_decay, 0.0)
+    for name in ("param_dtype", "compute_dtype"):
+        cli.choice(name, getattr(args, name), zoo.DTYPES)
+    if args.base_dtype is not None:
+        cli.choice("base_dtype", args.base_dtype, zoo.DTYPES)
+    if args.data_dtype is not None:
+        cli.choice("data_dtype", args.data_dtype, TOKEN_DTYPES)
+    cli.at_least("lora_rank", args.lora_rank, 0, " (0: train every weight)")
+    if not 0 <= args.lora_dropout < 1:
+        raise SystemExit(f"--lora-dropout {args.lora_dropout}: must be in [0, 1), e.g. --lora-dropout 0.05")
+    if args.lora_alpha is not None:
+        cli.positive("lora_alpha", args.lora_alpha, str(2 * max(args.lora_rank, 1)))
     if getattr(args, "quantize", None) and not args.lora_rank:
-        parser.error(f"--quantize {args.quantize} needs --lora-rank: quantized weights are frozen, only adapters train")
-    if args.data_bytes is not None and args.data_bytes < 1:
-        parser.error(f"--data-bytes must be >= 1, got {args.data_bytes}")
+        raise SystemExit(
+            f"--quantize {args.quantize} needs --lora-rank: quantized weights are frozen, only adapters train"
+        )
+    if args.data_bytes is not None:
+        cli.at_least("data_bytes", args.data_bytes, 1)
     if args.batch % args.accum:
-        parser.error(f"--batch {args.batch} must be a multiple of --accum {args.accum}")
+        raise SystemExit(
+            f"--batch {args.batch} does not split into --accum {args.accum} micro-batches: make --batch a multiple "
+            "of --accum"
+        )
     if args.plan and args.offload:
-        parser.error("--plan chooses the offload transforms itself: give either --plan or --offload")
+        raise SystemExit(f"--plan {args.plan} chooses the offload transforms itself: give either --plan or --offload")
     if args.prefetch and not args.plan and "params" not in parse_offload(args.offload):
         raise SystemExit("--prefetch needs --offload params (it schedules the copies of host-resident weights)")
     parse_offload(args.offload)
-    return args
-
-
-#: Flags a resumed run may change: the schedule, the optimizer's scalars, saving, evaluation and
-#: logging. Everything else (model, data, sequence, batch, mesh, offload set, LoRA, ...) shaped the
-#: checkpoint or the data stream and is refused. A changed --steps, --lr or --warmup gives a new
-#: schedule, which the optimizer's step count continues on: extending --steps re-stretches the
-#: cosine over the new length from the step reached (the next update uses the new schedule's rate
-#: at that step).
-CHANGEABLE = (
-    "steps",
-    "lr",
-    "warmup",
-    "clip",
-    "weight_decay",
-    "save_every",
-    "keep",
-    "eval_every",
-    "eval_batches",
-    "log_every",
-    "prompt",
-    "sample_before",
-)
-
-
-def _given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
-    """The destinations of the flags given on the command line (not their defaults)."""
-    quiet = copy.copy(parser)
-    quiet._actions = [copy.copy(a) for a in parser._actions]
-    for action in quiet._actions:
-        action.default = argparse.SUPPRESS
-        action.required = False
-    quiet._defaults = {}
-    return set(vars(quiet.parse_args(argv)))
-
-
-def _apply_overrides(parser, argv, given: dict, args: argparse.Namespace) -> None:
-    """On --resume: apply the changeable flags given now (one line each), refuse the others by name."""
-    for dest in sorted(_given_flags(parser, argv) - set(RUN_CONTROL) - {"resume", "out"}):
-        flag = "--" + dest.replace("_", "-")
-        old, new = getattr(args, dest, None), given[dest]
-        if old == new:
-            continue
-        if dest not in CHANGEABLE:
-            parser.error(
-                f"{flag} cannot change when resuming ({old!r} in {args.out}): the checkpoint and its data "
-                f"stream were made with it; start a new run to change it (changeable: "
-                f"{', '.join('--' + c.replace('_', '-') for c in CHANGEABLE)})"
-            )
-        print(f"{flag}: {old} -> {new}")
-        setattr(args, dest, new)
+    if args.out is not None and not args.resume and (pathlib.Path(args.out) / "checkpoints").is_dir():
+        with checkpointing.Checkpointer(pathlib.Path(args.out) / "checkpoints") as ckpt:
+            if ckpt.steps():
+                raise SystemExit(
+                    f"--out {args.out} already holds checkpoints: continue it with --resume {args.out}, "
+                    "or choose a new --out"
+                )
 
 
 def resume_args(run_dir: str) -> dict:
-    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
-    if not ckpt_dir.is_dir():
-        raise SystemExit(f"--resume {run_dir}: no checkpoints directory at {ckpt_dir}")
-    with checkpointing.Checkpointer(ckpt_dir) as ckpt:
-        try:
-            return ckpt.metadata()["args"]
-        except FileNotFoundError as err:
-            raise SystemExit(f"--resume {run_dir}: {err}") from None
+    """The flags saved in the newest readable checkpoint of the run in ``run_dir``."""
+    return cli.read_metadata(pathlib.Path(run_dir), f"--resume {run_dir}")["args"]
+
+
+def saved_flags(run_dir: str) -> argparse.Namespace:
+    """The flags of the run in ``run_dir``, as :class:`Run` takes them (flags added since it began
+    take their defaults)."""
+    parser = build_parser()
+    saved = resume_args(run_dir)
+    return argparse.Namespace(**{**{a.dest: a.default for a in parser._actions if a.dest != "help"}, **saved})
+
+
+def check_against_model(args: argparse.Namespace, config, *, lora: bool) -> None:
+    """The flags that name parts of the model (activations, LoRA targets), checked against its
+    abstract form: before anything is allocated or compiled."""
+    if "activations" in parse_offload(args.offload) and args.activations not in transforms.ACTIVATION_PRESETS:
+        valid = zoo.nn.checkpoint_names(zoo.abstract_model(config))
+        unknown = [n for n in args.activations.split(",") if n not in valid]
+        if unknown:
+            raise SystemExit(
+                f"--activations {args.activations}: {args.model} names no activation {', '.join(map(repr, unknown))}; "
+                f"give a preset ({', '.join(transforms.ACTIVATION_PRESETS)}) or some of {', '.join(valid)}"
+            )
+    if lora:
+
+        def adapted(key):
+            model = zoo.build_model(config, key=key)
+            return apply_lora(
+                model,
+                rank=args.lora_rank,
+                alpha=args.lora_alpha,
+                targets=args.lora_targets,
+                dropout=args.lora_dropout,
+                dtype=args.param_dtype,
+                seed=args.seed,
+            )
+
+        eqx.filter_eval_shape(adapted, jax.random.key(0))
 
 
 def default_out(model: str) -> str:
@@ -294,12 +418,21 @@ class Run:
                 param_dtype=args.param_dtype,
                 compute_dtype=args.compute_dtype,
             )
+        self.mesh = parse_mesh(args.mesh)
+        self.lora = getattr(args, "lora_rank", 0) > 0
+        check_against_model(args, self.config, lora=self.lora)
+        self.plan = None
+        if args.plan:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
+            try:
+                self.plan = transforms.plan(
+                    self.config, batch=args.batch, seq=args.seq, device=args.plan, clip_norm=args.clip
+                )
+            except (ValueError, TypeError) as err:
+                raise SystemExit(f"--plan {args.plan}: {err}") from None
         self.corpus = open_corpus(
             args.data, self.tokenizer, limit=args.data_bytes, seed=args.seed, dtype=getattr(args, "data_dtype", None)
         )
         self.corpus.check(args.seq)
-        self.mesh = parse_mesh(args.mesh)
-        self.lora = getattr(args, "lora_rank", 0) > 0
         if hf:
             # Full fine-tuning trains --param-dtype master weights; a LoRA base stays frozen in --base-dtype.
             dtype = getattr(args, "base_dtype", None) if self.lora else args.param_dtype
@@ -330,17 +463,11 @@ class Run:
                 dtype=args.param_dtype,
                 seed=args.seed,
             )
-        hyper = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "weight_decay": args.weight_decay}
-        self.schedule = lr_schedule(lr=args.lr, warmup=args.warmup, steps=args.steps)
+        schedule = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "kind": args.schedule}
+        hyper = {**schedule, "weight_decay": args.weight_decay}
+        self.schedule = lr_schedule(**schedule)
         hyper["mask"] = decay_mask(self.model)  # no decay on norms, biases, scalars
-        self.plan = None
-        if args.plan:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
-            try:
-                self.plan = transforms.plan(
-                    self.config, batch=args.batch, seq=args.seq, device=args.plan, clip_norm=args.clip
-                )
-            except (ValueError, TypeError) as err:
-                raise SystemExit(f"--plan {args.plan}: {err}") from None
+        if self.plan is not None:
             optimizer = make_optimizer(**hyper, clip=None)
             self.model, optimizer = self.plan.apply(self.model, optimizer, clip_norm=args.clip)
             if args.prefetch and self.plan.candidate.params:
@@ -446,28 +573,30 @@ def params_digest(model) -> str:
     return digest.hexdigest()
 
 
-def open_run(args) -> tuple[Run, pathlib.Path, checkpointing.Checkpointer, int]:
+def open_run(args, logs: cli.LibraryLogs | None = None) -> tuple[Run, pathlib.Path, checkpointing.Checkpointer, int]:
     """The run directory, the run, its checkpointer and the step it starts after (0, or the
-    step of the checkpoint it resumes from)."""
+    step of the checkpoint it resumes from). ``logs``: sent to the run directory's ``orbax.log``."""
     out = pathlib.Path(args.out or default_out(args.model))
     if args.out is None and jax.process_count() > 1:
         raise SystemExit("a multi-process run needs --out (a directory all processes share)")
-    if jax.process_index() == 0:
-        out.mkdir(parents=True, exist_ok=True)
     run = Run(args)
+    lead = jax.process_index() == 0
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        if logs is not None:
+            logs.to(out / "orbax.log")
     args.out = str(out)
     ckpt = checkpointing.Checkpointer(out / "checkpoints", keep=args.keep)
-    if args.resume:
-        try:
-            start, state, meta = ckpt.restore(run.state())
-        except checkpointing.CorruptCheckpointError as err:
-            ckpt.close()
-            raise SystemExit(f"--resume {args.resume}: {err}") from None
-        run.set_state(state, meta)
-        return run, out, ckpt, start
-    if ckpt.latest_step() is not None:
-        raise SystemExit(f"{out} already holds checkpoints: continue it with --resume {out}, or choose a new --out")
-    return run, out, ckpt, 0
+    if not args.resume:
+        return run, out, ckpt, 0
+    try:
+        warn = None if lead else (lambda line: None)
+        start, state, meta = cli.restore(ckpt, run.state(), step=None, what=f"--resume {args.resume}", warn=warn)
+    except BaseException:
+        ckpt.close()
+        raise
+    run.set_state(state, meta)
+    return run, out, ckpt, start
 
 
 def announce(run: Run, out: pathlib.Path, start: int, say) -> float:
@@ -497,15 +626,19 @@ def announce(run: Run, out: pathlib.Path, start: int, say) -> float:
     return baseline
 
 
-def stop_on_bad_numbers(step: int, loss: float, model, ckpt, out) -> None:
+def stop_on_bad_numbers(step: int, loss: float, ckpt, out, lr: float) -> None:
     """Stop without saving when the loss (or, at a save, a weight) is not finite."""
     ckpt.wait()
     good = ckpt.latest_step()
-    where = f"the last good checkpoint is step {good} in {out}" if good else "no checkpoint was saved"
     what = f"the training loss is {loss}" if not math.isfinite(loss) else "the parameters are not finite"
-    raise SystemExit(
-        f"step {step}: {what}; stopping without saving. {where}. Lower --lr or raise --warmup, then --resume from it."
-    )
+    if good:
+        todo = (
+            f"the last good checkpoint is step {good} in {out}. Lower --lr or raise --warmup and continue from it: "
+            f"--resume {out} --lr {lr / 10:g}"
+        )
+    else:
+        todo = "no checkpoint was saved. Start again with a lower --lr or a longer --warmup"
+    raise SystemExit(f"step {step}: {what}; stopping without saving. {todo}")
 
 
 def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, log, progress, summary) -> None:
@@ -517,7 +650,7 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
         loss = float(metrics["loss"])
         saving = (args.save_every and step % args.save_every == 0) or step == last
         if not math.isfinite(loss) or (saving and not bool(all_finite(model))):
-            stop_on_bad_numbers(step, loss, model, ckpt, out)
+            stop_on_bad_numbers(step, loss, ckpt, out, args.lr)
         run.model, run.opt_state = model, opt_state
         summary["losses"][step] = loss
         rates = progress.update(step, loss)
@@ -573,13 +706,25 @@ def show_samples(run: Run, say, label: str) -> None:
         say(label, repr(args.prompt + run.tokenizer.decode(row)))
 
 
-def main(argv=None, *, defaults: dict | None = None) -> dict:
-    """Run the recipe; returns a summary (final step, losses, paths)."""
-    args = parse(argv, defaults, distributed=True)
+def main(argv=None, *, defaults: dict | None = None, build=build_parser) -> dict:
+    """Run the recipe; returns a summary (final step, losses, paths). ``defaults``, ``build``: see
+    :func:`parse_run`."""
+    with cli.LibraryLogs() as logs:
+        return _main(argv, defaults, build, logs)
+
+
+def _main(argv, defaults: dict | None, build, logs: cli.LibraryLogs) -> dict:
+    args, changes, warnings = parse_run(argv, defaults, distributed=True, build=build)
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
-    run, out, ckpt, start = open_run(args)
+    run, out, ckpt, start = open_run(args, logs)
+    for line in changes:
+        say(line)
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
     baseline = announce(run, out, start, say)
+    if start >= args.steps:
+        say(f"the run in {out} has finished its {args.steps} steps; give --steps above {start} to train further")
     if args.sample_before and start == 0:
         show_samples(run, say, "sample before training:")
     if lead:

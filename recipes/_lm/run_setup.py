@@ -65,7 +65,7 @@ def make_config(spec: str, *, vocab_size: int, seq: int, param_dtype: str, compu
     try:
         preset = zoo.config_from_name(spec)
     except (TypeError, ValueError) as err:
-        raise SystemExit(f"--model: {err} (or give a Hugging Face checkpoint directory)") from None
+        raise SystemExit(f"--model {spec}: {err} (or give a Hugging Face checkpoint directory)") from None
     check_seq(seq, preset.max_seq_len, spec)
     return zoo.config_from_name(
         spec,
@@ -135,13 +135,32 @@ def apply_lora(model, *, rank: int, alpha: float | None, targets: str, dropout: 
             key=jax.random.key(seed + 3),
         )
     except ValueError as err:
-        raise SystemExit(f"--lora-*: {err}") from None
+        raise SystemExit(f"--lora-targets {targets}: {err}") from None
 
 
-def lr_schedule(*, lr: float, warmup: int, steps: int):
-    """Linear warmup to ``lr``, then cosine decay to ``lr / 10`` at ``steps``."""
+def lr_schedule(*, lr: float, warmup: int, steps: int, kind: str = "cosine"):
+    """Linear warmup to ``lr`` over ``warmup`` steps, then (``kind``) cosine or linear decay to
+    ``lr / 10`` at ``steps``, or ``lr`` to the end: a function of the optimizer's step count alone,
+    so a run resumed with other flags follows the schedule of those flags from its step on (a
+    longer ``steps`` re-stretches the decay over the new length)."""
     warmup = min(warmup, steps - 1)  # a short run warms up for less than its length
-    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
+    if kind == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr / 10)
+    after = optax.linear_schedule(lr, lr / 10, steps - warmup) if kind == "linear" else optax.constant_schedule(lr)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+
+
+def lr_schedule_warning(lr: float, warmup: int, steps: int) -> str | None:
+    """What to tell a user whose run is shorter than its warmup (``None`` if it is not)."""
+    if steps >= warmup:
+        return None
+    return (
+        f"--steps {steps} is shorter than --warmup {warmup}: the warmup is cut to {max(steps - 1, 0)} steps, so the "
+        f"learning rate rises for the whole run and reaches --lr {lr} only at its last step (lower --warmup to "
+        "warm up faster)"
+    )
 
 
 def decay_mask(model):
@@ -167,12 +186,20 @@ def decay_mask(model):
 
 
 def make_optimizer(
-    *, lr: float, warmup: int, steps: int, weight_decay: float, clip: float | None, mask=None
+    *,
+    lr: float,
+    warmup: int,
+    steps: int,
+    weight_decay: float,
+    clip: float | None,
+    mask=None,
+    kind: str = "cosine",
 ) -> optax.GradientTransformation:
-    """AdamW with warmup and cosine decay (:func:`lr_schedule`), after a global-norm clip
+    """AdamW with warmup and decay (:func:`lr_schedule` of ``kind``), after a global-norm clip
     (``clip=None``: no clip, for callers that clip elsewhere, e.g. a streamed update's
     ``clip_norm``); weight decay only where ``mask`` says (:func:`decay_mask`; ``None``: all)."""
-    adamw = optax.adamw(lr_schedule(lr=lr, warmup=warmup, steps=steps), weight_decay=weight_decay, mask=mask)
+    schedule = lr_schedule(lr=lr, warmup=warmup, steps=steps, kind=kind)
+    adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=mask)
     return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)
 
 
@@ -180,7 +207,9 @@ def parse_offload(spec: str) -> set[str]:
     chosen = {x for x in spec.split(",") if x}
     unknown = chosen - set(OFFLOADABLE)
     if unknown:
-        raise SystemExit(f"--offload: unknown {sorted(unknown)}; choose from {', '.join(OFFLOADABLE)}")
+        raise SystemExit(
+            f"--offload {spec}: unknown {', '.join(sorted(unknown))}; choose some of {', '.join(OFFLOADABLE)}"
+        )
     return chosen
 
 

@@ -1,0 +1,184 @@
+"""What the recipes' command lines share: one-line errors, the flags a command line gave,
+checkpoint restores that report in one line per problem, and library logs kept off the terminal.
+
+A mistake a user can make (a bad flag, a missing file, a corrupt checkpoint) ends a recipe with
+one line on stderr (the bad value, why, what to do) and a nonzero exit: `SystemExit` with that
+line. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import pathlib
+import shlex
+import sys
+import warnings
+
+import checkpointing
+
+
+class Parser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose errors (an unknown flag, a value of the wrong type, a
+    missing argument) are one line, raised as `SystemExit`, instead of the usage and a line."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{message} (see {self.prog} --help)")
+
+
+def given_flags(parser: argparse.ArgumentParser, argv) -> dict:
+    """The flags ``argv`` gives explicitly, ``{dest: value}`` (``parser`` is used up: every
+    default becomes "absent")."""
+    for action in parser._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    parser._defaults.clear()
+    return vars(parser.parse_args(argv))
+
+
+def flag(name: str) -> str:
+    """``--flag-name`` of the argparse destination ``flag_name``."""
+    return "--" + name.replace("_", "-")
+
+
+def shown(value) -> str:
+    """A flag's value as a command line shows it (strings quoted where a shell needs it)."""
+    return shlex.quote(value) if isinstance(value, str) else str(value)
+
+
+def positive(name: str, value: float, example: str) -> None:
+    """A finite number above 0, else one line saying so."""
+    if not (math.isfinite(value) and value > 0):
+        raise SystemExit(f"{flag(name)} {value}: must be a finite number above 0, e.g. {flag(name)} {example}")
+
+
+def at_least(name: str, value: int | float, low: int | float, why: str = "") -> None:
+    if not (isinstance(value, int) or math.isfinite(value)) or value < low:
+        raise SystemExit(f"{flag(name)} {value}: must be at least {low}{why}")
+
+
+def choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise SystemExit(f"{flag(name)} {value}: choose one of {', '.join(map(str, choices))}")
+
+
+def checkpoint_steps(run_dir: pathlib.Path, step: int | None, what: str) -> None:
+    """Before anything is built: ``step`` (if given) is a complete checkpoint of ``run_dir``."""
+    if step is None:
+        return
+    at_least("step", step, 0)
+    with checkpointing.Checkpointer(run_dir / "checkpoints") as ckpt:
+        steps = ckpt.steps()
+    if step not in steps:
+        raise SystemExit(
+            f"--step {step}: {what} has no complete checkpoint at step {step}; its checkpoints are at steps "
+            f"{', '.join(map(str, steps)) or '(none)'}"
+        )
+
+
+def _fallback(w: warnings.WarningMessage) -> bool:
+    return issubclass(w.category, UserWarning) and "is corrupted" in str(w.message)
+
+
+def read_metadata(run_dir: pathlib.Path, what: str) -> dict:
+    """The metadata of the newest checkpoint of ``run_dir`` whose metadata is readable. A checkpoint
+    skipped here is reported by the restore that follows, so not here; none readable is one line."""
+    ckpt_dir = run_dir / "checkpoints"
+    if not ckpt_dir.is_dir():
+        raise SystemExit(f"{what}: no checkpoints directory at {ckpt_dir} (is it a train_lm run directory?)")
+    error = None
+    with checkpointing.Checkpointer(ckpt_dir) as ckpt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            metadata = ckpt.metadata()
+        except FileNotFoundError as err:
+            error = f"{what}: {err}; nothing to continue from"
+        except checkpointing.CorruptCheckpointError as err:
+            error = no_intact(err, ckpt_dir, what)
+    _reemit(w for w in caught if not _fallback(w))
+    if error:
+        raise SystemExit(error)
+    return metadata
+
+
+def no_intact(err: checkpointing.CorruptCheckpointError, ckpt_dir, what: str) -> str:
+    tried = "; ".join(f"step {step}: {problem}" for step, problem in err.problems.items())
+    return (
+        f"{what}: no intact checkpoint in {ckpt_dir} ({tried}); restore the directory from a copy, or start a new run"
+    )
+
+
+def _reemit(caught) -> None:
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def restore(ckpt: checkpointing.Checkpointer, like, *, step: int | None, what: str, warn=None):
+    """``ckpt.restore(like, step=step)`` for a command line: each checkpoint skipped as corrupt
+    is one line (``warn``: default stderr), none intact is one line naming each one tried and why
+    (`SystemExit`)."""
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            found = ckpt.restore(like, step=step)
+        except checkpointing.CorruptCheckpointError as err:
+            error = no_intact(err, ckpt.directory, what)
+    _reemit(w for w in caught if not _fallback(w))
+    if error:
+        raise SystemExit(error)  # names every checkpoint tried: the skipped ones too
+    for w in caught:
+        if _fallback(w):
+            (warn or _stderr)(f"warning: {w.message}")
+    return found
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+class LibraryLogs:
+    """Keeps the log records of the libraries underneath (absl's: orbax reports there, e.g. a
+    missing metadata file it then does without) off the terminal: appended to a file once
+    :meth:`to` names one (with those that came before), dropped if none is named. Use as a
+    context manager."""
+
+    def __init__(self):
+        self.handler = _ToFile()
+
+    def __enter__(self) -> LibraryLogs:
+        logger = logging.getLogger("absl")
+        self._saved = logger.propagate, list(logger.handlers)
+        logger.propagate = False
+        logger.handlers = [self.handler]
+        return self
+
+    def to(self, path: pathlib.Path) -> None:
+        self.handler.path = path
+        self.handler.write([])
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("absl")
+        logger.propagate, logger.handlers = self._saved
+        self.handler.close()
+
+
+class _ToFile(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.path, self.early = None, []
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = self.format(record) + "\n"
+        if self.path is None:
+            self.early = [*self.early[-999:], line]
+        else:
+            self.write([line])
+
+    def write(self, lines: list[str]) -> None:
+        if self.early or lines:
+            with open(self.path, "a") as f:
+                f.writelines([*self.early, *lines])
+            self.early = []
