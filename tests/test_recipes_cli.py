@@ -6,6 +6,7 @@ The cases run in this process (each fails before a model is built, so nothing co
 run as real commands too. Failures that need a trained run (corrupt checkpoints, a NaN stop) are
 in test_recipes.py."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -252,3 +253,16 @@ def test_a_run_shorter_than_its_warmup_is_warned_about(paths):
     assert changes == [] and len(warnings) == 1
     assert warnings[0].startswith("--steps 5 is shorter than --warmup 40: the warmup is cut to 4 steps")
     assert train_lm.parse_run([*flags, "--warmup", "5"])[2] == []
+
+
+@pytest.mark.parametrize("kind", train_lm.SCHEDULES)
+def test_each_schedule_warms_up_to_lr_then_decays_to_a_tenth_or_stays(kind):
+    schedule = train_lm.lr_schedule(lr=1.0, warmup=4, steps=20, kind=kind)
+    rates = [float(schedule(count)) for count in range(21)]
+    assert rates[0] == 0.0 and rates[2] == pytest.approx(0.5) and rates[4] == pytest.approx(1.0)
+    assert rates[20] == pytest.approx(1.0 if kind == "constant" else 0.1)
+    assert all(a >= b for a, b in itertools.pairwise(rates[4:]))  # no rise after the warmup
+    if kind == "linear":
+        assert rates[12] == pytest.approx(0.55)  # halfway through the decay
+    no_warmup = train_lm.lr_schedule(lr=1.0, warmup=0, steps=20, kind=kind)
+    assert float(no_warmup(0)) == pytest.approx(1.0)
