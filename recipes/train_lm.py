@@ -372,18 +372,22 @@ def check_against_model(args: argparse.Namespace, config, *, lora: bool) -> None
     if lora:
 
         def adapted(key):
-            model = zoo.build_model(config, key=key)
-            return apply_lora(
-                model,
-                rank=args.lora_rank,
-                alpha=args.lora_alpha,
-                targets=args.lora_targets,
-                dropout=args.lora_dropout,
-                dtype=args.param_dtype,
-                seed=args.seed,
-            )
+            return lora_from_flags(zoo.build_model(config, key=key), args)
 
         eqx.filter_eval_shape(adapted, jax.random.key(0))
+
+
+def lora_from_flags(model, args: argparse.Namespace):
+    """``model`` with the LoRA adapters the ``--lora-*`` flags describe (see ``apply_lora``)."""
+    return apply_lora(
+        model,
+        rank=args.lora_rank,
+        alpha=args.lora_alpha,
+        targets=args.lora_targets,
+        dropout=args.lora_dropout,
+        dtype=args.param_dtype,
+        seed=args.seed,
+    )
 
 
 def default_out(model: str) -> str:
@@ -454,15 +458,7 @@ class Run:
                 f"{args.model} has {self.config.vocab_size} tokens, the tokenizer {self.tokenizer.vocab_size}"
             )
         if self.lora:
-            self.model = apply_lora(
-                self.model,
-                rank=args.lora_rank,
-                alpha=args.lora_alpha,
-                targets=args.lora_targets,
-                dropout=args.lora_dropout,
-                dtype=args.param_dtype,
-                seed=args.seed,
-            )
+            self.model = lora_from_flags(self.model, args)
         schedule = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "kind": args.schedule}
         hyper = {**schedule, "weight_decay": args.weight_decay}
         self.schedule = lr_schedule(**schedule)
