@@ -186,6 +186,47 @@ def test_offload_opt_state_works_with_schedules_injected_hyperparams_and_multi_t
     assert moments and {x.sharding.memory_kind for x in moments} == {"pinned_host"}
 
 
+def test_train_step_recovers_when_the_runtime_refuses_to_donate_a_host_buffer_a_numpy_view_reads():
+    """jaxlib 0.11 on CUDA refuses to donate a pinned_host buffer that a NumPy view reads
+    (``np.asarray`` of an offloaded optimizer state leaf, as a checkpoint writer or a metric
+    does); the step then runs on private copies of the host-resident leaves, with a warning, and
+    gives what the plain call gives. XLA:CPU does not refuse, so the refusal is simulated."""
+    step = transforms.train_step(zoo.lm_loss, transforms.offload_opt_state(optax.adam(1e-3)))
+    model = transforms.offload_params(tiny())
+    state = step.init(model)
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32))
+    expected = step(*jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, (model, state)), batch)
+    (key, program), seen = next(iter(step._compiled.items())), []
+
+    def refusing(trainable, frozen, opt_state, *rest):
+        pointers = {x.unsafe_buffer_pointer() for x in jax.tree.leaves((trainable, opt_state)) if _on_host(x)}
+        seen.append(pointers)
+        if len(seen) == 1:
+            raise ValueError(
+                "INVALID_ARGUMENT: Invalid buffer passed to Execute() as argument 12 to replica 0: "
+                "INVALID_ARGUMENT: Donation requested for buffer with external reference"
+            )
+        return program(trainable, frozen, opt_state, *rest)
+
+    step._compiled[key] = refusing
+    with pytest.warns(RuntimeWarning, match="NumPy view"):
+        got = step(model, state, batch)
+    assert len(seen) == 2 and seen[0] and not seen[0] & seen[1]  # the retry read fresh host buffers
+    np.testing.assert_array_equal(got[2]["loss"], expected[2]["loss"])
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(expected[:2]), strict=True):
+        assert a.sharding.memory_kind == b.sharding.memory_kind
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Any other failure is the caller's to see, unchanged.
+    step._compiled[key] = lambda *_: (_ for _ in ()).throw(ValueError("INVALID_ARGUMENT: something else"))
+    with pytest.raises(ValueError, match="something else"):
+        step(got[0], got[1], batch)
+
+
+def _on_host(x):
+    return isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host"
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 LLAMA = zoo.LlamaConfig.preset("tiny")

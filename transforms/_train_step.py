@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import optax
 from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
 from ._lora import needs_key, with_step_keys
-from ._memory import mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
+from ._memory import HOST, mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
 from ._opt_stream import StreamedOptimizer
 from ._optimizer import OffloadedOptimizer
 from ._tree import global_norm
@@ -73,6 +74,9 @@ class TrainStep:
       loss function returns ``(loss, metrics)`` and its metrics (means over micro-batches) are
       reported too, e.g. :func:`zoo.lm_loss_and_metrics`' router losses of a mixture of experts.
     - One trace per model structure and placement: :attr:`trace_count` counts them.
+    - Where the runtime refuses to donate a host-memory buffer because a NumPy view still reads
+      it (``np.asarray`` of a ``pinned_host`` leaf; jaxlib 0.11 on CUDA), the step runs once more
+      on private copies of the host-resident leaves and warns (a `RuntimeWarning`).
 
     **Arguments:**
 
@@ -245,8 +249,52 @@ class TrainStep:
                 donate_argnums=(0, 2) if self.donate else (),
             )
             self._compiled[cache_key] = fn
-        new_trainable, new_state, metrics = fn(trainable, frozen, opt_state, batch, key)
+        try:
+            new_trainable, new_state, metrics = fn(trainable, frozen, opt_state, batch, key)
+        except Exception as err:
+            if not (self.donate and _is_external_reference_refusal(err)):
+                raise
+            # A NumPy view of a host-memory leaf (``np.asarray`` or ``jax.device_get`` of a
+            # ``pinned_host`` array reads it in place, and the array keeps that view) pins its
+            # buffer, and the runtime refuses to donate it (seen with jaxlib 0.11 on CUDA). The
+            # refusal comes before anything runs: the same step on private copies of the
+            # host-resident leaves is the same computation.
+            _warn_external_reference()
+            trainable, opt_state = _host_copies(trainable), _host_copies(opt_state)
+            new_trainable, new_state, metrics = fn(trainable, frozen, opt_state, batch, key)
         return eqx.combine(new_trainable, frozen, static), new_state, metrics
+
+
+_EXTERNAL_REFERENCE = "Donation requested for buffer with external reference"
+
+
+def _is_external_reference_refusal(err: Exception) -> bool:
+    """Whether ``err`` is the runtime refusing to donate a buffer that something outside JAX
+    (a NumPy view) still reads."""
+    return _EXTERNAL_REFERENCE in str(err)
+
+
+def _warn_external_reference() -> None:
+    warnings.warn(
+        "train_step: the runtime refused to donate a host-memory buffer that a NumPy view still reads "
+        "(np.asarray or jax.device_get of a pinned_host leaf of the model or optimizer state reads it in "
+        "place); this step ran on copies of the host-resident leaves. To avoid the copies, read such "
+        "leaves as np.asarray(jax.device_put(x, may_alias=False)).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _host_copies(tree):
+    """``tree`` with each ``pinned_host`` array replaced by a private copy in host memory (same
+    sharding); every other leaf unchanged."""
+
+    def copy(x):
+        if isinstance(x, jax.Array) and x.sharding.memory_kind == HOST:
+            return jax.device_put(x, x.sharding, may_alias=False)
+        return x
+
+    return jax.tree.map(copy, tree)
 
 
 def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True, has_aux: bool = False) -> TrainStep:
