@@ -127,6 +127,13 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--memory-analysis", choices=("on", "off"), default="off", help="transforms.compiled_memory per run")
     p.add_argument("--compile-cache", choices=("on", "off"), default="on", help="share compiles between workers")
     p.add_argument("--keep-work-dir", action="store_true")
+    p.add_argument(
+        "--recheck",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="re-run this code's checks over results files (no GPU): rewrite each JSON and its .md",
+    )
     for hidden in ("--worker", "--test-break"):  # worker mode; a parity case whose result is perturbed (tests)
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, default=None, help=argparse.SUPPRESS)
@@ -190,6 +197,8 @@ def main(argv=None, *, started: float | None = None, description: str | None = N
         from .worker import worker_main
 
         return worker_main(args.worker, args.spec, args.out)
+    if args.recheck:
+        return recheck(args.recheck)
     probe = finish_probe(start_probe())
     message = refusal(probe["platform"], args.allow_cpu)
     if message:
@@ -202,4 +211,35 @@ def main(argv=None, *, started: float | None = None, description: str | None = N
     from .orchestrate import orchestrate
 
     orchestrate(apply_defaults(args, reduced=args.reduced or probe["platform"] != "gpu"), probe, started)
+    return 0
+
+
+def recheck(paths: list[Path]) -> int:
+    """Recompute the checks, derived figures and goals of saved results with this code (its
+    tolerances and figures), keeping every measurement; rewrite each JSON and its summary. The
+    file records when, and by which commit, it was rechecked."""
+    import json
+
+    from benchmarks._environment import git_commit, utc_now, write_json
+
+    from . import report, results
+
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not {"configs", "order"} <= data.keys():
+                raise KeyError("configs, order")
+        except (OSError, ValueError, KeyError) as err:
+            print(f"--recheck: {path} is not a GPU check results file ({type(err).__name__}: {err})", file=sys.stderr)
+            return 2
+        elapsed = data.get("elapsed_s")
+        for entry in data["configs"].values():  # files written before ``run_detail`` existed
+            if entry.get("run_status") == "measured" and "run_detail" not in entry:
+                entry["run_detail"] = "" if entry.get("detail") == entry.get("invalid_reason") else entry.get("detail")
+        results.refresh(data, time.monotonic())
+        data["elapsed_s"] = elapsed  # the run's, not the recheck's
+        data.setdefault("rechecks", []).append({"at": utc_now(), "git_commit": git_commit()})
+        write_json(path, data)
+        path.with_suffix(".md").write_text(report.markdown(data))
+        print(f"rechecked {path} and {path.with_suffix('.md')}")
     return 0

@@ -11,7 +11,7 @@ from benchmarks._environment import sanitize, stamp, write_results
 from .configs import GiB
 from .guard import label
 
-HEADER = ["config", "status", "step s", "x none", "tokens/s", "peak GiB", "x none", "planner GiB", "host GiB"]
+HEADER = ["config", "status", "step s", "x none", "tokens/s", "MFU", "peak GiB", "x none", "planner GiB", "host GiB"]
 HEADER += ["loss diff", "grad ok"]
 
 
@@ -39,6 +39,7 @@ def table_rows(results: dict) -> list[list[str]]:
             rows.append([name, status, f"link h2d {h2d} / d2h {d2h} GB/s", *["-"] * (len(HEADER) - 3)])
             continue
         figures = [("step_time_s", "{:.4f}", 1), ("step_ratio_vs_none", "{:.2f}", 1), ("tokens_per_s", "{:.0f}", 1)]
+        figures += [("mfu", "{:.1%}", 1)]
         figures += [("peak_bytes", "{:.2f}", GiB), ("peak_ratio_vs_none", "{:.2f}", 1)]
         figures += [
             ("planner_device_bytes", "{:.2f}", GiB),

@@ -11,13 +11,13 @@ import traceback
 from .configs import Config
 from .goals import evaluate_goals
 from .grads import compare_gradients
-from .tolerances import loss_max_rel_diff, tolerance
+from .tolerances import GATED_STEPS, loss_max_rel_diff, tolerance
 
 #: The speed figures withheld (moved under ``invalid_figures``) when a configuration is invalid.
 SPEED_FIELDS = ("step_time_s", "tokens_per_s")
 #: The headline fields of every configuration, null until measured and checked.
 FIGURES = ("step_time_s", "tokens_per_s", "peak_bytes", "peak_set_by_init", "host_bytes", "planner_device_bytes")
-FIGURES += ("loss_max_rel_diff", "grad_parity_ok", "remat_policy")
+FIGURES += ("loss_max_rel_diff", "loss_max_rel_diff_all_steps", "grad_parity_ok", "remat_policy")
 
 
 def classify(run: dict) -> tuple[str, str]:
@@ -55,6 +55,7 @@ def base_entry(name: str, conf: Config, status: str, detail: str, platform: str)
     entry.update(invalid_reason=detail or status, platform=platform, **dict.fromkeys(FIGURES))
     entry.update(parity={case: "not run" for case in conf.parity}, kind=conf.kind, capped=conf.capped)
     entry.update(description=conf.description, transforms=conf.transforms(), run_status=status, detail=detail)
+    entry["run_detail"] = detail  # the run's own (``detail`` becomes the checks' verdict)
     return entry
 
 
@@ -105,11 +106,13 @@ def _against_reference(entry: dict, ref: dict | None, dtype: str) -> list[str]:
         entry["correctness"] = {"passed": None, "note": note or "no reference run (none) to compare with"}
         return []
     failures, tol = [], tolerance(dtype)["loss_rtol"]
-    diff = entry["loss_max_rel_diff"] = loss_max_rel_diff(
-        entry["worker"].get("losses") or [], ref["worker"].get("losses") or []
-    )
+    losses, ref_losses = entry["worker"].get("losses") or [], ref["worker"].get("losses") or []
+    diff = entry["loss_max_rel_diff"] = loss_max_rel_diff(losses[:GATED_STEPS], ref_losses[:GATED_STEPS])
+    entry["loss_max_rel_diff_all_steps"] = loss_max_rel_diff(losses, ref_losses)
     if diff is None or not diff <= tol:
-        failures.append(f"losses differ from none by up to {diff} relative (tolerance {tol})")
+        failures.append(
+            f"losses of the first {GATED_STEPS} steps differ from none by up to {diff} relative (tolerance {tol})"
+        )
     grads, ref_grads = entry["worker"].get("gradients") or {}, ref["worker"].get("gradients") or {}
     if "leaves" in grads and "leaves" in ref_grads:
         entry["correctness"] = compare_gradients(ref_grads, grads)
@@ -137,7 +140,8 @@ def check_entry(entry: dict, ref: dict | None, parity: dict, dtype: str) -> None
     if not failures and not (entry["name"] == "none" or entry["grad_parity_ok"] or all_passed):
         failures.append("unverified: neither the parity pass nor a comparison with none checked it")
     entry.update(valid=not failures, invalid_reason="; ".join(failures) or None)
-    entry.update(status="ok" if entry["valid"] else "INVALID", detail=entry["invalid_reason"] or entry["detail"])
+    verdict = entry["invalid_reason"] or entry.get("run_detail", entry["detail"])
+    entry.update(status="ok" if entry["valid"] else "INVALID", detail=verdict)
     if not entry["valid"]:
         entry["invalid_figures"] = {k: entry[k] for k in SPEED_FIELDS}
         entry.update(dict.fromkeys(SPEED_FIELDS))
@@ -154,6 +158,33 @@ def apply_checks(configs: dict, parity: dict, dtype: str) -> None:
             check_entry(entry, ref, parity, dtype)
 
 
+#: Dense bfloat16 matrix peak in FLOP/s by device kind, from the vendors' datasheets (SXM parts).
+PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+
+
+def model_flops_per_token(model: dict) -> float | None:
+    """Training FLOPs per token of a worker's ``model`` record: ``6 N`` for the weights' matrix
+    products forward and backward (``N`` counts the tied embedding once, as the output
+    projection) plus ``12 L d T`` for attention's scores and context at sequence length ``T``
+    (the usual model-FLOPs convention: recomputation is not counted)."""
+    config = model.get("config") or {}
+    if not all(config.get(k) for k in ("n_layers", "d_model")) or not model.get("n_params") or not model.get("seq"):
+        return None
+    return 6.0 * model["n_params"] + 12.0 * config["n_layers"] * config["d_model"] * model["seq"]
+
+
+def _mfu(entry: dict) -> float | None:
+    """Model FLOPs utilisation: tokens/s times :func:`model_flops_per_token` over the device's
+    bfloat16 peak (None for another compute dtype or an unknown device)."""
+    worker = entry.get("worker") or {}
+    model, tokens = worker.get("model") or {}, entry.get("tokens_per_s")
+    peak = PEAK_BF16_FLOPS.get((worker.get("device") or {}).get("device_kind"))
+    flops = model_flops_per_token(model)
+    if not (tokens and peak and flops) or (model.get("config") or {}).get("compute_dtype") != "bfloat16":
+        return None
+    return tokens * flops / peak
+
+
 def derived(configs: dict, bandwidth: dict | None) -> None:
     """Ratios to ``none``, and the bytes each step moves (from the compiled program) with the link
     time they take at the measured bandwidth."""
@@ -164,6 +195,7 @@ def derived(configs: dict, bandwidth: dict | None) -> None:
         for key, ratio in (("step_time_s", "step_ratio_vs_none"), ("peak_bytes", "peak_ratio_vs_none")):
             mine, base = entry.get(key), none.get(key)
             entry[ratio] = mine / base if mine and base and not entry.get("capped") else None  # capped: another model
+        entry["mfu"] = _mfu(entry)
         hlo, step = entry.get("hlo") or {}, entry.get("step_time_s")
         h2d, d2h = hlo.get("h2d_bytes_per_step"), hlo.get("d2h_bytes_per_step")
         moved = {"h2d_bytes_per_step": h2d, "d2h_bytes_per_step": d2h, "source": "compiled HLO (x loop trips)"}

@@ -7,7 +7,12 @@ relative; in bfloat16 compute (the main runs) ~1e-3. The wrong-gradient bugs thi
 (openxla/xla#46231: host dynamic slices inside loops reading the wrong layer) give errors of
 order 1: a reversed layer order makes a layer's update uncorrelated with the right one.
 
-- ``loss_rtol``: relative difference of the loss at every step.
+- ``loss_rtol``: relative difference of the loss at each of the first :data:`GATED_STEPS` steps
+  (two optimizer updates in). Later steps are reported, not gated: training in bfloat16 is
+  chaotic enough that exact transforms drift apart. On an H200 (2026-12-04, ``llama:1b``, lr
+  3e-4) full recompute, a pure re-execution, matched the plain run to 1e-5 at step 1 and 1e-3 at
+  step 3, yet differed by 0.9% at step 7 (offloaded weights: 4e-7, 1.2e-3, then 2.2%), while a
+  layer-order bug moves the step-2 loss by far more.
 - ``param_delta_rtol``: per parameter leaf, ``||delta - delta_ref|| / ||delta_ref||`` where
   ``delta`` is the change the optimizer steps made to the leaf. AdamW's first steps move each
   element by about ``lr * sign(g)``, so an element whose gradient is within rounding of zero may
@@ -15,6 +20,9 @@ order 1: a reversed layer order makes a layer's update uncorrelated with the rig
 """
 
 from __future__ import annotations
+
+#: The steps whose losses are gated (the rest are reported as ``loss_max_rel_diff_all_steps``).
+GATED_STEPS = 3
 
 TOLERANCES: dict[str, dict[str, float]] = {
     "float32": {"loss_rtol": 1e-4, "param_delta_rtol": 2e-2},

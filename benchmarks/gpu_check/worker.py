@@ -221,7 +221,13 @@ def _first_step(spec: dict, report: dict, model, step, state, tokens):
         report["step_modules"] = sorted(p.name for p in set(dump_dir.glob("*after_optimizations.txt")) - dumped)
     report["first_step"] = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
     mu = first_moment(state, like) if spec["correctness"] else None
-    return model, state, None if mu is None else jax.device_get(mu)
+    if mu is None:
+        return model, state, None
+    # A host-memory leaf read into NumPy is read in place, and the array keeps that view: the
+    # next step could not donate the state's buffer (jaxlib 0.11 on CUDA refuses). Copies are read.
+    on_host = lambda x: x.sharding.memory_kind == "pinned_host"
+    mu = {k: jax.device_put(x, x.sharding, may_alias=False) if on_host(x) else x for k, x in mu.items()}
+    return model, state, jax.device_get(mu)
 
 
 def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles: dict):
