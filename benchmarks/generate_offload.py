@@ -1,0 +1,156 @@
+"""Generation with the weights on the device against the weights in host memory.
+
+One fresh process per placement (so each peak is its own): the model (``llama:1b`` by default,
+bfloat16 weights and compute) is built either on the device or straight into ``pinned_host``
+(:func:`transforms.offload_params` of the abstract model), then :func:`zoo.generate` runs a batch
+of random prompts greedily. Each program is compiled by an untimed call first; the first token's
+time is the median of ``--rounds`` calls with ``max_new_tokens=1``, the decode rate comes from
+the difference between ``1 + --new`` new tokens and one; both placements must generate the same
+greedy tokens (checked). Peak device memory is
+``memory_stats()["peak_bytes_in_use"]`` where the backend keeps it (GPUs; not the CPU).
+
+```bash
+python -m benchmarks.generate_offload --out benchmarks/results                 # on a GPU
+python -m benchmarks.generate_offload --model llama:tiny --batch 2 --prompt 16 --new 8 --out /tmp/g
+```
+
+Writes ``<out>/generate_offload_<device>.json`` and ``.md``; the table prints the host-weight
+figures as ratios of the device-weight ones measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import _environment as env
+
+PLACEMENTS = ("device", "pinned_host")
+
+
+def _measure(args) -> dict:
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    import zoo
+
+    from .gpu_check.worker import _build_on_host, memory_stats
+
+    cfg = zoo.config_from_name(args.model, compute_dtype="bfloat16", param_dtype="bfloat16")
+    key = jax.random.key(0)
+
+    def build(k):
+        return zoo.build_model(cfg, key=k)
+
+    t = time.perf_counter()
+    on_host = args.placement == "pinned_host"
+    model = _build_on_host(build, key, _NoPrefetch()) if on_host else eqx.filter_jit(build)(key)
+    jax.block_until_ready(eqx.filter(model, eqx.is_array))
+    init_s = time.perf_counter() - t
+    rng = np.random.default_rng(0)
+    prompts = [np.asarray(rng.integers(1, cfg.vocab_size, args.prompt), np.int32) for _ in range(args.batch)]
+
+    def run(n):
+        t0 = time.perf_counter()
+        out = zoo.generate(model, prompts, max_new_tokens=n)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
+
+    compile_s = {n: run(n) for n in (1, 1 + args.new)}
+    tokens = [np.asarray(t).tolist() for t in zoo.generate(model, prompts, max_new_tokens=1 + args.new)]
+    first = statistics.median(run(1) for _ in range(args.rounds))
+    full = statistics.median(run(1 + args.new) for _ in range(args.rounds))
+    decode_s = max(full - first, 1e-9)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    stats = memory_stats() or {}
+    return {
+        "placement": args.placement,
+        "device_kind": jax.devices()[0].device_kind,
+        "platform": jax.default_backend(),
+        "weight_bytes": weight_bytes,
+        "init_s": init_s,
+        "first_call_s": compile_s,
+        "first_token_s": first,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": args.batch * args.new / decode_s,
+        "peak_bytes": stats.get("peak_bytes_in_use"),
+        "tokens": tokens,
+    }
+
+
+class _NoPrefetch:
+    prefetch = False
+
+
+def _row(r: dict, ref: dict | None) -> str:
+    def ratio(key):
+        if ref is None or r.get(key) is None or not ref.get(key):
+            return "-"
+        return f"{r[key] / ref[key]:.2f}"
+
+    peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**30:.2f}"
+    return (
+        f"| {r['placement']} | {r['first_token_s'] * 1e3:.1f} | {ratio('first_token_s')} | "
+        f"{r['decode_tokens_per_s']:.1f} | {ratio('decode_tokens_per_s')} | {peak} | {ratio('peak_bytes')} |"
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama:1b", help="FAMILY:PRESET (default llama:1b)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    p.add_argument("--new", type=int, default=64, help="decode tokens timed")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, default=env.ROOT / "benchmarks" / "results")
+    p.add_argument("--placement", choices=PLACEMENTS, help=argparse.SUPPRESS)  # one worker process
+    p.add_argument("--timeout", type=float, default=240, help="seconds per placement (default 240)")
+    args = p.parse_args(argv)
+    for name in ("batch", "prompt", "new", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.placement:
+        print(json.dumps(_measure(args)), flush=True)
+        return 0
+    rows, errors = [], {}
+    for placement in PLACEMENTS:
+        cmd = [sys.executable, "-m", "benchmarks.generate_offload", *(argv or sys.argv[1:]), "--placement", placement]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=env.ROOT)
+        except subprocess.TimeoutExpired:
+            errors[placement] = f"timeout after {args.timeout:.0f} s"
+            continue
+        if done.returncode != 0:
+            errors[placement] = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    ref = next((r for r in rows if r["placement"] == "device"), None)
+    for r in rows:  # the same weights and prompts: the same greedy tokens wherever the weights live
+        r["same_tokens_as_device"] = None if ref is None else r["tokens"] == ref["tokens"]
+        if r["same_tokens_as_device"] is False:
+            errors[r["placement"]] = "generated other tokens than with the weights on the device"
+
+    device = rows[0]["device_kind"] if rows else "unknown"
+    head = (
+        f"zoo.generate, {args.model} (bf16), batch {args.batch}, {args.prompt}-token prompts, "
+        f"{args.new} decode tokens timed; {device}; ratios are of the device-weight row, same run\n\n"
+        "| weights | first token (ms) | ratio | decode tokens/s | ratio | peak device (GiB) | ratio |\n"
+        "|:---|---:|---:|---:|---:|---:|---:|\n"
+    )
+    text = head + "\n".join(_row(r, ref) for r in rows) + "\n"
+    text += "".join(f"\n{k}: FAILED: {v}\n" for k, v in errors.items())
+    print(text, flush=True)
+    report = {"software": env.software(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    report["errors"] = errors
+    env.write_results(args.out, f"generate_offload_{env.sanitize(device)}", report, text)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
