@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gb-s", type=float, default=None, help="custom device: host link GB/s per direction")
     p.add_argument("--tflops", type=float, default=None, help="custom device: peak dense 16-bit TFLOP/s")
     p.add_argument("--unified", action="store_true", help="custom device: host and device share memory")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["nf4", "int8"],
+        help="plan for the model with its stacks' projections quantized (transforms.quantize): codes and "
+        "scales on the device, on the host and over the link",
+    )
     p.add_argument("--png", default=None, help="write a stacked-bar chart of device vs host bytes here")
     p.add_argument("--json", default=None, help="write the plan as JSON here")
     return p
@@ -137,11 +144,12 @@ def main(argv=None) -> int:
             margin=args.margin,
             host_memory_gb=args.host_memory_gb,
             clip_norm=args.clip_norm,
+            quantize=args.quantize,
         )
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result.model = args.model
+    result.model = args.model + (f", {args.quantize}" if args.quantize else "")
     print(result)
     if args.png:
         result.save_png(args.png)
@@ -163,8 +171,9 @@ def _generate(args, config, device) -> int:
         cache_dtype=args.cache_dtype,
         margin=args.margin,
         host_memory_gb=args.host_memory_gb,
+        quantize=args.quantize,
     )
-    result.model = args.model
+    result.model = args.model + (f", {args.quantize}" if args.quantize else "")
     print(result)
     if args.json:
         result.save_json(args.json)

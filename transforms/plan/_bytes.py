@@ -279,6 +279,20 @@ class Estimate(PhaseTotals):
         return self.compute_s + self.recompute_s + self.exposed_transfer_s
 
 
+#: Residuals a layer keeps only for its weights' gradients (a matmul's input): none is kept when
+#: every projection of the layers is a quantized, frozen weight (``Geometry.frozen_matmuls``).
+_WEIGHT_GRAD_INPUTS = (
+    "attention input (per q, k, v matmul)",
+    "attn_context",
+    "mlp input (per input matmul)",
+    "mlp_hidden",
+)
+#: What the layer saves with quantized (frozen) projections in host memory and no policy: the named
+#: values its backward reads (the projections' outputs are no longer dot outputs, and the MLP
+#: is recomputed from ``attn_residual``).
+_FROZEN_DOTS = ("block_input", "q_proj", "k_proj", "v_proj", "attention scores (float32)", "attn_residual")
+
+
 def _sd(S: int, width: int, itemsize: int) -> int:
     return S * width * itemsize
 
@@ -316,6 +330,8 @@ def full_layer_items(g: Geometry, S: int) -> dict[str, int]:
         items["soft-capped scores"] = 2 * g.heads * S * S * 4
     if g.moe:
         items.update(moe_items(g, S))
+    if g.frozen_matmuls:
+        items = {k: v for k, v in items.items() if k not in _WEIGHT_GRAD_INPUTS}
     return items
 
 
@@ -339,7 +355,7 @@ def moe_items(g: Geometry, S: int) -> dict[str, int]:
 def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
     """Per-example bytes saved per layer when weights live in host memory and no policy is set."""
     c = g.c
-    return {
+    items = {
         "block_input": _sd(S, g.d, c),
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
@@ -359,6 +375,7 @@ def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
         # A post-norm's input is a sub-layer's last matmul output, which its backward pass reads.
         **{f"{n.name} input": _sd(S, n.width, c) for n in g.norms if n.place == "post"},
     }
+    return {k: v for k, v in items.items() if k in _FROZEN_DOTS} if g.frozen_matmuls else items
 
 
 def pre_norm_outputs(g: Geometry, S: int) -> dict[str, int]:
@@ -450,6 +467,8 @@ class Shares:
     P_stack: int
     P_layer: int
     P_out: int  # parameters outside the stacks
+    T: int  # trained parameters (= gradients): P less frozen and quantized weights
+    T_stack: int  # trained parameters inside the stacks
     O_all: int  # optimizer state
     O_move: int  # the part of it offload_opt_state moves
     O_stack: int  # the streamed update's per-layer state, all layers (0 without streaming)
@@ -462,7 +481,15 @@ class Shares:
 
     @property
     def G(self) -> int:
-        return self.P
+        return self.T
+
+    @property
+    def T_out(self) -> int:
+        return self.T - self.T_stack
+
+    @property
+    def T_layer(self) -> int:
+        return self.T_stack // self.L
 
 
 def shares(
@@ -495,6 +522,8 @@ def shares(
         P_stack=P_stack,
         P_layer=P_stack // L,
         P_out=P - P_stack,
+        T=g.trained_bytes // fsdp,
+        T_stack=g.stack_trained_bytes // fsdp,
         O_all=O_all,
         O_move=O_move,
         O_stack=O_stack,
@@ -534,7 +563,7 @@ def saved_per_layer(g: Geometry, cand: Candidate, S: int) -> Saved:
     """The residuals one layer keeps for ``cand`` (see the module docstring)."""
     policy = cand.policy
     if policy is None and not cand.params:
-        const = g.layer_matmul_elems * g.c if g.p != g.c else 0
+        const = g.layer_matmul_elems * g.c if g.p != g.c and not g.frozen_matmuls else 0
         const += sum(n.over for n in g.norms) * NORM_ITEMSIZE  # norm scales, broadcast in float32
         const += rotary_tables(g, S)
         return Saved("all", {k: (v, "device") for k, v in full_layer_items(g, S).items()}, const)
@@ -579,6 +608,8 @@ def layer_backward_bytes(g: Geometry, cand: Candidate, sh: Shares, saved: Saved)
         recomputed = 0
     elif saved.mode == "dots":  # matmul outputs and named values are saved: norm outputs and probabilities come back
         recomputed = sum(pre_norm_outputs(g, sh.S).values()) + probabilities_bytes(g, sh.S)
+        if g.frozen_matmuls:  # and the MLP's matmul outputs, no longer saved
+            recomputed += (g.n_mlp_in + 1) * _sd(sh.S, g.f_active, g.c)
     else:
         kept = saved.device_names()
         recomputed = sum(v for n, v in recompute_items(g, sh.S).items() if n not in kept)
@@ -591,8 +622,8 @@ def layer_backward_bytes(g: Geometry, cand: Candidate, sh: Shares, saved: Saved)
 
 def stream_layer_bytes(cand: Candidate, sh: Shares) -> tuple[int, int]:
     """The streamed update's copies per layer iteration: (to the device, to the host)."""
-    layer_in = (sh.P_layer if sh.host_grads else 0) + (sh.P_layer if cand.params else 0) + sh.O_stack // sh.L
-    layer_out = (sh.P_layer if cand.params else 0) + sh.O_stack // sh.L
+    layer_in = (sh.T_layer if sh.host_grads else 0) + (sh.T_layer if cand.params else 0) + sh.O_stack // sh.L
+    layer_out = (sh.T_layer if cand.params else 0) + sh.O_stack // sh.L
     return layer_in, layer_out
 
 
@@ -603,7 +634,7 @@ def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, 
         opt_stream = int(2 * opt.moments_per_param * largest) if cand.opt_state else 0
         return {
             "gradients": sh.G + accum_buf,
-            "working buffers": (sh.P if cand.params else 0) + 2 * largest + opt_stream,
+            "working buffers": (sh.T if cand.params else 0) + 2 * largest + opt_stream,
         }
     # Stacks: per layer, the fetched copies (gradients if on host, weights if on host, state)
     # for the current and the next layer, the layer's new weights and state on their way out,
@@ -612,11 +643,11 @@ def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, 
     # stacks: as the plain update, leaf by leaf, with their weights and gradients moved in.
     layer_in, layer_out = stream_layer_bytes(cand, sh)
     layer_update = g.two_largest_layer_weights // sh.fsdp
-    stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else sh.P_stack)
+    stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else sh.T_stack)
     largest_out = max(g.outside_largest_leaf_bytes // sh.fsdp, 1)
-    rest_work = (sh.P_out if cand.params else 0) + 2 * largest_out + int(2 * opt.moments_per_param * largest_out)
+    rest_work = (sh.T_out if cand.params else 0) + 2 * largest_out + int(2 * opt.moments_per_param * largest_out)
     return {
-        "gradients": (sh.P_out if sh.host_grads else sh.G) + accum_buf,
+        "gradients": (sh.T_out if sh.host_grads else sh.G) + accum_buf,
         "working buffers": int(max(stack_work, rest_work)),
     }
 
@@ -669,7 +700,7 @@ def host_resident(cand: Candidate, sh: Shares, saved: Saved) -> dict[str, int]:
     if sh.stream:
         # The streamed update writes each stack's new state (and weights, if on host) as new scan
         # outputs, in host memory, while the old ones are still read: a stack-sized host transient.
-        host["update outputs"] = sh.O_stack + (sh.P_stack if cand.params else 0)
+        host["update outputs"] = sh.O_stack + (sh.T_stack if cand.params else 0)
     return host
 
 
@@ -686,12 +717,13 @@ class Moved:
 
 def bytes_moved(cand: Candidate, sh: Shares, saved: Saved) -> Moved:
     """What the train step's program moves between the host and the device (see the module docstring)."""
-    acc, G, P, P_stack, P_out = sh.accum_steps, sh.G, sh.P, sh.P_stack, sh.P_out
+    acc, G, P_stack, P_out = sh.accum_steps, sh.G, sh.P_stack, sh.P_out
+    T, T_stack, T_out = sh.T, sh.T_stack, sh.T_out  # the update moves the trained leaves only
     saved_host = sh.L * sh.B * saved.host_per_example  # every micro-batch's offloaded activations cross the link
     h2d = d2h = 0
     if cand.params and not sh.stream:
-        h2d += acc * (2 * P_stack + P_out + G) + P
-        d2h += acc * G + P
+        h2d += acc * (2 * P_stack + P_out + G) + T
+        d2h += acc * G + T
     h2d += saved_host
     d2h += saved_host
     if cand.opt_state and not sh.stream:
@@ -703,13 +735,13 @@ def bytes_moved(cand: Candidate, sh: Shares, saved: Saved) -> Moved:
     if cand.params:  # forward, recomputation and the outside weights; gradients out
         h2d += acc * (2 * P_stack + P_out) + (acc * G if acc > 1 else 0)
         d2h += acc * G
-        upd_h2d += sh.fetches * P_stack + P_out
-        upd_d2h += P
+        upd_h2d += sh.fetches * T_stack + T_out
+        upd_d2h += T
     if sh.host_grads:
-        upd_h2d += sh.fetches * P_stack + P_out
+        upd_h2d += sh.fetches * T_stack + T_out
     upd_h2d += sh.fetches * sh.O_stack + sh.O_rest
     upd_d2h += sh.O_move
-    clip_h2d = sh.fetches * P_stack if sh.clip_pass else 0.0
+    clip_h2d = sh.fetches * T_stack if sh.clip_pass else 0.0
     h2d += round(upd_h2d + clip_h2d)
     d2h += round(upd_d2h)
     return Moved(int(h2d), int(d2h), upd_h2d, upd_d2h, clip_h2d)
@@ -742,15 +774,15 @@ def step_seconds(
 def _outside_copy_bytes(cand: Candidate, sh: Shares, moved: Moved) -> float:
     """Bytes of the copies outside the layer loop (all exposed): the larger direction, as the two
     run concurrently, plus the streamed clip pass before the update."""
-    acc, G, P, P_stack, P_out = sh.accum_steps, sh.G, sh.P, sh.P_stack, sh.P_out
+    acc, G, T, T_stack, P_out = sh.accum_steps, sh.G, sh.T, sh.T_stack, sh.P_out
     if not sh.stream:
-        outside_h2d = (acc * P_out + acc * G + P if cand.params else 0) + (sh.O_move if cand.opt_state else 0)
-        outside_d2h = (P + acc * (G - P_stack) if cand.params else 0) + (sh.O_move if cand.opt_state else 0)
+        outside_h2d = (acc * P_out + acc * G + T if cand.params else 0) + (sh.O_move if cand.opt_state else 0)
+        outside_d2h = (T + acc * (G - T_stack) if cand.params else 0) + (sh.O_move if cand.opt_state else 0)
         return float(max(outside_h2d, outside_d2h))
     # The update's math is elementwise (no matmul time to hide copies behind): its copies are
     # exposed, both directions concurrently; the clip pass runs before it, host -> device only.
     outside_h2d = acc * P_out + (acc * G if acc > 1 else 0) if cand.params else 0
-    outside_d2h = acc * (G - P_stack) if cand.params else 0
+    outside_d2h = acc * (G - T_stack) if cand.params else 0
     return max(outside_h2d + moved.update_h2d, outside_d2h + moved.update_d2h) + moved.clip_h2d
 
 

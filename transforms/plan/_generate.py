@@ -12,7 +12,7 @@ from ._advice import budget_notes, pinned_host_note
 from ._checks import fraction, positive_int
 from ._decode import PLACEMENTS, DecodeEstimate, Placement, evaluate_decode, itemsize
 from ._devices import DeviceProfile, get_device
-from ._model import Geometry, geometry, resolve_model
+from ._model import Geometry, geometry, quantize_notes, quantized, resolve_model
 from ._search import _budgets
 
 
@@ -278,6 +278,7 @@ def plan_generate(
     compute_efficiency: float | int = 1.0,
     heap_overhead: float | int = 0.15,
     environ: Mapping[str, str] | None = None,
+    quantize: str | None = None,
 ) -> GeneratePlan:
     """Plan generation with a KV cache: what to keep on the device, what to stream from host memory,
     and the decode speed that allows.
@@ -301,8 +302,9 @@ def plan_generate(
     - `device`: a profile name or a :class:`DeviceProfile`; a custom one needs
       ``custom_device(..., memory_bw_gb_s=...)``.
     - `cache_dtype`: dtype of the KV cache (default: the model's compute dtype).
-    - `margin`, `host_memory_gb`, `compute_efficiency`, `heap_overhead`, `environ`: as for
-      :func:`transforms.plan`.
+    - `margin`, `host_memory_gb`, `compute_efficiency`, `heap_overhead`, `environ`, `quantize`: as
+      for :func:`transforms.plan` (quantized weights: codes and scales are what stays on the device,
+      streams and is read per token).
 
     **Returns:** a :class:`GeneratePlan`; ``str(p)`` prints the table.
 
@@ -319,7 +321,7 @@ def plan_generate(
     p.tokens_per_s                     # ~568: 8 x 3.35 TB/s over 47 GB of weights and cache per step
     ```
     """
-    model = resolve_model(model_or_config)
+    model = quantized(resolve_model(model_or_config), quantize)
     batch, context, prompt = _check_shape(model.spec, batch, context, prompt)
     margin = fraction("margin", margin)
     efficiency = fraction("compute_efficiency", compute_efficiency, low_open=True, high_closed=True)
@@ -358,6 +360,7 @@ def plan_generate(
         "cache once (at peak memory bandwidth), host-resident bytes cross the link once, and nothing else "
         "(kernel launches, sampling, imperfect overlap) is counted"
     )
+    notes += quantize_notes(quantize, training=False)
     if chosen is not None:
         notes.append(_apply_note(chosen.estimate.placement))
     return GeneratePlan(

@@ -15,7 +15,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zoo import loss_chunk_for
@@ -28,12 +27,77 @@ from .._tree import stack_units, stack_view
 
 
 def float_params(tree):
-    """The floating-point leaves of a model (concrete or abstract): what the train step updates."""
+    """The trained leaves of a model (concrete or abstract): what the train step updates, its
+    floating-point leaves except frozen ones and quantized weights (:func:`zoo.nn.trainable_mask`)."""
+    from zoo import nn
 
-    def keep(x):
-        return isinstance(x, jax.Array | jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.floating)
+    return eqx.filter(tree, nn.trainable_mask(tree))
 
-    return eqx.filter(tree, keep)
+
+def quantized(model: PlannedModel, scheme: str | None, block_size: int = 64) -> PlannedModel:
+    """``model`` with the weights :func:`transforms.quantize` targets by default (the projections
+    inside the stacks) stored as ``scheme`` codes plus float32 scales; unchanged for ``None``."""
+    from zoo import nn
+    from zoo.nn._quant import SCHEMES
+
+    if scheme is None:
+        return model
+    if scheme not in SCHEMES:
+        raise ValueError(f"plan: unknown quantization scheme {scheme!r}; choose one of {[*SCHEMES, None]}")
+    tree = eqx.filter_eval_shape(lambda m: nn.quantize_linears(m, scheme, block_size=block_size), model.tree)
+    return dataclasses.replace(model, label=f"{model.label}, {scheme}", tree=tree)
+
+
+def quantize_notes(scheme: str | None, *, training: bool) -> list[str]:
+    """The plan's note on a quantized plan: what to apply (and, training, what is not counted)."""
+    if scheme is None:
+        return []
+    note = (
+        f"planned with the stacks' projections quantized ({scheme}, block 64: uint8 codes and one float32 scale "
+        f"per block, frozen): apply transforms.quantize(model, {scheme!r}) first, or load with "
+        f"zoo.load_hf(..., quantize={scheme!r})"
+    )
+    if training:
+        note += "; quantized weights get no gradient and no optimizer state (LoRA adapters are not counted)"
+    return [note]
+
+
+def _dense_view(tree):
+    """``tree`` with each quantized weight replaced by the dense weight it stands for (shapes and FLOPs)."""
+    from zoo import nn
+
+    is_q = lambda n: isinstance(n, nn.QuantizedWeight)
+    return jax.tree.map(lambda n: jax.ShapeDtypeStruct(n.shape, n.dtype) if is_q(n) else n, tree, is_leaf=is_q)
+
+
+def _stored_bytes(tree) -> dict[str, int]:
+    """The bytes of the stored weights (floating leaves, and the codes and scales of quantized
+    weights) and of the trained ones, in the stacks and in all, and the largest trained leaves."""
+    from zoo import nn
+
+    from .._params import _quantized_mask
+
+    units, _ = stack_units(tree)
+    flags = zip(
+        jax.tree.leaves(units),
+        jax.tree.leaves(tree),
+        jax.tree.leaves(_quantized_mask(tree)),
+        jax.tree.leaves(nn.trainable_mask(tree)),
+        strict=True,
+    )
+    rows = [(u, x, q, trained) for u, x, q, trained in flags if q or is_floating(x)]
+    dense_matrices = [x for u, x, q, _ in rows if u >= 0 and not q and len(x.shape) >= 3]
+    rows, quantized = [(u, nbytes(x), t) for u, x, _, t in rows], any(q and u >= 0 for u, _, q, _ in rows)
+    trained = [(u, b) for u, b, t in rows if t]
+    return {
+        "frozen_matmuls": quantized and not dense_matrices,
+        "param_bytes": sum(b for _, b, _ in rows),
+        "stack_param_bytes": sum(b for u, b, _ in rows if u >= 0),
+        "trained_bytes": sum(b for _, b in trained),
+        "stack_trained_bytes": sum(b for u, b in trained if u >= 0),
+        "largest_leaf_bytes": max((b for _, b in trained), default=0),
+        "outside_largest_leaf_bytes": max((b for u, b in trained if u == -1), default=0),
+    }
 
 
 def _abstract(model):
@@ -123,13 +187,15 @@ class Geometry:
     softcap: bool  # the attention soft-caps its scores
     layer_kinds: int  # attention kinds the layers select from inside the scan (1: static)
     rotary: bool
-    n_params: int  # floating parameters
-    param_bytes: int  # floating parameter bytes (= gradient bytes)
+    n_params: int  # floating parameters (of a quantized weight: the dense weight's elements)
+    param_bytes: int  # stored weight bytes: floating leaves, and quantized weights' codes and scales
     stack_param_bytes: int
+    trained_bytes: int  # the trained leaves (= gradient bytes): frozen and quantized weights get none
+    stack_trained_bytes: int
     layer_matmul_elems: int  # weight elements of one layer's matmuls
     two_largest_layer_weights: int  # bytes (param dtype) of a layer's two largest weights
-    largest_leaf_bytes: int
-    outside_largest_leaf_bytes: int  # the largest leaf outside the stacks (embedding or head)
+    largest_leaf_bytes: int  # the largest trained leaf
+    outside_largest_leaf_bytes: int  # the largest trained leaf outside the stacks (embedding or head)
     head_elems: int  # V * d
     windows: tuple[int | None, ...] = ()  # each layer's attention window (None: full); () = all full
     n_experts: int = 0  # a mixture-of-experts MLP: experts per layer (0: dense)
@@ -138,6 +204,7 @@ class Geometry:
     attention: str = "xla"  # the config's attention implementation
     attention_block: int = DEFAULT_BLOCK  # keys per block of the "blockwise" implementation
     loss_chunk: int | str = 0  # tokens per loss chunk (0: the whole logits; "auto": zoo.loss_chunk_for)
+    frozen_matmuls: bool = False  # every matmul weight of the layers is quantized: no weight gradient
 
     @property
     def q(self) -> int:
@@ -229,12 +296,12 @@ def layer_windows(spec, config=None) -> tuple[int | None, ...]:
 def geometry(spec, model, config=None) -> Geometry:
     """Build a :class:`Geometry` from a :class:`zoo.ModelSpec` and the matching (abstract) model;
     ``config`` (optional) adds per-layer windows, the attention implementation and the loss chunk."""
-    tree = eqx.filter(model, is_arraylike)
+    stored = _stored_bytes(eqx.filter(model, is_arraylike))
+    tree = eqx.filter(_dense_view(model), is_arraylike)
     units, _ = stack_units(tree)
     leaves = list(zip(jax.tree.leaves(units), jax.tree.leaves(tree), strict=True))
     params = [x for _, x in leaves if is_floating(x)]
     stack = [x for u, x in leaves if u >= 0 and is_floating(x)]
-    outside = [x for u, x in leaves if u == -1 and is_floating(x)]
     # Matmul weights: (layers, in, out), and (layers, experts, in, out) for a layer's experts.
     matrices = [x for x in stack if len(x.shape) >= 3]
     n_experts = spec.layer.n_experts
@@ -263,12 +330,8 @@ def geometry(spec, model, config=None) -> Geometry:
         layer_kinds=layer.layer_kinds,
         rotary=layer.rotary,
         n_params=sum(math.prod(x.shape) for x in params),
-        param_bytes=sum(nbytes(x) for x in params),
-        stack_param_bytes=sum(nbytes(x) for x in stack),
         layer_matmul_elems=sum(math.prod(x.shape[1:]) for x in matrices),
         two_largest_layer_weights=sum(per_layer_matrix_bytes[:2]),
-        largest_leaf_bytes=max(nbytes(x) for x in params),
-        outside_largest_leaf_bytes=max((nbytes(x) for x in outside), default=0),
         head_elems=spec.vocab_size * spec.d_model,
         windows=layer_windows(spec, config),
         n_experts=n_experts,
@@ -277,6 +340,7 @@ def geometry(spec, model, config=None) -> Geometry:
         attention=getattr(settings, "attention", None) or "xla",
         attention_block=block,
         loss_chunk=getattr(settings, "loss_chunk", None) or 0,
+        **stored,
     )
 
 

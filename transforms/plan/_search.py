@@ -16,7 +16,17 @@ from ._bytes import ACTIVATION_OPTIONS, OPT_STATE_OPTIONS, Candidate, evaluate
 from ._checks import OPTIMIZERS as OPTIMIZERS
 from ._checks import check_steps, clip_norm_value, fraction, global_parts, resolve_optimizer
 from ._devices import DeviceProfile, GiB, device_memory_fraction, get_device, pinned_host_limit_bytes
-from ._model import Geometry, OptimizerInfo, PlannedModel, float_params, geometry, optimizer_info, resolve_model
+from ._model import (
+    Geometry,
+    OptimizerInfo,
+    PlannedModel,
+    float_params,
+    geometry,
+    optimizer_info,
+    quantize_notes,
+    quantized,
+    resolve_model,
+)
 from ._result import Plan, Row, best, closest
 
 
@@ -121,6 +131,7 @@ def plan(
     heap_overhead: float | int = 0.15,
     clip_norm: float | int | None = None,
     environ: Mapping[str, str] | None = None,
+    quantize: str | None = None,
 ) -> Plan:
     """Plan the offload of one training step: what to move to host memory so it fits, and what it costs.
 
@@ -161,12 +172,16 @@ def plan(
       clipping to the optimizer it returns. An optimizer given here that contains
       `optax.clip_by_global_norm` is planned as clipping too.
     - `environ`: environment to read limits from (default `os.environ`).
+    - `quantize`: ``"nf4"`` or ``"int8"``: plan for the model after :func:`transforms.quantize`
+      (the projections inside the stacks stored as ``uint8``/``int8`` codes, NF4 two per byte, plus
+      one float32 scale per block of 64, frozen): on the device, on the host and over the link the
+      weights count their codes and scales; they get no gradient and no optimizer state.
 
     **Returns:** a :class:`Plan`; ``str(plan)`` prints the table, ``plan.apply(model, opt)``
     applies it.
 
-    **Raises:** `ValueError` for an unknown model or device (listing the known ones) or a bad
-    batch, sequence, fsdp or margin.
+    **Raises:** `ValueError` for an unknown model, device or quantization scheme (listing the known
+    ones) or a bad batch, sequence, fsdp or margin.
 
     **Example:**
 
@@ -177,7 +192,7 @@ def plan(
     p.transforms          # the transforms to apply
     ```
     """
-    model = resolve_model(model_or_config)
+    model = quantized(resolve_model(model_or_config), quantize)
     batch, seq, fsdp, accum_steps = check_steps(model.spec, batch=batch, seq=seq, fsdp=fsdp, accum_steps=accum_steps)
     margin = fraction("margin", margin)
     compute_efficiency = fraction("compute_efficiency", compute_efficiency, low_open=True, high_closed=True)
@@ -225,7 +240,7 @@ def plan(
         pinned_host_limit=budgets.pinned,
         rows=rows,
         chosen=chosen,
-        notes=[*notes, *more_notes],
+        notes=[*notes, *more_notes, *quantize_notes(quantize, training=True)],
         suggestions=[] if chosen is not None else suggest(ctx, rows, batch, seq),
         env=env,
         clip_norm=clip_norm,
