@@ -70,6 +70,17 @@ matmuls' outputs are saved), so that no expert matmul is recomputed. Expert weig
 bytes, the streamed layer and the weight casts whole (every expert of a layer moves together);
 FLOPs count ``k`` experts and the router.
 
+*Quantized weights* (``plan(..., quantize="nf4" | "int8")``, or a model already through
+:func:`transforms.quantize`): the weight bytes are what is stored, codes (NF4: two per ``uint8``;
+int8: one per byte) plus one float32 scale per block, on the device, on the host and over the
+link; quantized weights get no gradient and no optimizer state, so the gradients, the update and
+its transfers count the trained leaves only. When every projection of the layers is quantized,
+no matmul keeps its input for a weight gradient: without a transform the layer keeps neither the
+q/k/v and MLP inputs nor ``attn_context`` and ``mlp_hidden``; with weights in host memory a layer
+of pre-norms saves ``block_input``, the three projections, the scores and ``attn_residual``
+(the projections' outputs are no longer dot outputs) and recomputes the MLP. Checked against
+``saved_residuals``, ``memory_analysis`` and the jaxpr's transfers in ``tests/test_plan_quantize.py``.
+
 *Long context.* With ``config.attention == "blockwise"`` no score matrix exists: the layer keeps a
 float32 log-normaliser per query and head instead of the probabilities (no causal mask either),
 the recomputed forward keeps nothing of its blocks, and the backward pass holds one float32 block
@@ -287,10 +298,17 @@ _WEIGHT_GRAD_INPUTS = (
     "mlp input (per input matmul)",
     "mlp_hidden",
 )
-#: What the layer saves with quantized (frozen) projections in host memory and no policy: the named
-#: values its backward reads (the projections' outputs are no longer dot outputs, and the MLP
-#: is recomputed from ``attn_residual``).
+#: What a layer of pre-norms saves with quantized (frozen) projections in host memory and no
+#: policy: the named values its backward reads (the projections' outputs are no longer dot
+#: outputs, and the MLP is recomputed from ``attn_residual``).
 _FROZEN_DOTS = ("block_input", "q_proj", "k_proj", "v_proj", "attention scores (float32)", "attn_residual")
+
+
+def _frozen_dots(g: Geometry) -> bool:
+    """Whether a layer with weights in host memory and no policy saves only :data:`_FROZEN_DOTS`:
+    quantized projections in layers of pre-norms (with post-norms the dense case is counted, an
+    over-estimate)."""
+    return g.frozen_matmuls and all(n.place == "pre" for n in g.norms)
 
 
 def _sd(S: int, width: int, itemsize: int) -> int:
@@ -375,7 +393,9 @@ def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
         # A post-norm's input is a sub-layer's last matmul output, which its backward pass reads.
         **{f"{n.name} input": _sd(S, n.width, c) for n in g.norms if n.place == "post"},
     }
-    return {k: v for k, v in items.items() if k in _FROZEN_DOTS} if g.frozen_matmuls else items
+    if _frozen_dots(g):
+        return {k: v for k, v in items.items() if k in _FROZEN_DOTS}
+    return items
 
 
 def pre_norm_outputs(g: Geometry, S: int) -> dict[str, int]:
@@ -608,7 +628,7 @@ def layer_backward_bytes(g: Geometry, cand: Candidate, sh: Shares, saved: Saved)
         recomputed = 0
     elif saved.mode == "dots":  # matmul outputs and named values are saved: norm outputs and probabilities come back
         recomputed = sum(pre_norm_outputs(g, sh.S).values()) + probabilities_bytes(g, sh.S)
-        if g.frozen_matmuls:  # and the MLP's matmul outputs, no longer saved
+        if _frozen_dots(g):  # the MLP's matmul outputs come back too
             recomputed += (g.n_mlp_in + 1) * _sd(sh.S, g.f_active, g.c)
     else:
         kept = saved.device_names()

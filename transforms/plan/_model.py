@@ -52,8 +52,9 @@ def quantize_notes(scheme: str | None, *, training: bool) -> list[str]:
     """The plan's note on a quantized plan: what to apply (and, training, what is not counted)."""
     if scheme is None:
         return []
+    codes = "4-bit codes, two per uint8" if scheme == "nf4" else "int8 codes"
     note = (
-        f"planned with the stacks' projections quantized ({scheme}, block 64: uint8 codes and one float32 scale "
+        f"planned with the stacks' projections quantized ({scheme}, block 64: {codes} and one float32 scale "
         f"per block, frozen): apply transforms.quantize(model, {scheme!r}) first, or load with "
         f"zoo.load_hf(..., quantize={scheme!r})"
     )
