@@ -205,3 +205,40 @@ def test_the_benchmark_reads_a_streamed_layer_at_about_a_quarter_of_bfloat16_for
     dense = 2 * (2 * c.d_model * q + 2 * c.d_model * kv + 3 * c.d_model * c.d_ff + 2 * c.d_model)
     assert b["bfloat16"] == dense
     assert 0.26 < b["nf4"] / dense < 0.32 and 0.5 < b["int8"] / dense < 0.56
+
+
+def test_memory_and_transfer_reports_count_codes_and_scales_exactly(model):
+    """An offloaded QLoRA model: memory_report's host bytes hold the uint8 codes (two per byte) and
+    float32 scales (one per block of 64), the device the adapters; transfer_report's step moves each
+    layer's codes and scales twice (forward and recomputation), counted by hand from the shapes."""
+    m = transforms.lora(transforms.quantize(model, "nf4"), rank=4, alpha=8, key=jax.random.key(5))
+    m = transforms.offload_params(m)
+    is_q = lambda n: isinstance(n, nn.QuantizedWeight)
+    qs = [n for n in jax.tree.leaves(m, is_leaf=is_q) if is_q(n)]
+    codes = sum(np.prod(q.shape) // 2 for q in qs)  # the dense (layers, in, out) weights, 4 bits each
+    scales = sum(np.prod(q.shape) // 64 * 4 for q in qs)
+    report = transforms.memory_report(codes=[q.codes for q in qs], scales=[q.absmax for q in qs], model=m)
+    assert report.bytes("pinned_host", "codes") == codes and report.bytes("device", "codes") == 0
+    assert report.bytes("pinned_host", "scales") == scales
+    mask = transforms.trainable_mask(m)
+    adapters = [x for x, t in zip(jax.tree.leaves(m), jax.tree.leaves(mask), strict=True) if t and x.ndim == 3]
+    assert report.bytes("device", "model") == sum(x.nbytes for x in adapters) > 0
+    assert report.bytes("pinned_host", "model") == sum(x.nbytes for x in jax.tree.leaves(m)) - sum(
+        x.nbytes for x in adapters
+    )
+
+    step = transforms.train_step(zoo.lm_loss, optax.adam(1e-3))
+    params, static = eqx.partition(m, eqx.is_array)
+    moves = transforms.transfer_report(step._build(static), params, step.init(m), _tokens()).transfers
+    layer_scales = {q.absmax.shape[1:] for q in qs}
+
+    def moved(keep):
+        return sum(
+            np.prod(shape) * np.dtype(dtype).itemsize * times
+            for d, dtype, shape, _, times in moves
+            if keep(d, dtype, shape)
+        )
+
+    assert moved(lambda d, dtype, shape: d == "h2d" and dtype == "uint8") == 2 * codes
+    assert moved(lambda d, dtype, shape: d == "h2d" and dtype == "float32" and shape in layer_scales) == 2 * scales
+    assert moved(lambda d, dtype, shape: d == "d2h" and dtype == "uint8") == 0  # codes never come back
