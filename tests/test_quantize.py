@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 import torch
+from test_lora import hf_llama as hf_llama  # the tiny transformers Llama, a fixture
 from test_offload_structure import DEV, H, device_puts
 
 import transforms
@@ -242,3 +243,42 @@ def test_memory_and_transfer_reports_count_codes_and_scales_exactly(model):
     assert moved(lambda d, dtype, shape: d == "h2d" and dtype == "uint8") == 2 * codes
     assert moved(lambda d, dtype, shape: d == "h2d" and dtype == "float32" and shape in layer_scales) == 2 * scales
     assert moved(lambda d, dtype, shape: d == "d2h" and dtype == "uint8") == 0  # codes never come back
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecation notices, raised inside peft
+def test_a_qlora_adapter_loads_in_peft_on_the_dense_base_and_matches_the_merged_model(hf_llama, tmp_path):
+    """QLoRA steps on an NF4 base, then the exported PEFT adapter in the real ``peft`` on the dense
+    base (the dequantized one it was trained on: our merged model's logits; the original
+    checkpoint: the same up to NF4's rounding)."""
+    import peft
+    import torch
+    import transformers
+
+    qlora = transforms.lora(
+        transforms.quantize(zoo.load_hf(hf_llama), "nf4", block_size=32),
+        rank=4,
+        alpha=8,
+        targets=("q_proj", "v_proj", "down"),
+        key=jax.random.key(6),
+    )
+    step = transforms.train_step(zoo.lm_loss, optax.adam(1e-2))
+    state, tokens = step.init(qlora), jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 17)), jnp.int32)
+    for _ in range(3):
+        qlora, state, _ = step(qlora, state, tokens)
+    zoo.hf.save_peft_adapter(qlora, tmp_path / "adapter")
+    dense_base = transforms.dequantize(transforms.quantize(zoo.load_hf(hf_llama), "nf4", block_size=32))
+    zoo.save_hf(dense_base, tmp_path / "dense")
+    ids = jnp.asarray(np.arange(12) % 96)
+    ours = np.asarray(transforms.merge_lora(qlora)(ids))
+    assert np.abs(ours - np.asarray(transforms.dequantize(qlora)(ids))).max() < 1e-4
+
+    def peft_logits(base_dir):
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+        with torch.no_grad():
+            model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+            return model(torch.tensor(np.asarray(ids)[None])).logits[0].numpy()
+
+    np.testing.assert_allclose(peft_logits(tmp_path / "dense"), ours, atol=1e-4, rtol=0)
+    assert np.abs(ours - np.asarray(dense_base(ids))).max() > 1e-3  # the trained adapters matter
+    original = peft_logits(hf_llama)  # the full-precision checkpoint: NF4's rounding apart
+    assert np.abs(original - ours).max() < 0.1 * np.abs(ours).max()
