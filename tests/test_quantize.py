@@ -19,6 +19,7 @@ import transforms
 import zoo
 from zoo import nn
 from zoo._jax_compat import saved_residuals
+from zoo.nn._quant import NF4_VALUES
 
 CFG = zoo.LlamaConfig.preset("tiny", n_layers=2)
 
@@ -282,3 +283,14 @@ def test_a_qlora_adapter_loads_in_peft_on_the_dense_base_and_matches_the_merged_
     assert np.abs(ours - np.asarray(dense_base(ids))).max() > 1e-3  # the trained adapters matter
     original = peft_logits(hf_llama)  # the full-precision checkpoint: NF4's rounding apart
     assert np.abs(original - ours).max() < 0.1 * np.abs(ours).max()
+
+
+def test_nf4_decodes_every_byte_to_its_two_table_values():
+    """Each of the 256 code bytes gives NF4_VALUES[high nibble], NF4_VALUES[low nibble] times its
+    block's absmax, bit for bit (the decoder looks bytes up as pairs)."""
+    codes = np.arange(256, dtype=np.uint8).reshape(4, 64)  # (out, in / 2): in = 128, blocks of 32
+    absmax = np.random.default_rng(0).uniform(0.1, 2.0, (4, 4)).astype(np.float32)
+    q = nn.QuantizedWeight(jnp.asarray(codes), jnp.asarray(absmax), "nf4", 32, "float32")
+    values = np.stack([NF4_VALUES[codes >> 4], NF4_VALUES[codes & 15]], axis=-1).reshape(4, 128)
+    expected = (values.reshape(4, 4, 32) * absmax[..., None]).reshape(4, 128)
+    np.testing.assert_array_equal(np.asarray(q.dequantize()).T, expected)

@@ -56,6 +56,10 @@ NF4_VALUES = np.array(
     np.float32,
 )
 _NF4_MIDPOINTS = (NF4_VALUES[1:] + NF4_VALUES[:-1]) / 2
+#: The two NF4 values of each of the 256 bytes, ``[byte] -> (high nibble's, low nibble's)``: one
+#: lookup per byte instead of splitting the nibbles and looking each up (about 2x faster decoding
+#: on CPU, the same values).
+_NF4_PAIRS = np.stack([np.repeat(NF4_VALUES, 16), np.tile(NF4_VALUES, 16)], axis=-1)
 
 
 class QuantizedWeight(AxisNamed):
@@ -146,9 +150,9 @@ def quantize_weight(weight: Float[Array, "*lead n_in n_out"], scheme: str, *, bl
 
 def _dequantize_hf(codes, absmax, scheme: str, block_size: int):
     """The float32 weight ``(..., out, in)`` (Hugging Face orientation) of codes and scales."""
-    if scheme == "nf4":
-        index = jnp.stack([codes >> 4, codes & 15], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
-        values = jnp.asarray(NF4_VALUES)[index.astype(jnp.int32)]
+    if scheme == "nf4":  # every uint8 indexes the 256 pairs: no bounds check needed
+        pairs = jnp.asarray(_NF4_PAIRS).at[codes.astype(jnp.int32)].get(mode="promise_in_bounds")
+        values = pairs.reshape(*codes.shape[:-1], 2 * codes.shape[-1])
     else:
         values = codes.astype(jnp.float32) / 127
     *lead, out, n_in = values.shape
