@@ -156,3 +156,13 @@ def test_cli_quantize(capsys):
         cli.main(["llama:tiny", "--batch", "2", "--seq", "64", "--quantize", "fp8"])
     assert exit_info.value.code == 2
     assert "'nf4', 'int8'" in capsys.readouterr().err
+
+
+def test_other_dtypes_keep_the_codes_and_float32_scales():
+    """What-if dtypes (the planner's suggestions) cast the float weights, not the codes or scales."""
+    from transforms.plan._model import quantized, resolve_model
+
+    bf16 = quantized(resolve_model(CFG), "nf4").with_dtypes("bfloat16", "bfloat16")
+    w = bf16.tree.stack.layers.attn.q_proj.weight
+    assert (w.codes.dtype, w.absmax.dtype, w.dtype) == (jnp.uint8, jnp.float32, jnp.bfloat16)
+    assert bf16.tree.stack.layers.attn_norm.weight.dtype == jnp.bfloat16

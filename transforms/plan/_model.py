@@ -118,14 +118,19 @@ class PlannedModel:
     def with_dtypes(self, param_dtype: str, compute_dtype: str) -> PlannedModel:
         """The same model with its floating weights stored in `param_dtype`, computing in `compute_dtype`."""
 
+        from zoo import nn
+
         def cast(x):
+            if isinstance(x, nn.QuantizedWeight):  # its codes and float32 scales stay; it stands for param_dtype
+                return dataclasses.replace(x, dense_dtype=param_dtype)
             return jax.ShapeDtypeStruct(x.shape, param_dtype) if is_arraylike(x) and is_floating(x) else x
 
         config = (
             None if self.config is None else self.config.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
         )
         spec = self.spec.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
-        return dataclasses.replace(self, spec=spec, tree=jax.tree.map(cast, self.tree), config=config)
+        tree = jax.tree.map(cast, self.tree, is_leaf=lambda n: isinstance(n, nn.QuantizedWeight))
+        return dataclasses.replace(self, spec=spec, tree=tree, config=config)
 
 
 def resolve_model(model_or_config) -> PlannedModel:
