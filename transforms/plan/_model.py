@@ -122,7 +122,7 @@ class PlannedModel:
 
         def cast(x):
             if isinstance(x, nn.QuantizedWeight):  # its codes and float32 scales stay; it stands for param_dtype
-                return dataclasses.replace(x, dense_dtype=param_dtype)
+                return eqx.filter_eval_shape(lambda q: dataclasses.replace(q, dense_dtype=param_dtype), x)
             return jax.ShapeDtypeStruct(x.shape, param_dtype) if is_arraylike(x) and is_floating(x) else x
 
         config = (
