@@ -166,3 +166,12 @@ def test_other_dtypes_keep_the_codes_and_float32_scales():
     w = bf16.tree.stack.layers.attn.q_proj.weight
     assert (w.codes.dtype, w.absmax.dtype, w.dtype) == (jnp.uint8, jnp.float32, jnp.bfloat16)
     assert bf16.tree.stack.layers.attn_norm.weight.dtype == jnp.bfloat16
+
+
+def test_apply_quantizes_the_model_it_is_given_once():
+    p = transforms.plan(CFG, batch=B, seq=S, quantize="int8")
+    assert p.to_dict()["quantize"] == "int8"
+    model, _ = p.apply(zoo.build_model(CFG, key=jax.random.key(0)), optax.adamw(1e-3))
+    assert model.stack.layers.mlp.up.weight.codes.dtype == jnp.int8
+    again, _ = p.apply(model, optax.adamw(1e-3))  # already quantized: left as it is
+    assert again.stack.layers.mlp.up.weight is model.stack.layers.mlp.up.weight

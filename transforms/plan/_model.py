@@ -53,9 +53,10 @@ def quantize_notes(scheme: str | None, *, training: bool) -> list[str]:
     if scheme is None:
         return []
     codes = "4-bit codes, two per uint8" if scheme == "nf4" else "int8 codes"
+    how = "plan.apply(model, ...) applies" if training else "apply"
     note = (
         f"planned with the stacks' projections quantized ({scheme}, block 64: {codes} and one float32 scale "
-        f"per block, frozen): apply transforms.quantize(model, {scheme!r}) first, or load with "
+        f"per block, frozen): {how} transforms.quantize(model, {scheme!r}) first, or load with "
         f"zoo.load_hf(..., quantize={scheme!r})"
     )
     if training:

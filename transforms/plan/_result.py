@@ -8,12 +8,20 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import optax
 
 from ._bytes import ACTIVATION_OPTIONS, Candidate, Estimate
 from ._checks import clip_norm_value, global_parts
 from ._devices import DeviceProfile
 from ._model import geometry, resolve_model
+
+
+def _has_quantized(model) -> bool:
+    from zoo import nn
+
+    is_q = lambda n: isinstance(n, nn.QuantizedWeight)
+    return any(is_q(n) for n in jax.tree.leaves(model, is_leaf=is_q))
 
 
 @dataclasses.dataclass
@@ -114,6 +122,7 @@ class Plan:
     suggestions: list[str]
     env: dict[str, str]
     clip_norm: float | None = None
+    quantize: str | None = None  # planned for the model after transforms.quantize(model, quantize)
     _context: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # --- the answer ---------------------------------------------------------------------------
@@ -274,7 +283,8 @@ class Plan:
         ``clip_norm`` here or in :func:`plan`: the returned optimizer clips to that norm whatever
         the plan (``offload_opt_state(..., clip_norm=...)`` when the state is offloaded, streamed
         or not, otherwise ``optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)``).
-        `clip_norm` defaults to the plan's.
+        `clip_norm` defaults to the plan's. A plan made with ``quantize=`` quantizes the model
+        first (:func:`transforms.quantize`), unless it already has quantized weights.
 
         Raises `ValueError` if nothing fits, if the model differs from the planned one (its zoo
         config, or else its ``describe()`` and parameter bytes), or if the plan streams the update
@@ -312,6 +322,10 @@ class Plan:
                     "without it and clip_norm=<max_norm> to plan.apply (or to transforms.plan): the streamed "
                     "update computes the global norm in a first pass over the layers"
                 )
+        if self.quantize is not None and not _has_quantized(model):
+            from .._quantize import quantize
+
+            model = quantize(model, self.quantize)
         if cand.params:
             model = offload_params(model)
         if cand.activations is not None:
@@ -361,6 +375,7 @@ class Plan:
             "accum_steps": self.accum_steps,
             "optimizer": self.optimizer,
             "clip_norm": self.clip_norm,
+            "quantize": self.quantize,
             "device": self.device.to_dict(),
             "margin": self.margin,
             "memory_fraction": self.memory_fraction,

@@ -244,6 +244,7 @@ def plan(
         suggestions=[] if chosen is not None else suggest(ctx, rows, batch, seq),
         env=env,
         clip_norm=clip_norm,
+        quantize=quantize,
         _context=ctx,
     )
 
