@@ -47,7 +47,7 @@ import checkpointing
 import transforms
 import zoo
 from recipes._lm import cli
-from recipes._lm.data import TOKEN_DTYPES, ByteTokenizer, HFTokenizer, batch_at, open_corpus
+from recipes._lm.data import TOKEN_DTYPES, ByteTokenizer, HFTokenizer, batch_at, open_corpus, segments_at
 from recipes._lm.monitor import (
     MetricsLog,
     Progress,
@@ -115,6 +115,7 @@ KEPT = {
         "data",
         "data_bytes",
         "data_dtype",
+        "pack",
         "seed",
         "batch",
         "seq",
@@ -157,6 +158,13 @@ def build_parser(
         help="read at most this many bytes of text (default: all of --data; 2,000,000 of the standard library)",
     )
     a("--data-dtype", default=None, help="token dtype of a pre-tokenized .bin file: uint16 or uint32")
+    a(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="packed documents: attention stays within each document of a sequence and its positions start at 0 "
+        "(--no-pack: each sequence is one stream across document boundaries)",
+    )
     a("--steps", type=int, default=300, help="total optimizer steps (the learning-rate schedule's length)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--seq", type=int, default=128, help="tokens per sequence")
@@ -287,6 +295,16 @@ def resumed(parser, args, given: dict) -> tuple[argparse.Namespace, list[str]]:
             f"{step} to train further"
         )
     return argparse.Namespace(**flags), changes
+
+
+def packed_loss(loss_fn):
+    """``loss_fn(model, tokens, segment_ids=...)`` as a loss of a packed batch ``{"tokens",
+    "segment_ids"}`` (see :meth:`Run.batch`)."""
+
+    def loss(model, batch):
+        return loss_fn(model, batch["tokens"], segment_ids=batch["segment_ids"])
+
+    return loss
 
 
 def same_directory(a, b) -> bool:
@@ -437,6 +455,12 @@ class Run:
             args.data, self.tokenizer, limit=args.data_bytes, seed=args.seed, dtype=getattr(args, "data_dtype", None)
         )
         self.corpus.check(args.seq)
+        self.pack = getattr(args, "pack", False)
+        if self.pack and self.corpus.doc_starts is None and self.tokenizer.eos_id is None:
+            raise SystemExit(
+                f"--pack: {args.data} is pre-tokenized and the tokenizer has no end-of-sequence token, so its "
+                "documents cannot be told apart; give --no-pack"
+            )
         if hf:
             # Full fine-tuning trains --param-dtype master weights; a LoRA base stays frozen in --base-dtype.
             dtype = getattr(args, "base_dtype", None) if self.lora else args.param_dtype
@@ -477,12 +501,13 @@ class Run:
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--offload {args.offload} --activations {args.activations}: {err}") from None
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
-        self.step_fn = transforms.train_step(zoo.lm_loss_and_metrics, optimizer, accum_steps=args.accum, has_aux=True)
+        loss = packed_loss(zoo.lm_loss_and_metrics) if self.pack else zoo.lm_loss_and_metrics
+        self.step_fn = transforms.train_step(loss, optimizer, accum_steps=args.accum, has_aux=True)
         self.opt_state = self.step_fn.init(self.model)
         #: the sampling key's data (kept in the checkpoint's metadata)
         self.rng = [int(x) for x in np.asarray(jax.random.key_data(jax.random.key(args.seed + 1)))]
         self.rows = process_rows(args.batch)
-        self.eval_loss = eqx.filter_jit(zoo.lm_loss)
+        self.eval_loss = eqx.filter_jit(packed_loss(zoo.lm_loss) if self.pack else zoo.lm_loss)
         self.dropout_key = jax.random.key(args.seed + 4) if getattr(args, "lora_dropout", 0) > 0 else None
 
     def step_key(self, step: int):
@@ -505,18 +530,25 @@ class Run:
         self.opt_state = state["opt_state"]
         self.rng = metadata["rng"]
 
-    def batch(self, tokens: np.ndarray, step: int, seed: int):
+    def batch(self, split: str, step: int, seed: int):
+        """The batch of ``step`` from ``split`` (``"train"`` or ``"val"``): the token windows, and
+        with ``--pack`` their segment ids (``{"tokens", "segment_ids"}``)."""
         a = self.args
-        local = batch_at(tokens, step, batch=a.batch, seq=a.seq, seed=seed, rows=self.rows)
-        return put_batch(local, self.mesh, (a.batch, a.seq + 1))
+        tokens = getattr(self.corpus, split)
+        window = dict(batch=a.batch, seq=a.seq, seed=seed, rows=self.rows)
+        local = put_batch(batch_at(tokens, step, **window), self.mesh, (a.batch, a.seq + 1))
+        if not self.pack:
+            return local
+        starts = None if self.corpus.doc_starts is None else self.corpus.doc_starts[split]
+        segments = segments_at(tokens, step, **window, doc_starts=starts, eos_id=self.tokenizer.eos_id)
+        return {"tokens": local, "segment_ids": put_batch(segments, self.mesh, (a.batch, a.seq + 1))}
 
     def bits_per_byte(self, nats_per_token: float) -> float:
         return nats_per_token / math.log(2) / self.corpus.val_bytes_per_token
 
     def val_bits_per_byte(self) -> float:
         losses = [
-            float(self.eval_loss(self.model, self.batch(self.corpus.val, k, VAL_SEED)))
-            for k in range(self.args.eval_batches)
+            float(self.eval_loss(self.model, self.batch("val", k, VAL_SEED))) for k in range(self.args.eval_batches)
         ]
         return self.bits_per_byte(float(np.mean(losses)))
 
@@ -641,7 +673,7 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
     """Steps ``start + 1 .. last``: train, log, validate, checkpoint."""
     args = run.args
     for step in range(start + 1, last + 1):
-        batch = run.batch(run.corpus.train, step, args.seed)
+        batch = run.batch("train", step, args.seed)
         model, opt_state, metrics = run.step_fn(run.model, run.opt_state, batch, key=run.step_key(step))
         loss = float(metrics["loss"])
         saving = (args.save_every and step % args.save_every == 0) or step == last
