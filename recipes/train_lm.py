@@ -124,6 +124,9 @@ KEPT = {
     "where its state lives (the offload set) is part of the run": ("offload", "activations", "prefetch", "plan"),
     "it writes to its own directory": ("out",),
 }
+#: What a run saved before a flag existed did, where that is not the flag's default: runs from before
+#: --pack trained on one stream.
+BEFORE_FLAG = {"pack": False}
 SCHEDULES = ("cosine", "linear", "constant")
 VAL_SEED = 12345
 
@@ -270,7 +273,7 @@ def resumed(parser, args, given: dict) -> tuple[argparse.Namespace, list[str]]:
     (the command line's) that may change applied, and ``args``' `RUN_CONTROL` flags."""
     run_dir = pathlib.Path(args.resume)
     metadata = cli.read_metadata(run_dir, f"--resume {args.resume}")
-    saved = metadata["args"]
+    saved = {**BEFORE_FLAG, **metadata["args"]}
     # (flags added since the run began take their defaults)
     flags = {**{k: parser.get_default(k) for k in vars(args)}, **saved}
     flags.update({k: getattr(args, k) for k in RUN_CONTROL})
@@ -365,7 +368,7 @@ def check(args: argparse.Namespace) -> None:
 
 def resume_args(run_dir: str) -> dict:
     """The flags saved in the newest readable checkpoint of the run in ``run_dir``."""
-    return cli.read_metadata(pathlib.Path(run_dir), f"--resume {run_dir}")["args"]
+    return {**BEFORE_FLAG, **cli.read_metadata(pathlib.Path(run_dir), f"--resume {run_dir}")["args"]}
 
 
 def saved_flags(run_dir: str) -> argparse.Namespace:
