@@ -269,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-samples", action="store_true", help="also write every sample's inputs, outputs and scores")
     a("--batch-size", type=int, default=8, help="sequences per forward pass and prompts per generation")
     a("--max-gen-toks", type=int, default=256, help="new tokens per generation unless a task says otherwise")
+    a(
+        "--max-length",
+        type=int,
+        default=None,
+        help="longest sequence scored or generated, longer texts scored in windows (default: the model's positions)",
+    )
     a("--step", type=int, default=None, help="checkpoint step of a run directory (default: the latest intact one)")
     a("--dtype", default=None, help="parameter dtype (a Hugging Face model: default the checkpoint's)")
     a("--offload", default="", choices=["", "params"], help="'params': layer weights stream from host memory")
@@ -291,6 +297,8 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     cli.at_least("batch_size", args.batch_size, 1)
     cli.at_least("max_gen_toks", args.max_gen_toks, 1)
+    if args.max_length is not None:
+        cli.at_least("max_length", args.max_length, 2)
     if args.limit is not None and not args.limit > 0:
         raise SystemExit(f"--limit {args.limit}: give a number of samples (or a fraction below 1) above 0")
     if args.dtype is not None:
@@ -316,6 +324,7 @@ def main(argv=None) -> dict:
         tokens,
         batch_size=args.batch_size,
         max_gen_toks=args.max_gen_toks,
+        max_length=None if args.max_length is None else min(args.max_length, model.config.max_seq_len),
         cache_memory_kind=args.cache_memory_kind,
         seed=args.seed,
     )

@@ -123,7 +123,9 @@ def test_lm_eval_matches_lm_evals_own_hf_model_and_writes_its_files(checkpoint, 
 
 
 def test_lm_eval_runs_a_family_name_with_limit_and_refuses_unknown_tasks(tasks, capsys):
-    result = zoo_lm_eval.main(["llama:tiny", "--tasks", "zoo_choice", "--include-path", str(tasks), "--limit", "2"])
+    result = zoo_lm_eval.main(
+        ["llama:tiny", "--tasks", "zoo_choice", "--include-path", str(tasks), "--limit", "2", "--max-length", "8"]
+    )
     assert len(result["results"]) == 1 and 0 <= result["results"]["zoo_choice"]["acc,none"] <= 1
     with pytest.raises(SystemExit, match="unknown task nope"):
         zoo_lm_eval.main(["llama:tiny", "--tasks", "zoo_choice,nope", "--include-path", str(tasks)])
