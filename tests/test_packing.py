@@ -142,3 +142,14 @@ def test_train_lm_packs_by_default_and_no_pack_keeps_one_stream(tmp_path):
     np.testing.assert_array_equal(plain.batch("train", 1, 0), batch["tokens"])
     loss = float(packed.eval_loss(packed.model, batch))
     assert np.isfinite(loss) and loss != float(plain.eval_loss(plain.model, batch["tokens"]))
+
+
+def test_packed_mixture_of_experts_loss_and_metrics_equal_the_plain_loss_of_each_document():
+    cfg = zoo.MixtralConfig.preset("tiny", n_layers=1)
+    model = zoo.build_model(cfg, key=jax.random.key(0))
+    docs = _docs(np.random.default_rng(1), (6, 7), cfg.vocab_size)
+    tokens = jnp.asarray(np.concatenate(docs))[None]
+    segments = jnp.asarray(np.repeat([1, 2], [6, 7]))[None]
+    _, metrics = zoo.lm_loss_and_metrics(model, tokens, segment_ids=segments, chunk=0)
+    alone = sum(float(zoo.lm_loss(model, jnp.asarray(d)[None], chunk=0)) * (len(d) - 1) for d in docs) / 11
+    np.testing.assert_allclose(float(metrics["cross_entropy"]), alone, rtol=1e-5)
