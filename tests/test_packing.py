@@ -153,3 +153,14 @@ def test_packed_mixture_of_experts_loss_and_metrics_equal_the_plain_loss_of_each
     _, metrics = zoo.lm_loss_and_metrics(model, tokens, segment_ids=segments, chunk=0)
     alone = sum(float(zoo.lm_loss(model, jnp.asarray(d)[None], chunk=0)) * (len(d) - 1) for d in docs) / 11
     np.testing.assert_allclose(float(metrics["cross_entropy"]), alone, rtol=1e-5)
+
+
+def test_pack_refuses_a_pretokenized_file_without_an_end_token(tmp_path):
+    from recipes.train_lm import Run, build_parser
+
+    data = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint16).tofile(data)
+    flags = ["--data", str(data), "--data-dtype", "uint16", "--batch", "2", "--seq", "16", "--model", "gpt2:tiny"]
+    with pytest.raises(SystemExit, match="documents cannot be told apart; give --no-pack"):
+        Run(build_parser().parse_args(flags))
+    assert Run(build_parser().parse_args([*flags, "--no-pack"])).batch("train", 0, 0).shape == (2, 17)
