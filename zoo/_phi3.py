@@ -5,7 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
+
+# fmt: off
+_SIZES = preset_table(
+    "            vocab_size d_model n_layers n_heads n_kv_heads d_ff  max_seq_len sliding_window",
+    {
+        "mini": (32064,     3072,   32,      32,     32,        8192, 4096,       2047),
+    },
+)
+# fmt: on
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,23 +36,10 @@ class Phi3Config(RotaryDecoderConfig):
     ```
     """
 
-    vocab_size: int = 32064
-    d_model: int = 3072
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 32
-    d_ff: int = 8192
-    max_seq_len: int = 4096
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    sliding_window: int | None = 2047
-
     family: ClassVar[str] = "phi3"
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(TINY, sliding_window=None),
-        "mini": dict(),
-    }
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": dict(TINY, sliding_window=None), **_SIZES}
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(_SIZES["mini"], norm_eps=1e-5)
 
 
 class Phi3(RotaryDecoder):
