@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
 from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
 
@@ -81,19 +82,12 @@ class Gemma2Config(GemmaConfig):
 
 
 class Gemma2(RotaryDecoder):
-    """A Gemma 2 decoder (see :class:`Gemma2Config`). Local and global layers are one scanned stack:
-    each layer's kind (window) is an int32 leaf scanned with its weights.
-
-    **Arguments:** `config` (a :class:`Gemma2Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Gemma2(zoo.Gemma2Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab), each within (-30, 30)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Gemma 2 decoder (see :class:`Gemma2Config`). Local and global layers are one scanned stack:
+    each layer's kind (window) is an int32 leaf scanned with its weights.""",
+        "Gemma2",
+        example="logits = model(jnp.arange(16))            # (16, vocab), each within (-30, 30)",
+    )
 
     CONFIG: ClassVar[type] = Gemma2Config
 
@@ -133,18 +127,10 @@ class Gemma3Config(GemmaConfig):
 
 
 class Gemma3(RotaryDecoder):
-    """A Gemma 3 text decoder (see :class:`Gemma3Config`). Local and global layers are one scanned
-    stack: each layer's kind (window and rotary base) is an int32 leaf scanned with its weights.
-
-    **Arguments:** `config` (a :class:`Gemma3Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Gemma3(zoo.Gemma3Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Gemma 3 text decoder (see :class:`Gemma3Config`). Local and global layers are one scanned
+    stack: each layer's kind (window and rotary base) is an int32 leaf scanned with its weights.""",
+        "Gemma3",
+    )
 
     CONFIG: ClassVar[type] = Gemma3Config

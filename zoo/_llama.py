@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from . import nn
+from ._common import model_doc
 from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
 
@@ -59,23 +60,12 @@ class LlamaConfig(RotaryDecoderConfig):
 
 
 class Llama(RotaryDecoder):
-    """A Llama decoder: token embedding, pre-norm blocks (RMSNorm, rotary GQA attention,
+    __doc__ = model_doc(
+        """A Llama decoder: token embedding, pre-norm blocks (RMSNorm, rotary GQA attention,
     SwiGLU) scanned over depth, final RMSNorm, output head (tied or separate).
 
-    Call on one sequence of token ids; batch with `jax.vmap`.
-
-    **Arguments:**
-
-    - `config`: a :class:`LlamaConfig`.
-    - `key`: a `jax.random` key.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    Call on one sequence of token ids; batch with `jax.vmap`.""",
+        "Llama",
+    )
 
     CONFIG: ClassVar[type] = LlamaConfig

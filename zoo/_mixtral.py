@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
 from ._config import preset_table
 from ._decoder import TINY, MoEConfig, MoEDecoder
 
@@ -50,18 +51,11 @@ class MixtralConfig(MoEConfig):
 
 
 class Mixtral(MoEDecoder):
-    """A Mixtral decoder (see :class:`MixtralConfig`). Besides the logits it gives the router
-    statistics for the auxiliary losses (:meth:`logits_and_router_stats`).
-
-    **Arguments:** `config` (a :class:`MixtralConfig`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Mixtral(zoo.MixtralConfig.preset("tiny"), key=jax.random.key(0))
-    logits = jax.vmap(model)(jnp.zeros((2, 16), jnp.int32))     # (2, 16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Mixtral decoder (see :class:`MixtralConfig`). Besides the logits it gives the router
+    statistics for the auxiliary losses (:meth:`logits_and_router_stats`).""",
+        "Mixtral",
+        example="logits = jax.vmap(model)(jnp.zeros((2, 16), jnp.int32))     # (2, 16, vocab)",
+    )
 
     CONFIG: ClassVar[type] = MixtralConfig

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
 from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
 
@@ -48,17 +49,8 @@ class Olmo2Config(RotaryDecoderConfig):
 
 
 class Olmo2(RotaryDecoder):
-    """An OLMo 2 decoder (see :class:`Olmo2Config`). Call on one sequence; batch with `jax.vmap`.
-
-    **Arguments:** `config` (an :class:`Olmo2Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Olmo2(zoo.Olmo2Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """An OLMo 2 decoder (see :class:`Olmo2Config`). Call on one sequence; batch with `jax.vmap`.""", "Olmo2"
+    )
 
     CONFIG: ClassVar[type] = Olmo2Config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
 from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
 
@@ -43,17 +44,8 @@ class Phi3Config(RotaryDecoderConfig):
 
 
 class Phi3(RotaryDecoder):
-    """A Phi-3 decoder (see :class:`Phi3Config`). Call on one sequence; batch with `jax.vmap`.
-
-    **Arguments:** `config` (a :class:`Phi3Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Phi3(zoo.Phi3Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Phi-3 decoder (see :class:`Phi3Config`). Call on one sequence; batch with `jax.vmap`.""", "Phi3"
+    )
 
     CONFIG: ClassVar[type] = Phi3Config

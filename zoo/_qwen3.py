@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
 from ._config import preset_table
 from ._decoder import TINY, MoEConfig, MoEDecoder, RotaryDecoder, RotaryDecoderConfig
 
@@ -63,19 +64,11 @@ class Qwen3Config(RotaryDecoderConfig):
 
 
 class Qwen3(RotaryDecoder):
-    """A Qwen3 decoder (see :class:`Qwen3Config`): token embedding, layers scanned over depth,
-    final RMSNorm, output head. Call on one sequence; batch with `jax.vmap`.
-
-    **Arguments:** `config` (a :class:`Qwen3Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Qwen3(zoo.Qwen3Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Qwen3 decoder (see :class:`Qwen3Config`): token embedding, layers scanned over depth,
+    final RMSNorm, output head. Call on one sequence; batch with `jax.vmap`.""",
+        "Qwen3",
+    )
 
     CONFIG: ClassVar[type] = Qwen3Config
 
