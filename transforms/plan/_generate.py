@@ -13,20 +13,19 @@ from ._checks import fraction, positive_int
 from ._decode import PLACEMENTS, DecodeEstimate, Placement, evaluate_decode, itemsize
 from ._devices import DeviceProfile, get_device
 from ._model import Geometry, geometry, resolve_model
+from ._result import Answer, Row, shown_estimate
 from ._search import _budgets
 
 
 @dataclasses.dataclass
-class GenerateRow:
-    """One evaluated placement and whether it fits the budgets."""
+class GenerateRow(Row):
+    """One evaluated placement and whether it fits the budgets (a :class:`Row` of a decode estimate)."""
 
     estimate: DecodeEstimate
-    fits_device: bool
-    fits_host: bool
 
     @property
-    def fits(self) -> bool:
-        return self.fits_device and self.fits_host
+    def label(self) -> str:
+        return self.estimate.placement.label
 
 
 def _row_dict(r: GenerateRow) -> dict[str, Any]:
@@ -66,7 +65,7 @@ def _choose(rows: list[GenerateRow]) -> GenerateRow | None:
 
 
 @dataclasses.dataclass
-class GeneratePlan:
+class GeneratePlan(Answer):
     """The generation planner's answer (see :func:`plan_generate`); ``str(plan)`` is a table.
 
     Main fields: ``fits``, ``chosen`` (the chosen :class:`GenerateRow`, or ``None``), ``weights``
@@ -93,10 +92,6 @@ class GeneratePlan:
     env: dict[str, str]
 
     @property
-    def fits(self) -> bool:
-        return self.chosen is not None
-
-    @property
     def shown(self) -> GenerateRow:
         """The chosen row, or (nothing fits) the placement with the smallest device peak."""
         return self.chosen if self.chosen is not None else min(self.rows, key=lambda r: r.estimate.device_bytes)
@@ -113,25 +108,8 @@ class GeneratePlan:
     def kv_cache(self) -> str | None:
         return None if self.chosen is None else self.placement.cache
 
-    @property
-    def label(self) -> str:
-        return self.placement.label if self.fits else "nothing fits"
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.shown.estimate.tokens_per_s
-
-    @property
-    def device_bytes(self) -> int:
-        return self.shown.estimate.device_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        return self.shown.estimate.host_bytes
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.shown.estimate.cache_bytes
+    tokens_per_s = shown_estimate("tokens_per_s")
+    kv_cache_bytes = shown_estimate("cache_bytes")
 
     def row(self, weights: str = "device", kv_cache: str = "device") -> GenerateRow:
         """The evaluated row of one placement (``ValueError`` if the device does not allow it)."""
