@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +13,7 @@ from ._checks import fraction, positive_int
 from ._decode import PLACEMENTS, DecodeEstimate, Placement, evaluate_decode, itemsize
 from ._devices import DeviceProfile, get_device
 from ._model import Geometry, geometry, resolve_model
-from ._result import Answer, Row, shown_estimate
+from ._result import Answer, Row, row_json, shown_estimate
 from ._search import _budgets
 
 
@@ -29,16 +29,8 @@ class GenerateRow(Row):
 
 
 def _row_dict(r: GenerateRow) -> dict[str, Any]:
-    e = r.estimate
-    return {
-        "placement": e.placement.label,
-        "weights": e.placement.weights,
-        "kv_cache": e.placement.cache,
-        "device_bytes": e.device_bytes,
-        "peak_phase": e.peak_phase,
-        "phases": e.phases,
-        "host_bytes": e.host_bytes,
-        "host": e.host,
+    e, pl = r.estimate, r.estimate.placement
+    costs = {
         "kv_cache_bytes": e.cache_bytes,
         "read_per_step_bytes": e.read_per_step,
         "host_to_device_per_step_bytes": e.h2d_per_step,
@@ -48,10 +40,8 @@ def _row_dict(r: GenerateRow) -> dict[str, Any]:
         "tokens_per_s": e.tokens_per_s,
         "limit": e.limit,
         "prefill_s": e.prefill_s,
-        "fits": r.fits,
-        "fits_device": r.fits_device,
-        "fits_host": r.fits_host,
     }
+    return row_json(r, {"placement": pl.label, "weights": pl.weights, "kv_cache": pl.cache}, costs)
 
 
 def _choose(rows: list[GenerateRow]) -> GenerateRow | None:
@@ -143,10 +133,6 @@ class GeneratePlan(Answer):
             "env": self.env,
         }
 
-    def save_json(self, path) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2, default=str)
-
     def __str__(self) -> str:
         from ._generate_report import render
 
@@ -170,26 +156,25 @@ def _check_shape(spec, batch, context, prompt) -> tuple[int, int, int]:
 def _evaluator(g: Geometry, profile: DeviceProfile, *, cache_itemsize, efficiency, heap_overhead, budgets):
     """``rows(batch, context, prompt)``: every allowed placement, evaluated and checked."""
     placements = [p for p in PLACEMENTS if not (profile.unified and p.n_offloads)]
-    rate = profile.flops(g.compute_dtype) * efficiency
+    # What every placement's estimate shares: the cache dtype and the device's rates.
+    evaluate = functools.partial(
+        evaluate_decode,
+        cache_itemsize=cache_itemsize,
+        memory_bytes_per_s=profile.memory_bytes_per_s,
+        link_bytes_per_s=profile.link_bytes_per_s,
+        flops_per_s=profile.flops(g.compute_dtype) * efficiency,
+        heap_overhead=heap_overhead,
+    )
 
     def rows(batch: int, context: int, prompt: int, geometry: Geometry | None = None) -> list[GenerateRow]:
-        out = []
-        for pl in placements:
-            est = evaluate_decode(
-                geometry or g,
-                pl,
-                batch=batch,
-                context=context,
-                prompt=prompt,
-                cache_itemsize=cache_itemsize,
-                memory_bytes_per_s=profile.memory_bytes_per_s,
-                link_bytes_per_s=profile.link_bytes_per_s,
-                flops_per_s=rate,
-                heap_overhead=heap_overhead,
+        return [
+            GenerateRow.of(
+                evaluate(geometry or g, pl, batch=batch, context=context, prompt=prompt),
+                budgets.device_budget,
+                budgets.host_budget,
             )
-            fits_host = budgets.host_budget is None or est.host_bytes <= budgets.host_budget
-            out.append(GenerateRow(est, est.device_bytes <= budgets.device_budget, fits_host))
-        return out
+            for pl in placements
+        ]
 
     return rows
 

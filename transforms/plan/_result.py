@@ -28,6 +28,12 @@ class Row:
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
 
+    @classmethod
+    def of(cls, estimate, device_budget: int, host_budget: int | None):
+        """The row of ``estimate``, checked against the budgets (``host_budget`` ``None``: no limit)."""
+        fits_host = host_budget is None or estimate.host_bytes <= host_budget
+        return cls(estimate, estimate.device_bytes <= device_budget, fits_host)
+
     @property
     def label(self) -> str:
         """What the row evaluates, as the tables name it."""
@@ -35,18 +41,15 @@ class Row:
 
 
 def row_dict(r: Row) -> dict[str, Any]:
-    e = r.estimate
-    return {
-        "transforms": e.candidate.label,
-        "offload_params": e.candidate.params,
-        "offload_opt_state": e.candidate.opt_state,
-        "stream_update": e.candidate.stream,
-        "activation_policy": e.candidate.policy,
-        "device_bytes": e.device_bytes,
-        "peak_phase": e.peak_phase,
-        "phases": e.phases,
-        "host_bytes": e.host_bytes,
-        "host": e.host,
+    e, c = r.estimate, r.estimate.candidate
+    what = {
+        "transforms": c.label,
+        "offload_params": c.params,
+        "offload_opt_state": c.opt_state,
+        "stream_update": c.stream,
+        "activation_policy": c.policy,
+    }
+    costs = {
         "activations": e.activations,
         "host_to_device_bytes": e.host_to_device,
         "device_to_host_bytes": e.device_to_host,
@@ -55,15 +58,22 @@ def row_dict(r: Row) -> dict[str, Any]:
         "exposed_transfer_s": e.exposed_transfer_s,
         "step_s": e.step_s,
         "stream_layer": e.stream_layer,
-        "fits": r.fits,
-        "fits_device": r.fits_device,
-        "fits_host": r.fits_host,
     }
+    return row_json(r, what, costs)
+
+
+def row_json(r: Row, what: dict[str, Any], costs: dict[str, Any]) -> dict[str, Any]:
+    """A row as both planners write it to JSON: ``what`` it evaluates, its memory (device peak, the
+    phase it is in, every phase; host), its ``costs`` (traffic, time), and whether it fits."""
+    e = r.estimate
+    memory = {"device_bytes": e.device_bytes, "peak_phase": e.peak_phase, "phases": e.phases}
+    fits = {"fits": r.fits, "fits_device": r.fits_device, "fits_host": r.fits_host}
+    return {**what, **memory, "host_bytes": e.host_bytes, "host": e.host, **costs, **fits}
 
 
 def shown_estimate(field: str) -> property:
     """A plan's property: ``field`` of the estimate of the row it shows (``plan.shown``: the chosen
-    row, or when nothing fits the closest one). :class:`Plan` and ``GeneratePlan`` answer with these."""
+    row, or when nothing fits the closest one)."""
     return property(lambda plan: getattr(plan.shown.estimate, field), doc=f"``{field}`` of the shown row's estimate.")
 
 
@@ -81,6 +91,11 @@ class Answer:
 
     device_bytes = shown_estimate("device_bytes")
     host_bytes = shown_estimate("host_bytes")
+
+    def save_json(self, path) -> None:
+        """Write :meth:`to_dict` as JSON (what the CLI's ``--json`` writes)."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2, default=str)
 
 
 def closest(rows: list[Row]) -> Row:
@@ -381,10 +396,6 @@ class Plan(Answer):
             "suggestions": self.suggestions,
             "env": self.env,
         }
-
-    def save_json(self, path) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2, default=str)
 
     def save_png(self, path) -> None:
         """A stacked-bar chart of device vs host bytes per component (no offload, and the plan)."""
