@@ -20,10 +20,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._common import check_tokens, packed_inputs
+from ._common import StackModel, check_tokens, packed_inputs
 from ._config import DecoderConfig, _positive
 from ._jax_compat import innermost_transform_is_vmap
-from .nn._spec import ModelSpec
 
 #: The shape of every rotary family's ``tiny`` preset (tests and examples), which a family adjusts.
 TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128, rope_theta=1e4)
@@ -273,7 +272,7 @@ class MoEConfig(RotaryDecoderConfig):
         return 6.0 * matmul + 12.0 * self.n_layers * self._attn_width() * seq_len
 
 
-class RotaryDecoder(eqx.Module):
+class RotaryDecoder(StackModel):
     """The model of the rotary families: token embedding, :class:`zoo.nn.Block` s scanned over
     depth, final norm, output head (tied or separate), optional final-logit soft-cap.
 
@@ -290,8 +289,7 @@ class RotaryDecoder(eqx.Module):
     CONFIG: ClassVar[type] = RotaryDecoderConfig
 
     def __init__(self, config: RotaryDecoderConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, self.CONFIG):
-            raise TypeError(f"{type(self).__name__} needs a {self.CONFIG.__name__}, got {type(config).__name__}")
+        self._check_config(config)
         c = config
         dtype = c.param_jnp_dtype
         k_emb, k_stack, k_head = jax.random.split(key, 3)
@@ -314,25 +312,6 @@ class RotaryDecoder(eqx.Module):
         )
         self.config = c
 
-    @property
-    def checkpoint_names(self) -> tuple[str, ...]:
-        """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
-        return self.stack.checkpoint_names
-
-    def describe(self) -> ModelSpec:
-        """The :class:`zoo.ModelSpec` the memory planner reads (depth, widths, dtypes, the layer);
-        the output head is the token embedding (transposed) when ``tie_embeddings``."""
-        c = self.config
-        return ModelSpec.from_stack(
-            self.stack,
-            name=c.family,
-            vocab_size=c.vocab_size,
-            tied_head=c.tie_embeddings,
-            compute_dtype=c.compute_dtype,
-            param_dtype=c.param_dtype,
-            max_seq_len=c.max_seq_len,
-        )
-
     def _embed(self, tokens):
         c = self.config
         x = self.embed(tokens)
@@ -352,7 +331,7 @@ class RotaryDecoder(eqx.Module):
         kinds, per_layer = c.attention_kinds()
         windows = {kind.window for kind in kinds}
         if per_layer is None or len(windows - {None}) != 1 or None not in windows or memory_kind == "pinned_host":
-            return self.stack.init_cache(length, dtype, memory_kind)
+            return super().init_cache(length, dtype, memory_kind)
         window = next(w for w in windows if w is not None)
         is_windowed = [kinds[k].window is not None for k in per_layer]
         if memory_kind not in (None, "device"):
@@ -403,16 +382,6 @@ class RotaryDecoder(eqx.Module):
                 h = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
                 logits = (cap * jnp.tanh(h / cap)).astype(logits.dtype)
             return logits
-
-    def __call__(
-        self,
-        tokens: Int[Array, " seq"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, " seq"] | None = None,
-    ) -> Float[Array, "seq vocab"]:
-        """Logits of one sequence (``segment_ids``: packed documents, see :meth:`hidden`)."""
-        return self.head(self.hidden(tokens, positions=positions, segment_ids=segment_ids))
 
 
 class MoEDecoder(RotaryDecoder):

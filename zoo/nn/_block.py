@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from ._attention import Attention, _norm_width
 from ._mlp import FeedForward
-from ._spec import LayerSpec, NormSpec
+from ._spec import LayerSpec, NormSpec, describe_part
 
 
 def _maybe(norm, x):
@@ -81,13 +81,11 @@ class Block(eqx.Module):
         the attention's query/key norms, as :class:`zoo.NormSpec` s). A :class:`zoo.nn.Stack` adds
         ``block_input``. Raises `TypeError` if the MLP does not describe itself."""
         attn = self.attn.describe()
-        describe_mlp = getattr(self.mlp, "describe", None)
-        if not callable(describe_mlp):
-            raise TypeError(
-                f"Block.describe: the MLP {type(self.mlp).__name__} has no describe() method; use zoo.nn.SwiGLU or "
-                "zoo.nn.GeluMLP, or give it describe() -> {'d_ff': ..., 'mlp_inputs': ..., 'activations': (...)}"
-            )
-        mlp = describe_mlp()
+        mlp = describe_part(
+            self.mlp,
+            f"Block.describe: the MLP {type(self.mlp).__name__} has no describe() method; use zoo.nn.SwiGLU or "
+            "zoo.nn.GeluMLP, or give it describe() -> {'d_ff': ..., 'mlp_inputs': ..., 'activations': (...)}",
+        )
         names = (*attn.pop("activations"), ("attn_residual", attn["d_model"]), *mlp.pop("activations"))
         d = attn["d_model"]
         qk = [NormSpec(name, "qk", width, over) for name, width, over in attn.pop("norms", ())]
