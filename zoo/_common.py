@@ -6,8 +6,9 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
+from .nn._attend import PerToken
 from .nn._spec import ModelSpec
 
 
@@ -107,11 +108,7 @@ class StackModel(eqx.Module):
         return self.stack.init_cache(length, dtype, memory_kind)
 
     def __call__(
-        self,
-        tokens: Int[Array, " seq"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, " seq"] | None = None,
+        self, tokens: PerToken, *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> Float[Array, "seq vocab"]:
         """Logits of one sequence (``segment_ids``: packed documents, see :meth:`hidden`)."""
         return self.head(self.hidden(tokens, positions=positions, segment_ids=segment_ids))

@@ -23,6 +23,7 @@ from . import nn
 from ._common import StackModel, check_tokens, packed_inputs
 from ._config import DecoderConfig, _positive
 from ._jax_compat import innermost_transform_is_vmap
+from .nn._attend import PerToken
 
 #: The shape of every rotary family's ``tiny`` preset (tests and examples), which a family adjusts.
 TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128, rope_theta=1e4)
@@ -358,11 +359,7 @@ class RotaryDecoder(StackModel):
         return self.norm(x), carry
 
     def hidden(
-        self,
-        tokens: Int[Array, " seq"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, " seq"] | None = None,
+        self, tokens: PerToken, *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> Float[Array, "seq embed"]:
         """The final hidden states (after the last norm), before the output head.
 
@@ -396,11 +393,7 @@ class MoEDecoder(RotaryDecoder):
     CONFIG: ClassVar[type] = MoEConfig
 
     def hidden_and_router_stats(
-        self,
-        tokens: Int[Array, " seq"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, " seq"] | None = None,
+        self, tokens: PerToken, *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
         """The final hidden states and the router statistics of one sequence, summed over the
         layers (see :func:`zoo.nn.router_losses`, which turns those of a batch into the auxiliary

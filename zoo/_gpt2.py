@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from . import nn
 from ._common import StackModel, check_tokens, model_doc, packed_inputs
 from ._config import GPT2Config
+from .nn._attend import PerToken
 
 
 class GPT2(StackModel):
@@ -71,11 +72,7 @@ class GPT2(StackModel):
         return True  # GPT-2's output head is always the token embedding, transposed
 
     def hidden(
-        self,
-        tokens: Int[Array, " seq"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, " seq"] | None = None,
+        self, tokens: PerToken, *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> Float[Array, "seq embed"]:
         """The final hidden states (after the last norm), before the output head.
 

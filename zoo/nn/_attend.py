@@ -54,6 +54,10 @@ def visible(q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], window: int | Int[
     return ok
 
 
+#: One integer per token of a sequence: positions, segment ids, token ids.
+PerToken = Int[Array, " seq"]
+
+
 def segment_positions(segment_ids: Int[Array, "*batch seq"]) -> Int[Array, "*batch seq"]:
     """Positions that restart at 0 wherever the segment id changes along the last axis.
 

@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._attend import attend, check_implementation
+from ._attend import PerToken, attend, check_implementation
 from ._axes import AxisNamed
 from ._kv_cache import KVCache, cache_slots, cached_attention
 from ._linear import Linear
@@ -264,11 +264,7 @@ class Attention(eqx.Module):
         return checkpoint_name(self.o_proj(ctx), "attn_out"), cache
 
     def __call__(
-        self,
-        x: Float[Array, "seq embed"],
-        *,
-        positions: Int[Array, " seq"] | None = None,
-        segment_ids: Int[Array, " seq"] | None = None,
+        self, x: Float[Array, "seq embed"], *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> Float[Array, "seq embed"]:
         """Attention over one sequence. ``segment_ids`` (one integer per token) marks packed
         documents: a token attends only within its own; give ``positions`` that restart per
