@@ -46,8 +46,8 @@ import numpy as np
 import checkpointing
 import transforms
 import zoo
-from recipes._lm import cli
-from recipes._lm.data import TOKEN_DTYPES, ByteTokenizer, HFTokenizer, batch_at, open_corpus
+from recipes._lm import cli, trackers
+from recipes._lm.data import TOKEN_DTYPES, TRAIN_ON, ByteTokenizer, HFTokenizer, batch_at, open_corpus
 from recipes._lm.monitor import (
     MetricsLog,
     Progress,
@@ -94,6 +94,7 @@ CHANGEABLE = (
     "eval_every",
     "eval_batches",
     "log_every",
+    "tracker",
     "prompt",
     "sample_before",
 )
@@ -115,6 +116,8 @@ KEPT = {
         "data",
         "data_bytes",
         "data_dtype",
+        "data_field",
+        "train_on",
         "seed",
         "batch",
         "seq",
@@ -147,8 +150,8 @@ def build_parser(
     a(
         "--data",
         default=None,
-        help="text file, directory of text files, .jsonl (a 'text' field per line) or pre-tokenized .bin "
-        "(default: the Python standard library's sources)",
+        help="text file, directory of text files, .jsonl (a 'text' or chat 'messages' field per line), a "
+        "datasets.save_to_disk directory, .parquet, or pre-tokenized .bin (default: the Python standard library)",
     )
     a(
         "--data-bytes",
@@ -157,6 +160,13 @@ def build_parser(
         help="read at most this many bytes of text (default: all of --data; 2,000,000 of the standard library)",
     )
     a("--data-dtype", default=None, help="token dtype of a pre-tokenized .bin file: uint16 or uint32")
+    a("--data-field", default=None, help="the JSON field or dataset column to read (default: text, else messages)")
+    a(
+        "--train-on",
+        default="assistant",
+        choices=TRAIN_ON,
+        help="chat data: the loss covers the assistant's tokens only, or all tokens",
+    )
     a("--steps", type=int, default=300, help="total optimizer steps (the learning-rate schedule's length)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--seq", type=int, default=128, help="tokens per sequence")
@@ -202,6 +212,11 @@ def build_parser(
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
     a("--eval-batches", type=int, default=8, help="batches of the validation split per evaluation")
     a("--log-every", type=int, default=20, help="a progress line every N steps")
+    a(
+        "--tracker",
+        default="jsonl",
+        help="where metrics go: some of jsonl,tensorboard,wandb (jsonl, metrics.jsonl, is always on)",
+    )
     a("--save-every", type=int, default=100, help="checkpoint every N steps (and at the end); 0: only at the end")
     a("--keep", type=int, default=3, help="checkpoints to keep")
     a("--out", default=None, help="run directory (default runs/<model>-<time>)")
@@ -305,6 +320,7 @@ def check(args: argparse.Namespace) -> None:
     if args.stop_after is not None:
         cli.at_least("stop_after", args.stop_after, 1)
     cli.positive("lr", args.lr, "3e-3")
+    trackers.check_available(args.tracker)
     cli.at_least("warmup", args.warmup, 0)
     cli.choice("schedule", args.schedule, SCHEDULES)
     cli.positive("clip", args.clip, "1.0")
@@ -434,7 +450,13 @@ class Run:
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--plan {args.plan}: {err}") from None
         self.corpus = open_corpus(
-            args.data, self.tokenizer, limit=args.data_bytes, seed=args.seed, dtype=getattr(args, "data_dtype", None)
+            args.data,
+            self.tokenizer,
+            limit=args.data_bytes,
+            seed=args.seed,
+            dtype=getattr(args, "data_dtype", None),
+            field=getattr(args, "data_field", None),
+            train_on=getattr(args, "train_on", "assistant"),
         )
         self.corpus.check(args.seq)
         if hf:
@@ -477,12 +499,12 @@ class Run:
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--offload {args.offload} --activations {args.activations}: {err}") from None
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
-        self.step_fn = transforms.train_step(zoo.lm_loss_and_metrics, optimizer, accum_steps=args.accum, has_aux=True)
+        self.step_fn = transforms.train_step(batch_loss, optimizer, accum_steps=args.accum, has_aux=True)
         self.opt_state = self.step_fn.init(self.model)
         #: the sampling key's data (kept in the checkpoint's metadata)
         self.rng = [int(x) for x in np.asarray(jax.random.key_data(jax.random.key(args.seed + 1)))]
         self.rows = process_rows(args.batch)
-        self.eval_loss = eqx.filter_jit(zoo.lm_loss)
+        self.eval_loss = eqx.filter_jit(lambda model, batch: batch_loss(model, batch)[1]["cross_entropy"])
         self.dropout_key = jax.random.key(args.seed + 4) if getattr(args, "lora_dropout", 0) > 0 else None
 
     def step_key(self, step: int):
@@ -505,17 +527,20 @@ class Run:
         self.opt_state = state["opt_state"]
         self.rng = metadata["rng"]
 
-    def batch(self, tokens: np.ndarray, step: int, seed: int):
+    def batch(self, tokens: np.ndarray, step: int, seed: int, mask: np.ndarray | None = None):
+        """The batch of ``step``: token windows, or with a loss ``mask``, ``(windows, mask)``."""
         a = self.args
-        local = batch_at(tokens, step, batch=a.batch, seq=a.seq, seed=seed, rows=self.rows)
-        return put_batch(local, self.mesh, (a.batch, a.seq + 1))
+        local = batch_at(tokens, step, batch=a.batch, seq=a.seq, seed=seed, rows=self.rows, mask=mask)
+        if mask is None:
+            return put_batch(local, self.mesh, (a.batch, a.seq + 1))
+        return put_batch(local[0], self.mesh, (a.batch, a.seq + 1)), put_batch(local[1], self.mesh, (a.batch, a.seq))
 
     def bits_per_byte(self, nats_per_token: float) -> float:
         return nats_per_token / math.log(2) / self.corpus.val_bytes_per_token
 
     def val_bits_per_byte(self) -> float:
         losses = [
-            float(self.eval_loss(self.model, self.batch(self.corpus.val, k, VAL_SEED)))
+            float(self.eval_loss(self.model, self.batch(self.corpus.val, k, VAL_SEED, self.corpus.val_mask)))
             for k in range(self.args.eval_batches)
         ]
         return self.bits_per_byte(float(np.mean(losses)))
@@ -546,6 +571,14 @@ class Run:
             else:
                 acts = {n: "offload" for n in a.activations.split(",")}
         return plan.predict(params="params" in chosen, opt_state="opt_state" in chosen, activations=acts)
+
+
+def batch_loss(model, batch):
+    """``zoo.lm_loss_and_metrics`` of a batch: token windows, or ``(windows, loss mask)`` (chat
+    data: only the positions the mask marks count, the others get no gradient)."""
+    if isinstance(batch, tuple):
+        return zoo.lm_loss_and_metrics(model, *batch)
+    return zoo.lm_loss_and_metrics(model, batch)
 
 
 @eqx.filter_jit
@@ -641,7 +674,7 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
     """Steps ``start + 1 .. last``: train, log, validate, checkpoint."""
     args = run.args
     for step in range(start + 1, last + 1):
-        batch = run.batch(run.corpus.train, step, args.seed)
+        batch = run.batch(run.corpus.train, step, args.seed, run.corpus.train_mask)
         model, opt_state, metrics = run.step_fn(run.model, run.opt_state, batch, key=run.step_key(step))
         loss = float(metrics["loss"])
         saving = (args.save_every and step % args.save_every == 0) or step == last
@@ -725,7 +758,10 @@ def _main(argv, defaults: dict | None, build, logs: cli.LibraryLogs) -> dict:
         show_samples(run, say, "sample before training:")
     if lead:
         (out / "args.json").write_text(json.dumps(vars(args), indent=2))
-    log = MetricsLog(out / "metrics.jsonl", truncate_after=start) if lead else None
+    log = None
+    if lead:
+        jsonl = MetricsLog(out / "metrics.jsonl", truncate_after=start)
+        log = trackers.Trackers(jsonl, args.tracker, out, config=vars(args), start=start)
     progress = Progress(
         total=args.steps,
         initial=start,
