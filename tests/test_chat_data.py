@@ -19,7 +19,7 @@ from recipes import finetune_hf
 from recipes._lm import chat, data
 from recipes.train_lm import Run, batch_loss, saved_flags
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecation notices
 
 FAST = ["--batch", "4", "--seq", "32", "--eval-every", "1000", "--eval-batches", "1", "--log-every", "1"]
 FAST += ["--save-every", "0", "--quiet-samples", "--steps", "2", "--warmup", "0"]

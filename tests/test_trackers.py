@@ -12,8 +12,6 @@ from recipes import train_lm
 from recipes._lm import trackers
 from recipes._lm.monitor import read_jsonl
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
-
 TINY = ["--steps", "4", "--batch", "2", "--seq", "16", "--data-bytes", "20000", "--eval-every", "2"]
 TINY += ["--eval-batches", "1", "--save-every", "0", "--quiet-samples", "--warmup", "1"]
 
