@@ -94,8 +94,10 @@ class ChatTemplate:
     with ``tokenizer`` (a ``tokenizers.Tokenizer``)."""
 
     def __init__(self, directory, tokenizer):
-        import jinja2
-
+        try:
+            import jinja2
+        except ImportError:
+            raise SystemExit("chat rows are rendered with jinja2: pip install 'jinja2>=3.1.6'") from None
         self.directory = pathlib.Path(directory)
         self.tokenizer = tokenizer
         config_path = self.directory / "tokenizer_config.json"
