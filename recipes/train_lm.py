@@ -17,7 +17,8 @@ last ``--keep``; model, optimizer state, step, RNG, data position and every flag
 ``--resume DIR`` needs nothing else), ``metrics.jsonl``, ``loss.png`` (training and validation
 loss in bits per byte, with the unigram baseline), ``placement.png`` (device vs host bytes of
 params, gradients, optimizer state, activations) and ``orbax.log`` (the checkpoint library's own
-log messages, kept off the terminal).
+log messages, kept off the terminal); with ``--tracker tensorboard,wandb`` also ``tensorboard/``
+event files and a ``wandb/`` run holding the metrics of ``metrics.jsonl``.
 
 ``--resume DIR`` takes every flag from the run's checkpoint; flags given with it change what may
 change mid-run (`CHANGEABLE`: the schedule, clipping, checkpoints, evaluation, logging), each
