@@ -762,7 +762,9 @@ def _main(argv, defaults: dict | None, build, logs: cli.LibraryLogs) -> dict:
     log = None
     if lead:
         jsonl = MetricsLog(out / "metrics.jsonl", truncate_after=start)
-        log = trackers.Trackers(jsonl, args.tracker, out, config=vars(args), start=start)
+        # every flag: the run's, and those of a recipe built on this one (finetune_hf's --export ...)
+        config = {**vars(build(defaults).parse_args(argv)), **vars(args)}
+        log = trackers.Trackers(jsonl, args.tracker, out, config=config, start=start)
     progress = Progress(
         total=args.steps,
         initial=start,

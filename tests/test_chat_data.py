@@ -186,10 +186,22 @@ def test_bad_chat_rows_and_a_checkpoint_without_a_template_are_one_line(checkpoi
 # ---------------------------------------------------------------------------- training
 
 
-def test_masked_positions_receive_no_gradient_and_a_chat_finetune_trains(checkpoints, chat_jsonl, tmp_path):
+def test_masked_positions_receive_no_gradient_and_a_chat_finetune_trains(
+    checkpoints, chat_jsonl, tmp_path, monkeypatch
+):
+    from test_trackers import wandb_records
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     ckpt = checkpoints["llama3"]
-    summary = finetune_hf.main([str(ckpt), "--data", str(chat_jsonl), "--out", str(tmp_path / "run"), *FAST])
+    flags = ["--data", str(chat_jsonl), "--out", str(tmp_path / "run"), *FAST, "--tracker", "wandb"]
+    summary = finetune_hf.main([str(ckpt), *flags, "--export-dtype", "bfloat16"])
     assert all(np.isfinite(v) for v in summary["losses"].values()) and len(summary["losses"]) == 2
+    # The W&B run's config is every flag, the fine-tuning recipe's own included.
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    (record,) = [r.run for r in wandb_records(str(run_file)) if r.WhichOneof("record_type") == "run"]
+    config = {i.key: json.loads(i.value_json) for i in record.config.update}
+    assert config["export_dtype"] == "bfloat16" and config["train_on"] == "assistant" and config["model"] == str(ckpt)
     run = Run(saved_flags(str(tmp_path / "run")))
     corpus = run.corpus
     assert corpus.train_mask is not None and 0 < corpus.train_mask.mean() < 1
@@ -257,6 +269,9 @@ def test_save_to_disk_directories_and_parquet_files_give_the_tokens_of_the_jsonl
         data.open_corpus(str(tmp_path / "saved"), tok, limit=None, seed=0)
     with pytest.raises(SystemExit, match=r"row 0: field 'id' is neither text nor a list of messages"):
         data.open_corpus(str(tmp_path / "notes.parquet"), tok, limit=None, seed=0, field="id")
+    with pytest.raises(SystemExit, match=r"notes.parquet: no column 'title' \(its columns: body, id"):
+        flags = ["--data", str(tmp_path / "notes.parquet"), "--data-field", "title", *FAST]
+        finetune_hf.main([str(checkpoints["llama3"]), *flags, "--out", str(tmp_path / "run")])
     # Conversations in a dataset column: the same tokens and mask as the chat .jsonl.
     rows = [json.loads(line) for line in chat_jsonl.read_text().splitlines()]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "chat"))
