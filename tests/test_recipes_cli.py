@@ -87,6 +87,8 @@ def cases(p):
         (["--data", nowhere], "is neither a file nor a directory"),
         (["--data-bytes", "0"], "--data-bytes 0: must be at least 1"),
         (["--data-dtype", "uint8"], "--data-dtype uint8: choose one of uint16, uint32"),
+        (["--train-on", "some"], "argument --train-on: invalid choice: 'some' (choose from 'assistant', 'all')"),
+        (["--tracker", "tensorboard,mlflow"], "--tracker tensorboard,mlflow: unknown mlflow; choose some of jsonl,"),
         (["--lora-rank", "-1"], "--lora-rank -1: must be at least 0"),
         (["--lora-rank", "2", "--lora-dropout", "1.5"], "--lora-dropout 1.5: must be in [0, 1)"),
         (["--lora-rank", "2", "--lora-alpha", "0"], "--lora-alpha 0.0: must be a finite number above 0"),

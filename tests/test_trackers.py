@@ -47,7 +47,8 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics_of_metrics_jsonl(tmp_pat
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
     flags = [*TINY, "--out", str(out), "--tracker", "tensorboard,wandb"]
-    train_lm.main(flags)
+    train_lm.main([*flags, "--stop-after", "2"])
+    train_lm.main(["--resume", str(out), "--quiet-samples"])  # the trackers continue: one event stream, one W&B run id
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
@@ -66,8 +67,9 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics_of_metrics_jsonl(tmp_pat
     assert [s.step for s in scalars] == [r["step"] for r in val] == [2, 4]
     assert [s.value for s in scalars] == pytest.approx([r["val_bits_per_byte"] for r in val], rel=1e-6)
 
-    (run_file,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
-    logged = wandb_records(run_file)
+    run_files = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-run.wandb")))
+    assert len(run_files) == 2  # offline, a resumed run is a second directory of the same run id
+    logged = [r for f in run_files for r in wandb_records(f)]
     history = [
         {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
         for r in logged
@@ -75,7 +77,7 @@ def test_tensorboard_and_offline_wandb_hold_the_metrics_of_metrics_jsonl(tmp_pat
     ]
     losses = {h["_step"]: h["loss"] for h in history if "loss" in h}
     assert losses == pytest.approx({r["step"]: r["loss"] for r in train}, rel=1e-6)
-    (run,) = [r.run for r in logged if r.WhichOneof("record_type") == "run"]
+    run = [r.run for r in logged if r.WhichOneof("record_type") == "run"][-1]  # the resumed invocation's
     config = {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
     args = json.loads((out / "args.json").read_text())
     assert config == args and config["tracker"] == "tensorboard,wandb" and config["steps"] == 4
