@@ -272,8 +272,12 @@ def test_save_to_disk_directories_and_parquet_files_give_the_tokens_of_the_jsonl
     with pytest.raises(SystemExit, match=r"notes.parquet: no column 'title' \(its columns: body, id"):
         flags = ["--data", str(tmp_path / "notes.parquet"), "--data-field", "title", *FAST]
         finetune_hf.main([str(checkpoints["llama3"]), *flags, "--out", str(tmp_path / "run")])
-    # Conversations in a dataset column: the same tokens and mask as the chat .jsonl.
+    # Conversations in a dataset column: the same tokens and mask as the chat .jsonl. A field only
+    # some messages have is None in the others (a column of structs): dropped, as transformers does.
     rows = [json.loads(line) for line in chat_jsonl.read_text().splitlines()]
+    assert chat.check_messages([{"role": "user", "content": "a", "name": None}], "row") == [
+        {"role": "user", "content": "a"}
+    ]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "chat"))
     from_jsonl = data.open_corpus(str(chat_jsonl), tok, limit=None, seed=0)
     from_disk = data.open_corpus(str(tmp_path / "chat"), tok, limit=None, seed=0, field="messages")

@@ -76,8 +76,10 @@ def _sandbox():
 
 
 def check_messages(messages, where: str) -> list[dict]:
-    """``messages`` if it is a list of ``{"role", "content"}`` objects with known roles, else one
-    line (`SystemExit`) saying what ``where`` (e.g. ``--data chat.jsonl: line 3``) holds instead."""
+    """``messages`` if it is a list of ``{"role", "content"}`` objects with known roles (keys whose
+    value is ``None`` dropped, as ``transformers`` drops them: a dataset's column of messages holds
+    ``None`` for a field only some messages have), else one line (`SystemExit`) saying what
+    ``where`` (e.g. ``--data chat.jsonl: line 3``) holds instead."""
     if not isinstance(messages, list) or not messages:
         raise SystemExit(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
     for i, message in enumerate(messages):
@@ -86,7 +88,7 @@ def check_messages(messages, where: str) -> list[dict]:
         if message["role"] not in ROLES:
             role = message["role"]
             raise SystemExit(f"{where}: message {i} has the unknown role {role!r}; roles: {', '.join(ROLES)}")
-    return messages
+    return [{k: v for k, v in message.items() if v is not None} for message in messages]
 
 
 class ChatTemplate:
