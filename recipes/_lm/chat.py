@@ -146,7 +146,8 @@ class ChatTemplate:
                     "conversation than after its prefix, so its tokens cannot be told apart: use --train-on all"
                 )
             spans.append((len(before), len(upto)))
-        mask = np.zeros(len(ids), bool)
-        for k, (start, end) in enumerate(encoding.offsets):
-            mask[k] = any(start < b and end > a for a, b in spans)
+        # a token is the assistant's if its characters overlap one of the assistant's spans
+        offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+        starts, ends = np.asarray(spans, np.int64).reshape(-1, 2).T
+        mask = ((offsets[:, :1] < ends) & (offsets[:, 1:] > starts)).any(axis=1)
         return ids, mask, len(text.encode())
