@@ -92,3 +92,17 @@ def test_a_tracker_is_imported_only_when_chosen_and_a_missing_one_says_what_to_i
     with pytest.raises(SystemExit, match=r"^--tracker wandb needs the wandb package: pip install wandb$"):
         train_lm.main([*TINY, "--out", str(tmp_path / "b"), "--tracker", "wandb"])
     assert not (tmp_path / "b").exists()  # refused before anything ran
+
+
+def test_wandb_without_a_login_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    import wandb
+
+    wandb.teardown()  # forget the settings (WANDB_MODE=offline) an earlier run in this process read
+    with pytest.raises(SystemExit, match=r"--tracker wandb: .*API key.*wandb login.*WANDB_MODE=offline"):
+        trackers.WandB(tmp_path, config={}, resume=False)
+    wandb.teardown()  # and this test's settings are not kept for a later one

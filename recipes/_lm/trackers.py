@@ -78,14 +78,20 @@ class WandB:
 
     def __init__(self, out: pathlib.Path, *, config: dict, resume: bool):
         wandb = _need("wandb", "wandb")
-        self.run = wandb.init(
-            dir=str(out),
-            project="jax-offload-zoo",
-            name=out.name,
-            id=out.name,
-            config=config,
-            resume="allow" if resume else None,
-        )
+        try:
+            self.run = wandb.init(
+                dir=str(out),
+                project="jax-offload-zoo",
+                name=out.name,
+                id=out.name,
+                config=config,
+                resume="allow" if resume else None,
+            )
+        except wandb.errors.Error as err:  # not logged in, no network, ...: the user's setup, not a bug
+            raise SystemExit(
+                f"--tracker wandb: {err} (log in with `wandb login`, or set WANDB_MODE=offline to keep the run "
+                "in the run directory)"
+            ) from None
 
     def log(self, record: dict) -> None:
         self.run.log(metrics_of(record), step=record["step"])
