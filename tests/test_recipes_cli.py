@@ -87,6 +87,7 @@ def cases(p):
         (["--data", nowhere], "is neither a file nor a directory"),
         (["--data-bytes", "0"], "--data-bytes 0: must be at least 1"),
         (["--data-dtype", "uint8"], "--data-dtype uint8: choose one of uint16, uint32"),
+        (["--data-field", "body"], "--data-field body: --data " + p["text"] + " holds plain text files only"),
         (["--train-on", "some"], "argument --train-on: invalid choice: 'some' (choose from 'assistant', 'all')"),
         (["--tracker", "tensorboard,mlflow"], "--tracker tensorboard,mlflow: unknown mlflow; choose some of jsonl,"),
         (["--lora-rank", "-1"], "--lora-rank -1: must be at least 0"),

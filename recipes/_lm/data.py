@@ -302,6 +302,11 @@ class Corpus:
             self.notes.append(f"--data {source}: read through datasets (memory-mapped)")
         else:
             files = corpus_files(source)
+            if field is not None and not any(f.suffix == ".jsonl" for f in files):
+                raise SystemExit(
+                    f"--data-field {field}: --data {source} holds plain text files only; the field names a "
+                    "field of .jsonl rows or a column of a dataset"
+                )
             order = np.random.default_rng(seed).permutation(len(files))
             docs = list(_take(_documents(files, order, limit, field), limit))
         if not docs:
