@@ -304,3 +304,13 @@ def test_datasets_are_read_in_batches_of_rows_not_whole(tmp_path, datasets_cache
     seen.clear()
     data.open_corpus(str(tmp_path / "d"), data.ByteTokenizer(), limit=5000, seed=0)
     assert seen == [1000]  # a byte cap stops reading
+
+
+def test_a_pretokenized_bin_file_trains_with_every_token_in_the_loss(tmp_path):
+    from recipes import train_lm
+
+    tokens = np.frombuffer(pathlib.Path(os.__file__).read_bytes()[:20000], np.uint8).astype(np.uint16)
+    tokens.tofile(tmp_path / "train.bin")
+    flags = ["--data", str(tmp_path / "train.bin"), "--data-dtype", "uint16", "--out", str(tmp_path / "run")]
+    summary = train_lm.main([*flags, *FAST, "--eval-every", "2"])
+    assert len(summary["losses"]) == 2 and summary["val"] and all(np.isfinite(v) for v in summary["val"].values())

@@ -415,6 +415,9 @@ class TokenCorpus:
     ``val.bin`` beside a ``train.bin``). Nothing is read whole: batches read their windows, the
     checks and the unigram baseline read a sample of a few million tokens."""
 
+    #: every token is in the loss (a pre-tokenized file has no conversations to mask)
+    train_mask = val_mask = None
+
     def __init__(self, path: pathlib.Path, tokenizer, *, dtype: str | None, limit: int | None):
         dt = token_dtype(path, dtype)
         tokens = _memmap(path, dt)
