@@ -48,7 +48,7 @@ import checkpointing
 import transforms
 import zoo
 from recipes._lm import cli, trackers
-from recipes._lm.data import TOKEN_DTYPES, TRAIN_ON, ByteTokenizer, HFTokenizer, batch_at, open_corpus
+from recipes._lm.data import TOKEN_DTYPES, TRAIN_ON, ByteTokenizer, HFTokenizer, batch_at, open_corpus, segments_at
 from recipes._lm.monitor import (
     MetricsLog,
     Progress,
@@ -119,6 +119,7 @@ KEPT = {
         "data_dtype",
         "data_field",
         "train_on",
+        "pack",
         "seed",
         "batch",
         "seq",
@@ -127,6 +128,9 @@ KEPT = {
     "where its state lives (the offload set) is part of the run": ("offload", "activations", "prefetch", "plan"),
     "it writes to its own directory": ("out",),
 }
+#: What a run saved before a flag existed did, where that is not the flag's default: runs from before
+#: --pack trained on one stream.
+BEFORE_FLAG = {"pack": False}
 SCHEDULES = ("cosine", "linear", "constant")
 VAL_SEED = 12345
 
@@ -167,6 +171,13 @@ def build_parser(
         default="assistant",
         choices=TRAIN_ON,
         help="chat data: the loss covers the assistant's tokens only, or all tokens",
+    )
+    a(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="packed documents: attention stays within each document of a sequence and its positions start at 0 "
+        "(--no-pack: each sequence is one stream across document boundaries)",
     )
     a("--steps", type=int, default=300, help="total optimizer steps (the learning-rate schedule's length)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
@@ -278,7 +289,7 @@ def resumed(parser, args, given: dict) -> tuple[argparse.Namespace, list[str]]:
     (the command line's) that may change applied, and ``args``' `RUN_CONTROL` flags."""
     run_dir = pathlib.Path(args.resume)
     metadata = cli.read_metadata(run_dir, f"--resume {args.resume}")
-    saved = metadata["args"]
+    saved = {**BEFORE_FLAG, **metadata["args"]}
     # (flags added since the run began take their defaults)
     flags = {**{k: parser.get_default(k) for k in vars(args)}, **saved}
     flags.update({k: getattr(args, k) for k in RUN_CONTROL})
@@ -303,6 +314,19 @@ def resumed(parser, args, given: dict) -> tuple[argparse.Namespace, list[str]]:
             f"{step} to train further"
         )
     return argparse.Namespace(**flags), changes
+
+
+def batch_loss(loss_fn):
+    """``loss_fn(model, tokens, mask, segment_ids=...)`` as a loss of a batch (see :meth:`Run.batch`):
+    token windows, or ``{"tokens", "segment_ids", "mask"}`` (a packed batch's segment ids; chat data's
+    loss mask: only the positions it marks count, the others get no gradient)."""
+
+    def loss(model, batch):
+        if not isinstance(batch, dict):
+            return loss_fn(model, batch)
+        return loss_fn(model, batch["tokens"], batch.get("mask"), segment_ids=batch.get("segment_ids"))
+
+    return loss
 
 
 def same_directory(a, b) -> bool:
@@ -364,7 +388,7 @@ def check(args: argparse.Namespace) -> None:
 
 def resume_args(run_dir: str) -> dict:
     """The flags saved in the newest readable checkpoint of the run in ``run_dir``."""
-    return cli.read_metadata(pathlib.Path(run_dir), f"--resume {run_dir}")["args"]
+    return {**BEFORE_FLAG, **cli.read_metadata(pathlib.Path(run_dir), f"--resume {run_dir}")["args"]}
 
 
 def saved_flags(run_dir: str) -> argparse.Namespace:
@@ -460,6 +484,12 @@ class Run:
             train_on=getattr(args, "train_on", "assistant"),
         )
         self.corpus.check(args.seq)
+        self.pack = getattr(args, "pack", False)
+        if self.pack and self.corpus.doc_starts is None and self.tokenizer.eos_id is None:
+            raise SystemExit(
+                f"--pack: {args.data} is pre-tokenized and the tokenizer has no end-of-sequence token, so its "
+                "documents cannot be told apart; give --no-pack"
+            )
         if hf:
             # Full fine-tuning trains --param-dtype master weights; a LoRA base stays frozen in --base-dtype.
             dtype = getattr(args, "base_dtype", None) if self.lora else args.param_dtype
@@ -500,12 +530,14 @@ class Run:
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--offload {args.offload} --activations {args.activations}: {err}") from None
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
-        self.step_fn = transforms.train_step(batch_loss, optimizer, accum_steps=args.accum, has_aux=True)
+        self.step_fn = transforms.train_step(
+            batch_loss(zoo.lm_loss_and_metrics), optimizer, accum_steps=args.accum, has_aux=True
+        )
         self.opt_state = self.step_fn.init(self.model)
         #: the sampling key's data (kept in the checkpoint's metadata)
         self.rng = [int(x) for x in np.asarray(jax.random.key_data(jax.random.key(args.seed + 1)))]
         self.rows = process_rows(args.batch)
-        self.eval_loss = eqx.filter_jit(lambda model, batch: batch_loss(model, batch)[1]["cross_entropy"])
+        self.eval_loss = eqx.filter_jit(batch_loss(zoo.lm_loss))
         self.dropout_key = jax.random.key(args.seed + 4) if getattr(args, "lora_dropout", 0) > 0 else None
 
     def step_key(self, step: int):
@@ -528,21 +560,33 @@ class Run:
         self.opt_state = state["opt_state"]
         self.rng = metadata["rng"]
 
-    def batch(self, tokens: np.ndarray, step: int, seed: int, mask: np.ndarray | None = None):
-        """The batch of ``step``: token windows, or with a loss ``mask``, ``(windows, mask)``."""
+    def batch(self, split: str, step: int, seed: int):
+        """The batch of ``step`` from ``split`` (``"train"`` or ``"val"``): the token windows; with
+        ``--pack`` or a loss mask (chat data), ``{"tokens", "segment_ids", "mask"}`` (those that apply)."""
         a = self.args
-        local = batch_at(tokens, step, batch=a.batch, seq=a.seq, seed=seed, rows=self.rows, mask=mask)
-        if mask is None:
-            return put_batch(local, self.mesh, (a.batch, a.seq + 1))
-        return put_batch(local[0], self.mesh, (a.batch, a.seq + 1)), put_batch(local[1], self.mesh, (a.batch, a.seq))
+        tokens, mask = getattr(self.corpus, split), getattr(self.corpus, f"{split}_mask")
+        window = dict(batch=a.batch, seq=a.seq, seed=seed, rows=self.rows)
+        local = batch_at(tokens, step, **window, mask=mask)
+        if mask is not None:
+            local, mask = local
+        local = put_batch(local, self.mesh, (a.batch, a.seq + 1))
+        if not self.pack and mask is None:
+            return local
+        out = {"tokens": local}
+        if mask is not None:
+            out["mask"] = put_batch(mask, self.mesh, (a.batch, a.seq))
+        if self.pack:
+            starts = None if self.corpus.doc_starts is None else self.corpus.doc_starts[split]
+            segments = segments_at(tokens, step, **window, doc_starts=starts, eos_id=self.tokenizer.eos_id)
+            out["segment_ids"] = put_batch(segments, self.mesh, (a.batch, a.seq + 1))
+        return out
 
     def bits_per_byte(self, nats_per_token: float) -> float:
         return nats_per_token / math.log(2) / self.corpus.val_bytes_per_token
 
     def val_bits_per_byte(self) -> float:
         losses = [
-            float(self.eval_loss(self.model, self.batch(self.corpus.val, k, VAL_SEED, self.corpus.val_mask)))
-            for k in range(self.args.eval_batches)
+            float(self.eval_loss(self.model, self.batch("val", k, VAL_SEED))) for k in range(self.args.eval_batches)
         ]
         return self.bits_per_byte(float(np.mean(losses)))
 
@@ -572,14 +616,6 @@ class Run:
             else:
                 acts = {n: "offload" for n in a.activations.split(",")}
         return plan.predict(params="params" in chosen, opt_state="opt_state" in chosen, activations=acts)
-
-
-def batch_loss(model, batch):
-    """``zoo.lm_loss_and_metrics`` of a batch: token windows, or ``(windows, loss mask)`` (chat
-    data: only the positions the mask marks count, the others get no gradient)."""
-    if isinstance(batch, tuple):
-        return zoo.lm_loss_and_metrics(model, *batch)
-    return zoo.lm_loss_and_metrics(model, batch)
 
 
 @eqx.filter_jit
@@ -675,7 +711,7 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
     """Steps ``start + 1 .. last``: train, log, validate, checkpoint."""
     args = run.args
     for step in range(start + 1, last + 1):
-        batch = run.batch(run.corpus.train, step, args.seed, run.corpus.train_mask)
+        batch = run.batch("train", step, args.seed)
         model, opt_state, metrics = run.step_fn(run.model, run.opt_state, batch, key=run.step_key(step))
         loss = float(metrics["loss"])
         saving = (args.save_every and step % args.save_every == 0) or step == last

@@ -205,22 +205,24 @@ def test_masked_positions_receive_no_gradient_and_a_chat_finetune_trains(
     run = Run(saved_flags(str(tmp_path / "run")))
     corpus = run.corpus
     assert corpus.train_mask is not None and 0 < corpus.train_mask.mean() < 1
-    tokens, mask = run.batch(corpus.train, 1, 0, corpus.train_mask)
+    batch = run.batch("train", 1, 0)  # packed (the default): the conversations' segment ids too
+    tokens, mask = batch["tokens"], batch["mask"]
     assert tokens.shape == (4, 33) and mask.shape == (4, 32) and 0 < int(mask.sum()) < mask.size
+    assert batch["segment_ids"].shape == (4, 33)
     # The loss covers the assistant's tokens: its closing <|eot_id|>, never a header's token.
     targets, on = np.asarray(tokens)[:, 1:], np.asarray(mask)
     eot, header = (run.tokenizer._tok.token_to_id(t) for t in ("<|eot_id|>", "<|start_header_id|>"))
     assert np.any(targets[on] == eot) and not np.any(targets[on] == header) and np.any(targets[~on] == header)
     # The last target of each row feeds no later position: changing it changes no gradient when
     # the mask leaves it out, and changes them when the mask covers it.
-    grad = eqx.filter_grad(lambda m, b: batch_loss(m, b)[0])
+    grad = eqx.filter_grad(lambda m, b: batch_loss(zoo.lm_loss_and_metrics)(m, b)[0])
     model, changed = run.model, np.asarray(tokens).copy()
     changed[:, -1] = (changed[:, -1] + 7) % 300
     for covered in (False, True):
         last = np.asarray(mask).copy()
         last[:, -1] = covered
-        same = grad(model, (tokens, jax.numpy.asarray(last)))
-        other = grad(model, (jax.numpy.asarray(changed), jax.numpy.asarray(last)))
+        same = grad(model, {**batch, "mask": jax.numpy.asarray(last)})
+        other = grad(model, {**batch, "tokens": jax.numpy.asarray(changed), "mask": jax.numpy.asarray(last)})
         equal = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(other), strict=True)]
         assert all(equal) if not covered else not all(equal)
     # ... and the gradient of the loss with respect to each position's logits is zero where masked.
@@ -312,5 +314,5 @@ def test_a_pretokenized_bin_file_trains_with_every_token_in_the_loss(tmp_path):
     tokens = np.frombuffer(pathlib.Path(os.__file__).read_bytes()[:20000], np.uint8).astype(np.uint16)
     tokens.tofile(tmp_path / "train.bin")
     flags = ["--data", str(tmp_path / "train.bin"), "--data-dtype", "uint16", "--out", str(tmp_path / "run")]
-    summary = train_lm.main([*flags, *FAST, "--eval-every", "2"])
+    summary = train_lm.main([*flags, *FAST, "--eval-every", "2", "--no-pack"])  # bytes: no end token
     assert len(summary["losses"]) == 2 and summary["val"] and all(np.isfinite(v) for v in summary["val"].values())

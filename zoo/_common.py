@@ -22,6 +22,26 @@ def check_tokens(tokens, max_seq_len: int, name: str) -> None:
         raise ValueError(f"{name}: empty sequence")
 
 
+def packed_inputs(tokens, positions, segment_ids) -> tuple:
+    """``(positions, layer keyword arguments)`` of one sequence: positions ``0..seq-1`` by default,
+    restarting per document when ``segment_ids`` packs several (unless given); the layers get
+    ``segment_ids`` only when there is one, so the default program is unchanged."""
+    if segment_ids is None:
+        if positions is None:
+            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        return positions, {}
+    if getattr(segment_ids, "shape", None) != tokens.shape:
+        raise ValueError(
+            f"segment_ids must have the shape of the tokens {tuple(tokens.shape)}, got "
+            f"{getattr(segment_ids, 'shape', type(segment_ids).__name__)}"
+        )
+    if positions is None:
+        from .nn import segment_positions
+
+        positions = segment_positions(segment_ids)
+    return positions, {"segment_ids": segment_ids}
+
+
 class StackCache:
     """``init_cache`` for a model whose layers are one ``self.stack`` (a :class:`zoo.nn.Stack`)."""
 

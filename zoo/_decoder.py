@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._common import check_tokens
+from ._common import check_tokens, packed_inputs
 from ._config import DecoderConfig, _positive
 from ._jax_compat import innermost_transform_is_vmap
 from .nn._spec import ModelSpec
@@ -366,24 +366,32 @@ class RotaryDecoder(eqx.Module):
         x, cache = self.stack.decode(self._embed(tokens), cache, positions=positions, batched=batched)
         return self.head(self.norm(x)), cache
 
-    def _run(self, tokens, positions):
+    def _run(self, tokens, positions, segment_ids=None):
         """``(hidden, carry)``: the final hidden states and what the layers accumulated beside
         them (a mixture of experts' router statistics, summed over the layers; else empty)."""
         c = self.config
         check_tokens(tokens, c.max_seq_len, type(self).__name__)
-        if positions is None:
-            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        positions, packed = packed_inputs(tokens, positions, segment_ids)
         # Decided here, outside the scan: whether this call is vmapped (see zoo.nn.MoE).
         batched = innermost_transform_is_vmap()
         carry = self.stack.layers.zero_carry()
-        x, carry = self.stack(self._embed(tokens), carry=carry, positions=positions, batched=batched)
+        x, carry = self.stack(self._embed(tokens), carry=carry, positions=positions, batched=batched, **packed)
         return self.norm(x), carry
 
     def hidden(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq embed"]:
-        """The final hidden states (after the last norm), before the output head."""
-        return self._run(tokens, positions)[0]
+        """The final hidden states (after the last norm), before the output head.
+
+        ``segment_ids`` (one integer per token) packs several documents into the sequence: no
+        token attends across a change of segment, and positions restart at each (unless
+        ``positions`` are given), so each document is computed as if it ran alone.
+        """
+        return self._run(tokens, positions, segment_ids)[0]
 
     def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
         """The output head: hidden states to logits (any number of positions), soft-capped to
@@ -397,9 +405,14 @@ class RotaryDecoder(eqx.Module):
             return logits
 
     def __call__(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq vocab"]:
-        return self.head(self.hidden(tokens, positions=positions))
+        """Logits of one sequence (``segment_ids``: packed documents, see :meth:`hidden`)."""
+        return self.head(self.hidden(tokens, positions=positions, segment_ids=segment_ids))
 
 
 class MoEDecoder(RotaryDecoder):
@@ -414,12 +427,16 @@ class MoEDecoder(RotaryDecoder):
     CONFIG: ClassVar[type] = MoEConfig
 
     def hidden_and_router_stats(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
         """The final hidden states and the router statistics of one sequence, summed over the
         layers (see :func:`zoo.nn.router_losses`, which turns those of a batch into the auxiliary
         losses)."""
-        x, stats = self._run(tokens, positions)
+        x, stats = self._run(tokens, positions, segment_ids)
         return x, {**stats, "layers": jnp.asarray(float(self.config.n_layers), jnp.float32)}
 
     def logits_and_router_stats(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._common import StackCache, check_tokens
+from ._common import StackCache, check_tokens, packed_inputs
 from ._config import GPT2Config
 from .nn._spec import ModelSpec
 
@@ -96,15 +96,22 @@ class GPT2(StackCache, eqx.Module):
         )
 
     def hidden(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq embed"]:
-        """The final hidden states (after the last norm), before the output head."""
+        """The final hidden states (after the last norm), before the output head.
+
+        ``segment_ids`` packs several documents into the sequence: none attends to another, and
+        the learned positions restart at each (unless ``positions`` are given).
+        """
         c = self.config
         check_tokens(tokens, c.max_seq_len, "GPT2")
-        if positions is None:
-            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        positions, packed = packed_inputs(tokens, positions, segment_ids)
         x = (self.wte(tokens) + self.wpe(positions)).astype(c.compute_jnp_dtype)
-        return self.ln_f(self.stack(x))
+        return self.ln_f(self.stack(x, **packed))
 
     def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
         """The output head (tied to the token embedding): hidden states to logits."""
@@ -119,6 +126,11 @@ class GPT2(StackCache, eqx.Module):
         return self.head(self.ln_f(x)), cache
 
     def __call__(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq vocab"]:
-        return self.head(self.hidden(tokens, positions=positions))
+        """Logits of one sequence (``segment_ids``: packed documents, see :meth:`hidden`)."""
+        return self.head(self.hidden(tokens, positions=positions, segment_ids=segment_ids))

@@ -25,6 +25,12 @@ single document is split by position). A byte cap (``--data-bytes``) is applied 
 for, or for the standard-library default, and always printed. The batch for step ``i`` depends
 only on ``(seed, i)``, so the data position of a run is just its step number: a resumed run sees
 exactly the batches an uninterrupted one would.
+
+Packing (``--pack``, the default): a window holds the ends and starts of several documents, and
+:func:`segments_at` numbers them (from the documents a text corpus read, or after each
+end-of-sequence token of a pre-tokenized file), so the model attends within each document and
+numbers its positions from 0 (see :func:`zoo.lm_loss`'s ``segment_ids``). ``--no-pack``: the
+windows are one stream, attention crosses document boundaries.
 """
 
 from __future__ import annotations
@@ -351,6 +357,9 @@ class Corpus:
         #: which tokens the loss covers (bool, parallel to train / val), or ``None``: every token
         self.train_mask = _masks(chunks) if masked else None
         self.val_mask = _masks(val) if masked else None
+        #: where each document starts in ``train`` and ``val`` (for packing, see :func:`segments_at`)
+        splits = (("train", chunks), ("val", val))
+        self.doc_starts = {name: np.cumsum([0] + [len(c[0]) for c in split[:-1]]) for name, split in splits}
         self.vocab_size = tokenizer.vocab_size
         #: bytes of text per token (1 for the byte tokenizer): converts nats/token to bits/byte
         self.val_bytes_per_token = val_bytes / max(len(self.val), 1)
@@ -433,6 +442,7 @@ class TokenCorpus:
             self.train, self.val = tokens[:cut], tokens[cut:]
             self.notes.append(f"validation: the last {len(self.val):,} tokens")
         self.vocab_size = tokenizer.vocab_size
+        self.doc_starts = None  # documents end at the tokenizer's end-of-sequence token, if any
         sample = _sample(self.train)
         top = int(sample.max()) if sample.size else 0
         if top >= tokenizer.vocab_size:
@@ -479,6 +489,11 @@ def open_corpus(
     return Corpus(source, tokenizer, limit=limit, seed=seed, field=field, train_on=train_on)
 
 
+def _window_starts(n_tokens: int, step: int, *, batch: int, seq: int, seed: int, rows: slice) -> np.ndarray:
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_tokens - seq - 1, size=batch)[rows]
+
+
 def batch_at(tokens: np.ndarray, step: int, *, batch: int, seq: int, seed: int, rows: slice = slice(None), mask=None):
     """The ``(batch, seq + 1)`` windows for ``step`` (only ``rows`` of them: a process's share);
     with ``mask`` (parallel to ``tokens``), ``(windows, loss mask)``, the mask ``(batch, seq)`` over
@@ -486,9 +501,44 @@ def batch_at(tokens: np.ndarray, step: int, *, batch: int, seq: int, seed: int, 
 
     Depends only on ``(seed, step)``: the data position of a run is its step.
     """
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq - 1, size=batch)[rows]
+    starts = _window_starts(len(tokens), step, batch=batch, seq=seq, seed=seed, rows=rows)
     windows = np.stack([tokens[s : s + seq + 1] for s in starts]).astype(np.int32)
     if mask is None:
         return windows
     return windows, np.stack([mask[s + 1 : s + seq + 1] for s in starts])
+
+
+def segments_at(
+    tokens: np.ndarray,
+    step: int,
+    *,
+    batch: int,
+    seq: int,
+    seed: int,
+    rows: slice = slice(None),
+    doc_starts: np.ndarray | None = None,
+    eos_id: int | None = None,
+) -> np.ndarray:
+    """The segment ids ``(batch, seq + 1)`` of :func:`batch_at`'s windows: 1 for the document a
+    window starts in, one more at each document that begins in it: at each offset of
+    ``doc_starts`` (sorted offsets into ``tokens``), else after each ``eos_id`` token.
+
+    **Example:**
+
+    ```python
+    import numpy as np
+    tokens = np.array([5, 6, 0, 7, 8, 9, 0, 4, 4, 4])        # documents ended by token 0
+    segments_at(tokens, 0, batch=1, seq=8, seed=0, eos_id=0)  # e.g. [[1, 2, 2, 2, 2, 3, 3, 3, 3]]
+    ```
+    """
+    if doc_starts is None and eos_id is None:
+        raise ValueError("segments_at needs the documents' starts (doc_starts) or their end token (eos_id)")
+    starts = _window_starts(len(tokens), step, batch=batch, seq=seq, seed=seed, rows=rows)
+    rows_out = []
+    for s in starts:
+        if doc_starts is not None:
+            seg = np.searchsorted(doc_starts, np.arange(s, s + seq + 1), side="right")
+        else:
+            seg = np.concatenate([[0], np.cumsum(np.asarray(tokens[s : s + seq]) == eos_id)])
+        rows_out.append(seg - seg[0] + 1)
+    return np.stack(rows_out).astype(np.int32)
