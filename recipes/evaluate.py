@@ -25,7 +25,7 @@ from recipes._lm.run_setup import init_distributed, is_hf_dir, one_line_warnings
 from recipes.train_lm import Run, build_parser, check, saved_flags
 
 #: The flags of ``recipes.train_lm`` that say what a Hugging Face directory is evaluated on.
-HF_FLAGS = ("data", "data_bytes", "data_dtype", "seq", "batch", "seed", "param_dtype", "compute_dtype", "mesh")
+HF_FLAGS = ("data", "data_bytes", "data_dtype", "pack", "seq", "batch", "seed", "param_dtype", "compute_dtype", "mesh")
 
 
 def build_evaluate_parser() -> argparse.ArgumentParser:

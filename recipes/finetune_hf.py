@@ -6,8 +6,12 @@
 
 The directory holds ``config.json``, ``model.safetensors`` (or a sharded index) and, if the model has
 one, ``tokenizer.json`` (without it, text is fed as bytes, which needs a vocabulary of at least 256).
-``--data`` is a text file, a directory of them, a ``.jsonl`` with a ``text`` field, or a pre-tokenized
-``.bin`` (``--data-dtype uint16``); documents are joined with the tokenizer's end-of-sequence token.
+``--data`` is a text file, a directory of them, a ``.jsonl`` with a ``text`` field, a
+``datasets.save_to_disk`` directory or ``.parquet`` files (``--data-field`` picks the column), or a
+pre-tokenized ``.bin`` (``--data-dtype uint16``); documents are joined with the tokenizer's
+end-of-sequence token. Chat rows (``{"messages": [{"role", "content"}, ...]}``) are rendered with the
+checkpoint's own chat template (sandboxed: the token ids of ``transformers``' ``apply_chat_template``),
+and the loss covers the assistant's tokens only (``--train-on all``: every token).
 Every flag of ``recipes.train_lm`` applies (offload, mesh, checkpoints, ``--resume``); the defaults suit
 fine-tuning: a small learning rate, short warmup, no weight decay, float32 master weights
 (``--param-dtype``), samples before and after.

@@ -17,7 +17,8 @@ last ``--keep``; model, optimizer state, step, RNG, data position and every flag
 ``--resume DIR`` needs nothing else), ``metrics.jsonl``, ``loss.png`` (training and validation
 loss in bits per byte, with the unigram baseline), ``placement.png`` (device vs host bytes of
 params, gradients, optimizer state, activations) and ``orbax.log`` (the checkpoint library's own
-log messages, kept off the terminal).
+log messages, kept off the terminal); with ``--tracker tensorboard,wandb`` also ``tensorboard/``
+event files and a ``wandb/`` run holding the metrics of ``metrics.jsonl``.
 
 ``--resume DIR`` takes every flag from the run's checkpoint; flags given with it change what may
 change mid-run (`CHANGEABLE`: the schedule, clipping, checkpoints, evaluation, logging), each
@@ -46,8 +47,8 @@ import numpy as np
 import checkpointing
 import transforms
 import zoo
-from recipes._lm import cli
-from recipes._lm.data import TOKEN_DTYPES, ByteTokenizer, HFTokenizer, batch_at, open_corpus
+from recipes._lm import cli, trackers
+from recipes._lm.data import TOKEN_DTYPES, TRAIN_ON, ByteTokenizer, HFTokenizer, batch_at, open_corpus, segments_at
 from recipes._lm.monitor import (
     MetricsLog,
     Progress,
@@ -94,6 +95,7 @@ CHANGEABLE = (
     "eval_every",
     "eval_batches",
     "log_every",
+    "tracker",
     "prompt",
     "sample_before",
 )
@@ -115,6 +117,9 @@ KEPT = {
         "data",
         "data_bytes",
         "data_dtype",
+        "data_field",
+        "train_on",
+        "pack",
         "seed",
         "batch",
         "seq",
@@ -123,6 +128,9 @@ KEPT = {
     "where its state lives (the offload set) is part of the run": ("offload", "activations", "prefetch", "plan"),
     "it writes to its own directory": ("out",),
 }
+#: What a run saved before a flag existed did, where that is not the flag's default: runs from before
+#: --pack trained on one stream.
+BEFORE_FLAG = {"pack": False}
 SCHEDULES = ("cosine", "linear", "constant")
 VAL_SEED = 12345
 
@@ -147,8 +155,8 @@ def build_parser(
     a(
         "--data",
         default=None,
-        help="text file, directory of text files, .jsonl (a 'text' field per line) or pre-tokenized .bin "
-        "(default: the Python standard library's sources)",
+        help="text file, directory of text files, .jsonl (a 'text' or chat 'messages' field per line), a "
+        "datasets.save_to_disk directory, .parquet, or pre-tokenized .bin (default: the Python standard library)",
     )
     a(
         "--data-bytes",
@@ -157,6 +165,20 @@ def build_parser(
         help="read at most this many bytes of text (default: all of --data; 2,000,000 of the standard library)",
     )
     a("--data-dtype", default=None, help="token dtype of a pre-tokenized .bin file: uint16 or uint32")
+    a("--data-field", default=None, help="the JSON field or dataset column to read (default: text, else messages)")
+    a(
+        "--train-on",
+        default="assistant",
+        choices=TRAIN_ON,
+        help="chat data: the loss covers the assistant's tokens only, or all tokens",
+    )
+    a(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="packed documents: attention stays within each document of a sequence and its positions start at 0 "
+        "(--no-pack: each sequence is one stream across document boundaries)",
+    )
     a("--steps", type=int, default=300, help="total optimizer steps (the learning-rate schedule's length)")
     a("--batch", type=int, default=16, help="global batch (sequences per step)")
     a("--seq", type=int, default=128, help="tokens per sequence")
@@ -202,6 +224,11 @@ def build_parser(
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
     a("--eval-batches", type=int, default=8, help="batches of the validation split per evaluation")
     a("--log-every", type=int, default=20, help="a progress line every N steps")
+    a(
+        "--tracker",
+        default="jsonl",
+        help="where metrics go: some of jsonl,tensorboard,wandb (jsonl, metrics.jsonl, is always on)",
+    )
     a("--save-every", type=int, default=100, help="checkpoint every N steps (and at the end); 0: only at the end")
     a("--keep", type=int, default=3, help="checkpoints to keep")
     a("--out", default=None, help="run directory (default runs/<model>-<time>)")
@@ -262,7 +289,7 @@ def resumed(parser, args, given: dict) -> tuple[argparse.Namespace, list[str]]:
     (the command line's) that may change applied, and ``args``' `RUN_CONTROL` flags."""
     run_dir = pathlib.Path(args.resume)
     metadata = cli.read_metadata(run_dir, f"--resume {args.resume}")
-    saved = metadata["args"]
+    saved = {**BEFORE_FLAG, **metadata["args"]}
     # (flags added since the run began take their defaults)
     flags = {**{k: parser.get_default(k) for k in vars(args)}, **saved}
     flags.update({k: getattr(args, k) for k in RUN_CONTROL})
@@ -289,6 +316,19 @@ def resumed(parser, args, given: dict) -> tuple[argparse.Namespace, list[str]]:
     return argparse.Namespace(**flags), changes
 
 
+def batch_loss(loss_fn):
+    """``loss_fn(model, tokens, mask, segment_ids=...)`` as a loss of a batch (see :meth:`Run.batch`):
+    token windows, or ``{"tokens", "segment_ids", "mask"}`` (a packed batch's segment ids; chat data's
+    loss mask: only the positions it marks count, the others get no gradient)."""
+
+    def loss(model, batch):
+        if not isinstance(batch, dict):
+            return loss_fn(model, batch)
+        return loss_fn(model, batch["tokens"], batch.get("mask"), segment_ids=batch.get("segment_ids"))
+
+    return loss
+
+
 def same_directory(a, b) -> bool:
     """Whether ``a`` and ``b`` name one existing directory (a path spelled two ways)."""
     if not (isinstance(a, str) and isinstance(b, str)):
@@ -305,6 +345,7 @@ def check(args: argparse.Namespace) -> None:
     if args.stop_after is not None:
         cli.at_least("stop_after", args.stop_after, 1)
     cli.positive("lr", args.lr, "3e-3")
+    trackers.check_available(args.tracker)
     cli.at_least("warmup", args.warmup, 0)
     cli.choice("schedule", args.schedule, SCHEDULES)
     cli.positive("clip", args.clip, "1.0")
@@ -347,7 +388,7 @@ def check(args: argparse.Namespace) -> None:
 
 def resume_args(run_dir: str) -> dict:
     """The flags saved in the newest readable checkpoint of the run in ``run_dir``."""
-    return cli.read_metadata(pathlib.Path(run_dir), f"--resume {run_dir}")["args"]
+    return {**BEFORE_FLAG, **cli.read_metadata(pathlib.Path(run_dir), f"--resume {run_dir}")["args"]}
 
 
 def saved_flags(run_dir: str) -> argparse.Namespace:
@@ -434,9 +475,21 @@ class Run:
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--plan {args.plan}: {err}") from None
         self.corpus = open_corpus(
-            args.data, self.tokenizer, limit=args.data_bytes, seed=args.seed, dtype=getattr(args, "data_dtype", None)
+            args.data,
+            self.tokenizer,
+            limit=args.data_bytes,
+            seed=args.seed,
+            dtype=getattr(args, "data_dtype", None),
+            field=getattr(args, "data_field", None),
+            train_on=getattr(args, "train_on", "assistant"),
         )
         self.corpus.check(args.seq)
+        self.pack = getattr(args, "pack", False)
+        if self.pack and self.corpus.doc_starts is None and self.tokenizer.eos_id is None:
+            raise SystemExit(
+                f"--pack: {args.data} is pre-tokenized and the tokenizer has no end-of-sequence token, so its "
+                "documents cannot be told apart; give --no-pack"
+            )
         if hf:
             # Full fine-tuning trains --param-dtype master weights; a LoRA base stays frozen in --base-dtype.
             dtype = getattr(args, "base_dtype", None) if self.lora else args.param_dtype
@@ -477,12 +530,14 @@ class Run:
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--offload {args.offload} --activations {args.activations}: {err}") from None
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
-        self.step_fn = transforms.train_step(zoo.lm_loss_and_metrics, optimizer, accum_steps=args.accum, has_aux=True)
+        self.step_fn = transforms.train_step(
+            batch_loss(zoo.lm_loss_and_metrics), optimizer, accum_steps=args.accum, has_aux=True
+        )
         self.opt_state = self.step_fn.init(self.model)
         #: the sampling key's data (kept in the checkpoint's metadata)
         self.rng = [int(x) for x in np.asarray(jax.random.key_data(jax.random.key(args.seed + 1)))]
         self.rows = process_rows(args.batch)
-        self.eval_loss = eqx.filter_jit(zoo.lm_loss)
+        self.eval_loss = eqx.filter_jit(batch_loss(zoo.lm_loss))
         self.dropout_key = jax.random.key(args.seed + 4) if getattr(args, "lora_dropout", 0) > 0 else None
 
     def step_key(self, step: int):
@@ -505,18 +560,33 @@ class Run:
         self.opt_state = state["opt_state"]
         self.rng = metadata["rng"]
 
-    def batch(self, tokens: np.ndarray, step: int, seed: int):
+    def batch(self, split: str, step: int, seed: int):
+        """The batch of ``step`` from ``split`` (``"train"`` or ``"val"``): the token windows; with
+        ``--pack`` or a loss mask (chat data), ``{"tokens", "segment_ids", "mask"}`` (those that apply)."""
         a = self.args
-        local = batch_at(tokens, step, batch=a.batch, seq=a.seq, seed=seed, rows=self.rows)
-        return put_batch(local, self.mesh, (a.batch, a.seq + 1))
+        tokens, mask = getattr(self.corpus, split), getattr(self.corpus, f"{split}_mask")
+        window = dict(batch=a.batch, seq=a.seq, seed=seed, rows=self.rows)
+        local = batch_at(tokens, step, **window, mask=mask)
+        if mask is not None:
+            local, mask = local
+        local = put_batch(local, self.mesh, (a.batch, a.seq + 1))
+        if not self.pack and mask is None:
+            return local
+        out = {"tokens": local}
+        if mask is not None:
+            out["mask"] = put_batch(mask, self.mesh, (a.batch, a.seq))
+        if self.pack:
+            starts = None if self.corpus.doc_starts is None else self.corpus.doc_starts[split]
+            segments = segments_at(tokens, step, **window, doc_starts=starts, eos_id=self.tokenizer.eos_id)
+            out["segment_ids"] = put_batch(segments, self.mesh, (a.batch, a.seq + 1))
+        return out
 
     def bits_per_byte(self, nats_per_token: float) -> float:
         return nats_per_token / math.log(2) / self.corpus.val_bytes_per_token
 
     def val_bits_per_byte(self) -> float:
         losses = [
-            float(self.eval_loss(self.model, self.batch(self.corpus.val, k, VAL_SEED)))
-            for k in range(self.args.eval_batches)
+            float(self.eval_loss(self.model, self.batch("val", k, VAL_SEED))) for k in range(self.args.eval_batches)
         ]
         return self.bits_per_byte(float(np.mean(losses)))
 
@@ -641,7 +711,7 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
     """Steps ``start + 1 .. last``: train, log, validate, checkpoint."""
     args = run.args
     for step in range(start + 1, last + 1):
-        batch = run.batch(run.corpus.train, step, args.seed)
+        batch = run.batch("train", step, args.seed)
         model, opt_state, metrics = run.step_fn(run.model, run.opt_state, batch, key=run.step_key(step))
         loss = float(metrics["loss"])
         saving = (args.save_every and step % args.save_every == 0) or step == last
@@ -725,7 +795,12 @@ def _main(argv, defaults: dict | None, build, logs: cli.LibraryLogs) -> dict:
         show_samples(run, say, "sample before training:")
     if lead:
         (out / "args.json").write_text(json.dumps(vars(args), indent=2))
-    log = MetricsLog(out / "metrics.jsonl", truncate_after=start) if lead else None
+    log = None
+    if lead:
+        jsonl = MetricsLog(out / "metrics.jsonl", truncate_after=start)
+        # every flag: the run's, and those of a recipe built on this one (finetune_hf's --export ...)
+        config = {**vars(build(defaults).parse_args(argv)), **vars(args)}
+        log = trackers.Trackers(jsonl, args.tracker, out, config=config, start=start)
     progress = Progress(
         total=args.steps,
         initial=start,

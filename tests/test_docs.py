@@ -59,6 +59,7 @@ PUBLIC = [
     transforms.plan_generate,
     zoo.generate,
     zoo.nn.attend,
+    zoo.nn.segment_positions,
     zoo.chunked_cross_entropy,
     zoo.loss_chunk_for,
     zoo.nn.SwiGLU,

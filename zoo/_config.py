@@ -22,10 +22,34 @@ def _positive(cfg, *names: str) -> None:
             raise ValueError(f"{type(cfg).__name__}.{name} must be a positive int, got {value!r}")
 
 
+def preset_table(columns: str, rows: dict[str, tuple]) -> dict[str, dict[str, Any]]:
+    """Presets written as a table, as a model card lists its sizes: ``columns`` names the fields
+    (separated by spaces) and each row gives one preset's values in that order.
+
+    **Example:**
+
+    ```python
+    from zoo._config import preset_table
+    preset_table("d_model n_layers", {"small": (768, 12), "large": (1280, 36)})
+    # {'small': {'d_model': 768, 'n_layers': 12}, 'large': {'d_model': 1280, 'n_layers': 36}}
+    ```
+    """
+    names = columns.split()
+    for preset, values in rows.items():
+        if len(values) != len(names):
+            raise ValueError(f"preset {preset!r} has {len(values)} values for the {len(names)} columns {names}")
+    return {preset: dict(zip(names, values, strict=True)) for preset, values in rows.items()}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
     """Settings shared by the decoder families: :class:`GPT2Config`, and the rotary families'
-    base ``zoo._decoder.RotaryDecoderConfig`` (:class:`LlamaConfig`, :class:`Qwen3Config`, ...)."""
+    base ``zoo._decoder.RotaryDecoderConfig`` (:class:`LlamaConfig`, :class:`Qwen3Config`, ...).
+
+    A family's config class names its field defaults as data, ``DEFAULTS`` (field -> value, often
+    one of its ``PRESETS``), rather than declaring each field again; each preset gives the fields
+    in which it differs from those defaults.
+    """
 
     vocab_size: int
     d_model: int
@@ -49,6 +73,23 @@ class DecoderConfig:
     loss_chunk: int | str = "auto"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+    DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        # Runs before the subclass is made a dataclass: its DEFAULTS become the defaults of the
+        # fields it inherits (declared with the base's types), so `cls()` is the family's default.
+        super().__init_subclass__(**kwargs)
+        defaults = cls.__dict__.get("DEFAULTS")
+        if not defaults:
+            return
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        if "__annotations__" not in cls.__dict__:
+            cls.__annotations__ = {}
+        for name, value in defaults.items():
+            if name not in types:
+                raise TypeError(f"{cls.__name__}.DEFAULTS names {name!r}, which is not a field")
+            cls.__annotations__.setdefault(name, types[name])
+            setattr(cls, name, value)
 
     def __post_init__(self):
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
@@ -147,14 +188,6 @@ class GPT2Config(DecoderConfig):
     ```
     """
 
-    vocab_size: int = 50257
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    d_ff: int = 3072
-    max_seq_len: int = 1024
-    norm_eps: float = 1e-5
-
     family: ClassVar[str] = "gpt2"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -164,6 +197,9 @@ class GPT2Config(DecoderConfig):
         "774m": dict(d_model=1280, n_layers=36, n_heads=20, d_ff=5120),
         "1.5b": dict(d_model=1600, n_layers=48, n_heads=25, d_ff=6400),
     }
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(
+        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_seq_len=1024, norm_eps=1e-5
+    )
 
     def __post_init__(self):
         super().__post_init__()

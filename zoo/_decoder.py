@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._common import check_tokens
+from ._common import StackModel, check_tokens, packed_inputs
 from ._config import DecoderConfig, _positive
 from ._jax_compat import innermost_transform_is_vmap
-from .nn._spec import ModelSpec
+from .nn._attend import PerToken
 
 #: The shape of every rotary family's ``tiny`` preset (tests and examples), which a family adjusts.
 TINY = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=128, rope_theta=1e4)
@@ -273,7 +273,7 @@ class MoEConfig(RotaryDecoderConfig):
         return 6.0 * matmul + 12.0 * self.n_layers * self._attn_width() * seq_len
 
 
-class RotaryDecoder(eqx.Module):
+class RotaryDecoder(StackModel):
     """The model of the rotary families: token embedding, :class:`zoo.nn.Block` s scanned over
     depth, final norm, output head (tied or separate), optional final-logit soft-cap.
 
@@ -290,8 +290,7 @@ class RotaryDecoder(eqx.Module):
     CONFIG: ClassVar[type] = RotaryDecoderConfig
 
     def __init__(self, config: RotaryDecoderConfig, *, key: PRNGKeyArray):
-        if not isinstance(config, self.CONFIG):
-            raise TypeError(f"{type(self).__name__} needs a {self.CONFIG.__name__}, got {type(config).__name__}")
+        self._check_config(config)
         c = config
         dtype = c.param_jnp_dtype
         k_emb, k_stack, k_head = jax.random.split(key, 3)
@@ -314,25 +313,6 @@ class RotaryDecoder(eqx.Module):
         )
         self.config = c
 
-    @property
-    def checkpoint_names(self) -> tuple[str, ...]:
-        """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
-        return self.stack.checkpoint_names
-
-    def describe(self) -> ModelSpec:
-        """The :class:`zoo.ModelSpec` the memory planner reads (depth, widths, dtypes, the layer);
-        the output head is the token embedding (transposed) when ``tie_embeddings``."""
-        c = self.config
-        return ModelSpec.from_stack(
-            self.stack,
-            name=c.family,
-            vocab_size=c.vocab_size,
-            tied_head=c.tie_embeddings,
-            compute_dtype=c.compute_dtype,
-            param_dtype=c.param_dtype,
-            max_seq_len=c.max_seq_len,
-        )
-
     def _embed(self, tokens):
         c = self.config
         x = self.embed(tokens)
@@ -352,7 +332,7 @@ class RotaryDecoder(eqx.Module):
         kinds, per_layer = c.attention_kinds()
         windows = {kind.window for kind in kinds}
         if per_layer is None or len(windows - {None}) != 1 or None not in windows or memory_kind == "pinned_host":
-            return self.stack.init_cache(length, dtype, memory_kind)
+            return super().init_cache(length, dtype, memory_kind)
         window = next(w for w in windows if w is not None)
         is_windowed = [kinds[k].window is not None for k in per_layer]
         if memory_kind not in (None, "device"):
@@ -366,24 +346,28 @@ class RotaryDecoder(eqx.Module):
         x, cache = self.stack.decode(self._embed(tokens), cache, positions=positions, batched=batched)
         return self.head(self.norm(x)), cache
 
-    def _run(self, tokens, positions):
+    def _run(self, tokens, positions, segment_ids=None):
         """``(hidden, carry)``: the final hidden states and what the layers accumulated beside
         them (a mixture of experts' router statistics, summed over the layers; else empty)."""
         c = self.config
         check_tokens(tokens, c.max_seq_len, type(self).__name__)
-        if positions is None:
-            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        positions, packed = packed_inputs(tokens, positions, segment_ids)
         # Decided here, outside the scan: whether this call is vmapped (see zoo.nn.MoE).
         batched = innermost_transform_is_vmap()
         carry = self.stack.layers.zero_carry()
-        x, carry = self.stack(self._embed(tokens), carry=carry, positions=positions, batched=batched)
+        x, carry = self.stack(self._embed(tokens), carry=carry, positions=positions, batched=batched, **packed)
         return self.norm(x), carry
 
     def hidden(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self, tokens: PerToken, *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> Float[Array, "seq embed"]:
-        """The final hidden states (after the last norm), before the output head."""
-        return self._run(tokens, positions)[0]
+        """The final hidden states (after the last norm), before the output head.
+
+        ``segment_ids`` (one integer per token) packs several documents into the sequence: no
+        token attends across a change of segment, and positions restart at each (unless
+        ``positions`` are given), so each document is computed as if it ran alone.
+        """
+        return self._run(tokens, positions, segment_ids)[0]
 
     def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
         """The output head: hidden states to logits (any number of positions), soft-capped to
@@ -395,11 +379,6 @@ class RotaryDecoder(eqx.Module):
                 h = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
                 logits = (cap * jnp.tanh(h / cap)).astype(logits.dtype)
             return logits
-
-    def __call__(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq vocab"]:
-        return self.head(self.hidden(tokens, positions=positions))
 
 
 class MoEDecoder(RotaryDecoder):
@@ -414,12 +393,12 @@ class MoEDecoder(RotaryDecoder):
     CONFIG: ClassVar[type] = MoEConfig
 
     def hidden_and_router_stats(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self, tokens: PerToken, *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
         """The final hidden states and the router statistics of one sequence, summed over the
         layers (see :func:`zoo.nn.router_losses`, which turns those of a batch into the auxiliary
         losses)."""
-        x, stats = self._run(tokens, positions)
+        x, stats = self._run(tokens, positions, segment_ids)
         return x, {**stats, "layers": jnp.asarray(float(self.config.n_layers), jnp.float32)}
 
     def logits_and_router_stats(

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ._decoder import RotaryDecoder, RotaryDecoderConfig
+from ._common import model_doc
+from ._config import preset_table
+from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 
@@ -16,26 +18,41 @@ class GemmaConfig(RotaryDecoderConfig):
     """Settings shared by Gemma 2 and Gemma 3 (use :class:`Gemma2Config` or :class:`Gemma3Config`);
     ``query_pre_attn_scalar``, ``attn_softcap`` and ``final_softcap`` as in every rotary family."""
 
-    tie_embeddings: bool = True
-
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(tie_embeddings=True, norm_eps=1e-6)
     NORM_OFFSET: ClassVar[float] = 1.0
     POST_NORMS: ClassVar[bool] = True
     GELU: ClassVar[bool] = True
     EMBED_SCALE: ClassVar[bool] = True
 
 
-_TINY = dict(
-    vocab_size=256,
-    d_model=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    d_ff=128,
-    max_seq_len=128,
-    sliding_window=8,
-    query_pre_attn_scalar=16.0,
+_TINY = dict(TINY, head_dim=16, d_ff=128, sliding_window=8, query_pre_attn_scalar=16.0)
+
+# fmt: off
+_GEMMA2 = preset_table(
+    "           vocab_size d_model n_layers n_heads n_kv_heads head_dim d_ff   max_seq_len query_pre_attn_scalar",
+    {
+        "2b":  (256000,    2304,   26,      8,      4,         256,     9216,  8192,       256.0),
+        "9b":  (256000,    3584,   42,      16,     8,         256,     14336, 8192,       256.0),
+        "27b": (256000,    4608,   46,      32,     16,        128,     36864, 8192,       144.0),
+    },
 )
+# fmt: on
+
+# fmt: off
+_GEMMA3 = preset_table(
+    "           d_model n_layers n_heads n_kv_heads head_dim d_ff   query_pre_attn_scalar",
+    {
+        "1b":  (1152,   26,      4,      1,         256,     6912,  256.0),
+        "4b":  (2560,   34,      8,      4,         256,     10240, 256.0),
+        "12b": (3840,   48,      16,     8,         256,     15360, 256.0),
+        "27b": (5376,   62,      32,     16,        128,     21504, 168.0),
+    },
+)
+# fmt: on
+
+#: What Gemma 3's 4B, 12B and 27B share: a larger vocabulary, 128K context, a wider local window
+#: and linearly scaled global rotary positions.
+_GEMMA3_128K = dict(vocab_size=262208, max_seq_len=131072, sliding_window=1024, rope_scaling_factor=8.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,48 +73,21 @@ class Gemma2Config(GemmaConfig):
     ```
     """
 
-    vocab_size: int = 256000
-    d_model: int = 2304
-    n_layers: int = 26
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    head_dim: int | None = 256
-    d_ff: int = 9216
-    max_seq_len: int = 8192
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    sliding_window: int | None = 4096
-    layer_types: tuple[str, ...] | None = (_SLIDING, _FULL)
-    query_pre_attn_scalar: float | None = 256.0
-    attn_softcap: float | None = 50.0
-    final_softcap: float | None = 30.0
-
     family: ClassVar[str] = "gemma2"
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(_TINY),
-        "2b": dict(),
-        "9b": dict(d_model=3584, n_layers=42, n_heads=16, n_kv_heads=8, d_ff=14336),
-        "27b": dict(
-            d_model=4608, n_layers=46, n_heads=32, n_kv_heads=16, head_dim=128, d_ff=36864, query_pre_attn_scalar=144.0
-        ),
-    }
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": dict(_TINY), **_GEMMA2}
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(
+        _GEMMA2["2b"], sliding_window=4096, layer_types=(_SLIDING, _FULL), attn_softcap=50.0, final_softcap=30.0
+    )
 
 
 class Gemma2(RotaryDecoder):
-    """A Gemma 2 decoder (see :class:`Gemma2Config`). Local and global layers are one scanned stack:
-    each layer's kind (window) is an int32 leaf scanned with its weights.
-
-    **Arguments:** `config` (a :class:`Gemma2Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Gemma2(zoo.Gemma2Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab), each within (-30, 30)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Gemma 2 decoder (see :class:`Gemma2Config`). Local and global layers are one scanned stack:
+    each layer's kind (window) is an int32 leaf scanned with its weights.""",
+        "Gemma2",
+        example="logits = model(jnp.arange(16))            # (16, vocab), each within (-30, 30)",
+    )
 
     CONFIG: ClassVar[type] = Gemma2Config
 
@@ -121,78 +111,26 @@ class Gemma3Config(GemmaConfig):
     ```
     """
 
-    vocab_size: int = 262144
-    d_model: int = 1152
-    n_layers: int = 26
-    n_heads: int = 4
-    n_kv_heads: int = 1
-    head_dim: int | None = 256
-    d_ff: int = 6912
-    max_seq_len: int = 32768
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    local_rope_theta: float | None = 10000.0
-    sliding_window: int | None = 512
-    layer_types: tuple[str, ...] | None = (_SLIDING,) * 5 + (_FULL,)
-    query_pre_attn_scalar: float | None = 256.0
-
     family: ClassVar[str] = "gemma3"
     QK_NORM: ClassVar[str | None] = "head"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(_TINY, layer_types=(_SLIDING, _FULL)),
-        "1b": dict(),
-        "4b": dict(
-            vocab_size=262208,
-            d_model=2560,
-            n_layers=34,
-            n_heads=8,
-            n_kv_heads=4,
-            d_ff=10240,
-            max_seq_len=131072,
-            sliding_window=1024,
-            rope_scaling_factor=8.0,
-        ),
-        "12b": dict(
-            vocab_size=262208,
-            d_model=3840,
-            n_layers=48,
-            n_heads=16,
-            n_kv_heads=8,
-            d_ff=15360,
-            max_seq_len=131072,
-            sliding_window=1024,
-            rope_scaling_factor=8.0,
-        ),
-        "27b": dict(
-            vocab_size=262208,
-            d_model=5376,
-            n_layers=62,
-            n_heads=32,
-            n_kv_heads=16,
-            head_dim=128,
-            d_ff=21504,
-            max_seq_len=131072,
-            sliding_window=1024,
-            rope_scaling_factor=8.0,
-            query_pre_attn_scalar=168.0,
-        ),
+        "1b": dict(_GEMMA3["1b"], vocab_size=262144, max_seq_len=32768, sliding_window=512),
+        "4b": dict(_GEMMA3["4b"], **_GEMMA3_128K),
+        "12b": dict(_GEMMA3["12b"], **_GEMMA3_128K),
+        "27b": dict(_GEMMA3["27b"], **_GEMMA3_128K),
     }
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(
+        PRESETS["1b"], rope_theta=1_000_000.0, local_rope_theta=10000.0, layer_types=(_SLIDING,) * 5 + (_FULL,)
+    )
 
 
 class Gemma3(RotaryDecoder):
-    """A Gemma 3 text decoder (see :class:`Gemma3Config`). Local and global layers are one scanned
-    stack: each layer's kind (window and rotary base) is an int32 leaf scanned with its weights.
-
-    **Arguments:** `config` (a :class:`Gemma3Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Gemma3(zoo.Gemma3Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Gemma 3 text decoder (see :class:`Gemma3Config`). Local and global layers are one scanned
+    stack: each layer's kind (window and rotary base) is an int32 leaf scanned with its weights.""",
+        "Gemma3",
+    )
 
     CONFIG: ClassVar[type] = Gemma3Config

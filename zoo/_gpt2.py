@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -10,31 +11,21 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import nn
-from ._common import StackCache, check_tokens
+from ._common import StackModel, check_tokens, model_doc, packed_inputs
 from ._config import GPT2Config
-from .nn._spec import ModelSpec
+from .nn._attend import PerToken
 
 
-class GPT2(StackCache, eqx.Module):
-    """A GPT-2 decoder: token + learned position embeddings, pre-norm blocks scanned over depth,
+class GPT2(StackModel):
+    __doc__ = model_doc(
+        """A GPT-2 decoder: token + learned position embeddings, pre-norm blocks scanned over depth,
     final LayerNorm, output head tied to the token embedding.
 
-    Call on one sequence of token ids; batch with `jax.vmap`.
-
-    **Arguments:**
-
-    - `config`: a :class:`GPT2Config`.
-    - `key`: a `jax.random` key.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.GPT2(zoo.GPT2Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    batch = jax.vmap(model)(jnp.zeros((4, 16), jnp.int32))
-    ```
-    """
+    Call on one sequence of token ids; batch with `jax.vmap`.""",
+        "GPT2",
+        example="""logits = model(jnp.arange(16))            # (16, vocab)
+    batch = jax.vmap(model)(jnp.zeros((4, 16), jnp.int32))""",
+    )
 
     wte: nn.Embedding
     wpe: nn.Embedding
@@ -42,9 +33,10 @@ class GPT2(StackCache, eqx.Module):
     ln_f: nn.LayerNorm
     config: GPT2Config = eqx.field(static=True)
 
+    CONFIG: ClassVar[type] = GPT2Config
+
     def __init__(self, config: GPT2Config, *, key: PRNGKeyArray):
-        if not isinstance(config, GPT2Config):
-            raise TypeError(f"GPT2 needs a GPT2Config, got {type(config).__name__}")
+        self._check_config(config)
         c = config
         dtype = c.param_jnp_dtype
         k_wte, k_wpe, k_stack = jax.random.split(key, 3)
@@ -76,35 +68,22 @@ class GPT2(StackCache, eqx.Module):
         self.ln_f = nn.LayerNorm(c.d_model, eps=c.norm_eps, dtype=dtype)
         self.config = c
 
-    @property
-    def checkpoint_names(self) -> tuple[str, ...]:
-        """Activation names valid for :class:`zoo.nn.Remat` and the offload transforms."""
-        return self.stack.checkpoint_names
-
-    def describe(self) -> ModelSpec:
-        """The :class:`zoo.ModelSpec` the memory planner reads (depth, widths, dtypes, the layer);
-        the output head is the token embedding, transposed."""
-        c = self.config
-        return ModelSpec.from_stack(
-            self.stack,
-            name=c.family,
-            vocab_size=c.vocab_size,
-            tied_head=True,
-            compute_dtype=c.compute_dtype,
-            param_dtype=c.param_dtype,
-            max_seq_len=c.max_seq_len,
-        )
+    def _tied_head(self) -> bool:
+        return True  # GPT-2's output head is always the token embedding, transposed
 
     def hidden(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
+        self, tokens: PerToken, *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> Float[Array, "seq embed"]:
-        """The final hidden states (after the last norm), before the output head."""
+        """The final hidden states (after the last norm), before the output head.
+
+        ``segment_ids`` packs several documents into the sequence: none attends to another, and
+        the learned positions restart at each (unless ``positions`` are given).
+        """
         c = self.config
         check_tokens(tokens, c.max_seq_len, "GPT2")
-        if positions is None:
-            positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        positions, packed = packed_inputs(tokens, positions, segment_ids)
         x = (self.wte(tokens) + self.wpe(positions)).astype(c.compute_jnp_dtype)
-        return self.ln_f(self.stack(x))
+        return self.ln_f(self.stack(x, **packed))
 
     def head(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
         """The output head (tied to the token embedding): hidden states to logits."""
@@ -117,8 +96,3 @@ class GPT2(StackCache, eqx.Module):
         x = (self.wte(tokens) + self.wpe(jnp.maximum(positions, 0))).astype(self.config.compute_jnp_dtype)
         x, cache = self.stack.decode(x, cache, positions=positions)
         return self.head(self.ln_f(x)), cache
-
-    def __call__(
-        self, tokens: Int[Array, " seq"], *, positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq vocab"]:
-        return self.head(self.hidden(tokens, positions=positions))

@@ -6,7 +6,25 @@ import dataclasses
 from typing import Any, ClassVar
 
 from . import nn
+from ._common import model_doc
+from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
+
+_LLAMA3_ROPE = nn.Llama3RopeScaling(factor=32.0)
+
+# fmt: off
+_SIZES = preset_table(
+    "                  vocab_size d_model n_layers n_heads n_kv_heads d_ff   max_seq_len rope_theta tie_embeddings",
+    {
+        "small":      (32000,     768,    12,      12,     4,         2048,  2048,       10000.0,   False),
+        "1b":         (128256,    2048,   16,      32,     8,         8192,  8192,       500000.0,  True),
+        "3b":         (128256,    3072,   28,      24,     8,         8192,  8192,       500000.0,  True),
+        "8b":         (128256,    4096,   32,      32,     8,         14336, 8192,       500000.0,  False),
+        "mistral-7b": (32000,     4096,   32,      32,     8,         14336, 32768,      10000.0,   False),
+        "qwen2-0.5b": (151936,    896,    24,      14,     2,         4864,  32768,      1000000.0, True),
+    },
+)
+# fmt: on
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,80 +45,27 @@ class LlamaConfig(RotaryDecoderConfig):
     ```
     """
 
-    vocab_size: int = 128256
-    d_model: int = 2048
-    n_layers: int = 16
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    d_ff: int = 8192
-    max_seq_len: int = 8192
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    tie_embeddings: bool = True
-
     family: ClassVar[str] = "llama"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(TINY, tie_embeddings=False),
-        "small": dict(
-            vocab_size=32000,
-            d_model=768,
-            n_layers=12,
-            n_heads=12,
-            n_kv_heads=4,
-            d_ff=2048,
-            max_seq_len=2048,
-            rope_theta=10000.0,
-            tie_embeddings=False,
-        ),
-        "1b": dict(rope_scaling=nn.Llama3RopeScaling(factor=32.0)),
-        "3b": dict(d_model=3072, n_layers=28, n_heads=24, d_ff=8192, rope_scaling=nn.Llama3RopeScaling(factor=32.0)),
-        "8b": dict(d_model=4096, n_layers=32, n_heads=32, d_ff=14336, tie_embeddings=False),
-        "mistral-7b": dict(
-            vocab_size=32000,
-            d_model=4096,
-            n_layers=32,
-            n_heads=32,
-            n_kv_heads=8,
-            d_ff=14336,
-            max_seq_len=32768,
-            rope_theta=10000.0,
-            tie_embeddings=False,
-            sliding_window=4096,
-        ),
-        "qwen2-0.5b": dict(
-            vocab_size=151936,
-            d_model=896,
-            n_layers=24,
-            n_heads=14,
-            n_kv_heads=2,
-            d_ff=4864,
-            max_seq_len=32768,
-            norm_eps=1e-6,
-            rope_theta=1000000.0,
-            qkv_bias=True,
-        ),
+        "small": _SIZES["small"],
+        "1b": dict(_SIZES["1b"], rope_scaling=_LLAMA3_ROPE),
+        "3b": dict(_SIZES["3b"], rope_scaling=_LLAMA3_ROPE),
+        "8b": _SIZES["8b"],
+        "mistral-7b": dict(_SIZES["mistral-7b"], sliding_window=4096),
+        "qwen2-0.5b": dict(_SIZES["qwen2-0.5b"], norm_eps=1e-6, qkv_bias=True),
     }
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(_SIZES["1b"], norm_eps=1e-5)
 
 
 class Llama(RotaryDecoder):
-    """A Llama decoder: token embedding, pre-norm blocks (RMSNorm, rotary GQA attention,
+    __doc__ = model_doc(
+        """A Llama decoder: token embedding, pre-norm blocks (RMSNorm, rotary GQA attention,
     SwiGLU) scanned over depth, final RMSNorm, output head (tied or separate).
 
-    Call on one sequence of token ids; batch with `jax.vmap`.
-
-    **Arguments:**
-
-    - `config`: a :class:`LlamaConfig`.
-    - `key`: a `jax.random` key.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    Call on one sequence of token ids; batch with `jax.vmap`.""",
+        "Llama",
+    )
 
     CONFIG: ClassVar[type] = LlamaConfig

@@ -109,10 +109,17 @@ def lm_loss(
     mask: Bool[Array, "batch seq"] | Num[Array, "batch seq"] | None = None,
     *,
     chunk: int | str | None = None,
+    segment_ids: Int[Array, "batch seq_plus_one"] | None = None,
 ) -> Float[Array, ""]:
     """Next-token loss of ``model`` on a batch: predict ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
 
     ``mask`` (optional) weights the ``seq = seq_plus_one - 1`` predicted positions.
+
+    ``segment_ids`` (optional, one integer per token, the shape of ``tokens``) packs several
+    documents into each row: no token attends to another document, positions restart at each
+    (see the models' ``hidden``), and a target in another segment than its input (the first token
+    of the next document) is left out of the loss, so the loss is that of the documents run one
+    by one. Padding is a segment of its own, left out with ``mask``.
 
     ``chunk`` (tokens per chunk; default: the model config's ``loss_chunk``, which is ``"auto"``
     unless set, or 0 for a model without a config) runs the output head and the cross-entropy
@@ -132,6 +139,8 @@ def lm_loss(
     loss = zoo.lm_loss(model, jnp.zeros((2, 17), jnp.int32))
     grads = jax.grad(zoo.lm_loss)(model, jnp.zeros((2, 17), jnp.int32))
     same = zoo.lm_loss(model, jnp.zeros((2, 17), jnp.int32), chunk=8)   # 4 chunks of 8 tokens
+    docs = jnp.array([[1] * 9 + [2] * 8] * 2)                          # two documents per row
+    packed = zoo.lm_loss(model, jnp.zeros((2, 17), jnp.int32), segment_ids=docs)
     ```
     """
     if tokens.ndim != 2 or tokens.shape[1] < 2:
@@ -139,16 +148,33 @@ def lm_loss(
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if mask is not None and mask.shape != targets.shape:
         raise ValueError(f"mask {mask.shape} must have the shape of targets {targets.shape}")
+    mask, packed = packed_batch(tokens, mask, segment_ids)
     chunk = resolve_chunk(model, chunk, targets.size, "lm_loss")
     if not chunk:
         with folded_batch():  # the vmap below comes before any differentiation
-            logits = jax.vmap(model)(inputs)
+            logits = jax.vmap(model)(inputs, **packed)
         with jax.named_scope("loss"):
             return cross_entropy(logits, targets, mask)
     with folded_batch():
-        x = jax.vmap(model.hidden)(inputs)  # (batch, seq, d)
+        x = jax.vmap(model.hidden)(inputs, **packed)  # (batch, seq, d)
     with jax.named_scope("loss"):
         return chunked_cross_entropy(model.head, x, targets, mask, chunk=chunk)
+
+
+def packed_batch(tokens, mask, segment_ids) -> tuple:
+    """``(mask, model keyword arguments)`` of a next-token batch with ``segment_ids``: the mask
+    leaves out targets in another segment than their input, and the model gets the inputs'
+    segments. Without segments, ``(mask, {})`` unchanged."""
+    if segment_ids is None:
+        return mask, {}
+    if getattr(segment_ids, "shape", None) != tokens.shape or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"segment_ids must be integers of the shape of tokens {tuple(tokens.shape)}, got "
+            f"{getattr(segment_ids, 'dtype', type(segment_ids).__name__)} {getattr(segment_ids, 'shape', '')}"
+        )
+    same = segment_ids[:, 1:] == segment_ids[:, :-1]  # (batch, seq): target in its input's document
+    mask = same if mask is None else jnp.where(same, mask, jnp.zeros_like(mask))
+    return mask, {"segment_ids": segment_ids[:, :-1]}
 
 
 def _device_count() -> int:

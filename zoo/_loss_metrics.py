@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import jax
 from jaxtyping import Array, Bool, Float, Int, Num
 
-from ._loss import chunked_cross_entropy, cross_entropy, lm_loss, resolve_chunk
+from ._loss import chunked_cross_entropy, cross_entropy, lm_loss, packed_batch, resolve_chunk
 from .nn._linear import folded_batch
 from .nn._moe import router_losses
 
@@ -46,13 +46,15 @@ def lm_loss_and_metrics(
     *,
     aux_weights: Mapping[str, float] | None = None,
     chunk: int | str | None = None,
+    segment_ids: Int[Array, "batch seq_plus_one"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """``(loss, metrics)``: the cross-entropy of predicting ``tokens[:, 1:]``, plus, for a
     mixture-of-experts model, the weighted router losses (:func:`router_loss_terms`), and each term
     as a metric (``cross_entropy``; ``load_balancing_loss`` and ``router_z_loss`` for MoE models).
     For a dense model the loss equals :func:`zoo.lm_loss`'s. The router losses ignore ``mask``
     (they count every token, as ``transformers`` does without an attention mask). ``chunk`` chunks
-    the cross-entropy as in :func:`zoo.lm_loss` (default: the config's ``loss_chunk``).
+    the cross-entropy as in :func:`zoo.lm_loss` (default: the config's ``loss_chunk``);
+    ``segment_ids`` packs documents as there.
 
     **Example:**
 
@@ -69,14 +71,15 @@ def lm_loss_and_metrics(
     if not has_router_losses(model):
         if aux_weights:
             raise ValueError(f"aux_weights given, but {type(model).__name__} has no router losses")
-        ce = lm_loss(model, tokens, mask, chunk=chunk)
+        ce = lm_loss(model, tokens, mask, chunk=chunk, segment_ids=segment_ids)
         return ce, {"cross_entropy": ce}
     targets = tokens[:, 1:]
     if mask is not None and mask.shape != targets.shape:
         raise ValueError(f"mask {mask.shape} must have the shape of targets {targets.shape}")
+    mask, packed = packed_batch(tokens, mask, segment_ids)
     chunk = resolve_chunk(model, chunk, targets.size, "lm_loss_and_metrics")
     with folded_batch():  # the vmaps come before any differentiation (see zoo.nn._linear)
-        x, stats = jax.vmap(model.hidden_and_router_stats)(tokens[:, :-1])
+        x, stats = jax.vmap(model.hidden_and_router_stats)(tokens[:, :-1], **packed)
         logits = None if chunk else jax.vmap(model.head)(x)
     with jax.named_scope("loss"):
         if chunk:

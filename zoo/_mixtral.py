@@ -5,7 +5,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
+from ._config import preset_table
 from ._decoder import TINY, MoEConfig, MoEDecoder
+
+# fmt: off
+_SIZES = preset_table(
+    "             vocab_size d_model n_layers n_heads n_kv_heads d_ff   max_seq_len n_experts experts_per_token",
+    {
+        "8x7b":  (32000,     4096,   32,      32,     8,         14336, 32768,      8,        2),
+        "8x22b": (32768,     6144,   56,      48,     8,         16384, 65536,      8,        2),
+    },
+)
+# fmt: on
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,41 +39,23 @@ class MixtralConfig(MoEConfig):
     ```
     """
 
-    vocab_size: int = 32000
-    d_model: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    d_ff: int = 14336
-    n_experts: int = 8
-    experts_per_token: int = 2
-    max_seq_len: int = 32768
-    norm_eps: float = 1e-5
-    rope_theta: float = 1_000_000.0
-    router_aux_loss_coef: float = 0.02
-
     family: ClassVar[str] = "mixtral"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(TINY, d_ff=96, n_experts=4, experts_per_token=2),
-        "8x7b": dict(),
-        "8x22b": dict(vocab_size=32768, d_model=6144, n_layers=56, n_heads=48, d_ff=16384, max_seq_len=65536),
+        **_SIZES,
     }
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(
+        _SIZES["8x7b"], norm_eps=1e-5, rope_theta=1_000_000.0, router_aux_loss_coef=0.02
+    )
 
 
 class Mixtral(MoEDecoder):
-    """A Mixtral decoder (see :class:`MixtralConfig`). Besides the logits it gives the router
-    statistics for the auxiliary losses (:meth:`logits_and_router_stats`).
-
-    **Arguments:** `config` (a :class:`MixtralConfig`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Mixtral(zoo.MixtralConfig.preset("tiny"), key=jax.random.key(0))
-    logits = jax.vmap(model)(jnp.zeros((2, 16), jnp.int32))     # (2, 16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Mixtral decoder (see :class:`MixtralConfig`). Besides the logits it gives the router
+    statistics for the auxiliary losses (:meth:`logits_and_router_stats`).""",
+        "Mixtral",
+        example="logits = jax.vmap(model)(jnp.zeros((2, 16), jnp.int32))     # (2, 16, vocab)",
+    )
 
     CONFIG: ClassVar[type] = MixtralConfig

@@ -6,7 +6,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
+from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
+
+# fmt: off
+_SIZES = preset_table(
+    "          vocab_size d_model n_layers n_heads n_kv_heads d_ff   max_seq_len",
+    {
+        "1b": (100352,    2048,   16,      16,     16,        8192,  4096),
+        "7b": (100352,    4096,   32,      32,     32,        11008, 4096),
+    },
+)
+# fmt: on
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,40 +39,18 @@ class Olmo2Config(RotaryDecoderConfig):
     ```
     """
 
-    vocab_size: int = 100352
-    d_model: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 32
-    d_ff: int = 11008
-    max_seq_len: int = 4096
-    norm_eps: float = 1e-6
-    rope_theta: float = 500000.0
-
     family: ClassVar[str] = "olmo2"
     QK_NORM: ClassVar[str | None] = "projection"
     PRE_NORMS: ClassVar[bool] = False
     POST_NORMS: ClassVar[bool] = True
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(TINY),
-        "1b": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, d_ff=8192),
-        "7b": dict(),
-    }
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": dict(TINY), **_SIZES}
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(_SIZES["7b"], norm_eps=1e-6, rope_theta=500000.0)
 
 
 class Olmo2(RotaryDecoder):
-    """An OLMo 2 decoder (see :class:`Olmo2Config`). Call on one sequence; batch with `jax.vmap`.
-
-    **Arguments:** `config` (an :class:`Olmo2Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Olmo2(zoo.Olmo2Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """An OLMo 2 decoder (see :class:`Olmo2Config`). Call on one sequence; batch with `jax.vmap`.""", "Olmo2"
+    )
 
     CONFIG: ClassVar[type] = Olmo2Config

@@ -5,7 +5,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
+from ._config import preset_table
 from ._decoder import TINY, RotaryDecoder, RotaryDecoderConfig
+
+# fmt: off
+_SIZES = preset_table(
+    "            vocab_size d_model n_layers n_heads n_kv_heads d_ff  max_seq_len sliding_window",
+    {
+        "mini": (32064,     3072,   32,      32,     32,        8192, 4096,       2047),
+    },
+)
+# fmt: on
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,37 +37,15 @@ class Phi3Config(RotaryDecoderConfig):
     ```
     """
 
-    vocab_size: int = 32064
-    d_model: int = 3072
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 32
-    d_ff: int = 8192
-    max_seq_len: int = 4096
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    sliding_window: int | None = 2047
-
     family: ClassVar[str] = "phi3"
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(TINY, sliding_window=None),
-        "mini": dict(),
-    }
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": dict(TINY, sliding_window=None), **_SIZES}
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(_SIZES["mini"], norm_eps=1e-5)
 
 
 class Phi3(RotaryDecoder):
-    """A Phi-3 decoder (see :class:`Phi3Config`). Call on one sequence; batch with `jax.vmap`.
-
-    **Arguments:** `config` (a :class:`Phi3Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Phi3(zoo.Phi3Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Phi-3 decoder (see :class:`Phi3Config`). Call on one sequence; batch with `jax.vmap`.""", "Phi3"
+    )
 
     CONFIG: ClassVar[type] = Phi3Config

@@ -5,7 +5,36 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from ._common import model_doc
+from ._config import preset_table
 from ._decoder import TINY, MoEConfig, MoEDecoder, RotaryDecoder, RotaryDecoderConfig
+
+#: What every Qwen3 model, dense or mixture of experts, shares.
+_QWEN3_SHARED = dict(vocab_size=151936, head_dim=128, max_seq_len=40960, norm_eps=1e-6, rope_theta=1_000_000.0)
+
+# fmt: off
+_QWEN3 = preset_table(
+    "            d_model n_layers n_heads d_ff   tie_embeddings",
+    {
+        "0.6b": (1024,   28,      16,     3072,  True),
+        "1.7b": (2048,   28,      16,     6144,  True),
+        "4b":   (2560,   36,      32,     9728,  True),
+        "8b":   (4096,   36,      32,     12288, False),
+        "14b":  (5120,   40,      40,     17408, False),
+        "32b":  (5120,   64,      64,     25600, False),
+    },
+)
+# fmt: on
+
+# fmt: off
+_QWEN3_MOE = preset_table(
+    "                 d_model n_layers n_heads n_kv_heads d_ff  n_experts experts_per_token",
+    {
+        "30b-a3b":   (2048,   48,      32,     4,         768,  128,      8),
+        "235b-a22b": (4096,   94,      64,     4,         1536, 128,      8),
+    },
+)
+# fmt: on
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,46 +56,19 @@ class Qwen3Config(RotaryDecoderConfig):
     ```
     """
 
-    vocab_size: int = 151936
-    d_model: int = 1024
-    n_layers: int = 28
-    n_heads: int = 16
-    n_kv_heads: int = 8
-    head_dim: int | None = 128
-    d_ff: int = 3072
-    max_seq_len: int = 40960
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    tie_embeddings: bool = True
-
     family: ClassVar[str] = "qwen3"
     QK_NORM: ClassVar[str | None] = "head"
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(TINY, head_dim=None, tie_embeddings=False),
-        "0.6b": dict(),
-        "1.7b": dict(d_model=2048, d_ff=6144),
-        "4b": dict(d_model=2560, n_layers=36, n_heads=32, d_ff=9728),
-        "8b": dict(d_model=4096, n_layers=36, n_heads=32, d_ff=12288, tie_embeddings=False),
-        "14b": dict(d_model=5120, n_layers=40, n_heads=40, d_ff=17408, tie_embeddings=False),
-        "32b": dict(d_model=5120, n_layers=64, n_heads=64, d_ff=25600, tie_embeddings=False),
-    }
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"tiny": dict(TINY, head_dim=None, tie_embeddings=False), **_QWEN3}
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(_QWEN3_SHARED, n_kv_heads=8, **_QWEN3["0.6b"])
 
 
 class Qwen3(RotaryDecoder):
-    """A Qwen3 decoder (see :class:`Qwen3Config`): token embedding, layers scanned over depth,
-    final RMSNorm, output head. Call on one sequence; batch with `jax.vmap`.
-
-    **Arguments:** `config` (a :class:`Qwen3Config`), `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp, zoo
-    model = zoo.Qwen3(zoo.Qwen3Config.preset("tiny"), key=jax.random.key(0))
-    logits = model(jnp.arange(16))            # (16, vocab)
-    ```
-    """
+    __doc__ = model_doc(
+        """A Qwen3 decoder (see :class:`Qwen3Config`): token embedding, layers scanned over depth,
+    final RMSNorm, output head. Call on one sequence; batch with `jax.vmap`.""",
+        "Qwen3",
+    )
 
     CONFIG: ClassVar[type] = Qwen3Config
 
@@ -91,28 +93,14 @@ class Qwen3MoeConfig(MoEConfig):
     ```
     """
 
-    vocab_size: int = 151936
-    d_model: int = 2048
-    n_layers: int = 48
-    n_heads: int = 32
-    n_kv_heads: int = 4
-    head_dim: int | None = 128
-    d_ff: int = 768
-    n_experts: int = 128
-    experts_per_token: int = 8
-    max_seq_len: int = 40960
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    router_aux_loss_coef: float = 0.001
-
     family: ClassVar[str] = "qwen3-moe"
     QK_NORM: ClassVar[str | None] = "head"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(TINY, head_dim=None, d_ff=32, n_experts=4, experts_per_token=2),
-        "30b-a3b": dict(),
-        "235b-a22b": dict(d_model=4096, n_layers=94, n_heads=64, d_ff=1536),
+        **_QWEN3_MOE,
     }
+    DEFAULTS: ClassVar[dict[str, Any]] = dict(_QWEN3_SHARED, **_QWEN3_MOE["30b-a3b"])
 
 
 class Qwen3Moe(MoEDecoder):

@@ -4,7 +4,12 @@ Sources (``--data``):
 
 - a text file, or a directory of them (every file under it, recursively; ``.jsonl`` files among
   them are read as below): each file is one document;
-- a ``.jsonl`` file: one JSON object per line, its ``text`` field one document;
+- a ``.jsonl`` file: one JSON object per line, its ``text`` field one document, or its
+  ``messages`` (``[{"role", "content"}, ...]``) one conversation, rendered with the checkpoint's chat
+  template (:mod:`recipes._lm.chat`); ``--data-field`` names another field;
+- a directory written by ``datasets.Dataset.save_to_disk``, or ``.parquet`` files (a file, or a
+  directory holding only them): read through ``datasets``, memory-mapped, in batches of rows, never
+  whole; the column is ``text`` or ``messages`` (or ``--data-field``);
 - a pre-tokenized ``.bin`` file (a flat array of uint16 or uint32 token ids, as nanoGPT writes):
   memory-mapped, never read whole; its dtype comes from ``--data-dtype`` or a sidecar JSON
   (``train.bin.json`` or ``meta.json`` beside it, ``{"dtype": "uint16"}``). A ``val.bin`` beside a
@@ -12,12 +17,20 @@ Sources (``--data``):
 - nothing: the Python standard library's own ``.py`` files (at most 2 MB of them, said aloud).
 
 Text is tokenized once into one flat numpy array (never a Python object per token), each document
-followed by the tokenizer's end-of-sequence token when it has one (the byte tokenizer has none).
+followed by the tokenizer's end-of-sequence token when it has one (the byte tokenizer has none); a
+conversation is the template's tokens alone. With conversations (and ``--train-on assistant``, the
+default) a parallel boolean array marks the tokens the loss covers: the assistant's.
 Documents are shuffled with the seed and split, whole, about 95/5 into train and validation (a
 single document is split by position). A byte cap (``--data-bytes``) is applied only when asked
 for, or for the standard-library default, and always printed. The batch for step ``i`` depends
 only on ``(seed, i)``, so the data position of a run is just its step number: a resumed run sees
 exactly the batches an uninterrupted one would.
+
+Packing (``--pack``, the default): a window holds the ends and starts of several documents, and
+:func:`segments_at` numbers them (from the documents a text corpus read, or after each
+end-of-sequence token of a pre-tokenized file), so the model attends within each document and
+numbers its positions from 0 (see :func:`zoo.lm_loss`'s ``segment_ids``). ``--no-pack``: the
+windows are one stream, attention crosses document boundaries.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ import pathlib
 import sysconfig
 
 import numpy as np
+
+from recipes._lm import chat
 
 #: Bytes read from the standard library when no --data is given (a short demo run).
 STDLIB_BYTES = 2_000_000
@@ -92,6 +107,7 @@ class HFTokenizer:
     def __init__(self, directory):
         import zoo
 
+        self.directory = pathlib.Path(directory)
         self._tok = zoo.hf.load_hf_tokenizer(directory)
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_id = eos_token_id(directory, self._tok)
@@ -124,8 +140,31 @@ def corpus_files(source: str | None) -> list[pathlib.Path]:
     return files
 
 
-def jsonl_documents(path: pathlib.Path) -> list[bytes]:
-    """The ``text`` field of every line of a JSON-lines file, UTF-8 encoded."""
+#: What a record's field may hold: a document's text or a conversation's messages.
+DEFAULT_FIELDS = ("text", "messages")
+TRAIN_ON = ("assistant", "all")
+
+
+def _field_value(record, field: str | None, where: str):
+    """The document of one record: ``record[field]``, or its ``text``, else its ``messages``."""
+    if not isinstance(record, dict):
+        raise SystemExit(f"{where} is not a JSON object")
+    names = (field,) if field else DEFAULT_FIELDS
+    for name in names:
+        if name in record:
+            value = record[name]
+            if isinstance(value, str):
+                return value.encode()
+            if isinstance(value, list):
+                return chat.check_messages(value, where)
+            raise SystemExit(f"{where}: field {name!r} is neither text nor a list of messages")
+    fields = ", ".join(map(repr, record)) or "none"
+    raise SystemExit(f"{where} has no field {' or '.join(map(repr, names))} (its fields: {fields}; see --data-field)")
+
+
+def jsonl_documents(path: pathlib.Path, field: str | None = None) -> list:
+    """The document of every line of a JSON-lines file (see :func:`_field_value`): UTF-8 text, or
+    a conversation's list of messages. All rows hold the same kind."""
     docs = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -135,27 +174,112 @@ def jsonl_documents(path: pathlib.Path) -> list[bytes]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"--data {path}: line {number} is not JSON ({e.msg})") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise SystemExit(f"--data {path}: line {number} has no string field 'text'")
-            docs.append(text.encode())
+            # the first row says which kind the file holds: every other row has the same field
+            kind = field or (("messages" if isinstance(docs[0], list) else "text") if docs else None)
+            docs.append(_field_value(record, kind, f"--data {path}: line {number}"))
     return docs
 
 
-def _documents(files: list[pathlib.Path], order, limit: int | None):
-    """``(document bytes, ...)`` in the seeded order of ``files``, until ``limit`` bytes."""
-    total = 0
+def is_dataset(source: str | None) -> bool:
+    """Whether ``source`` is read through ``datasets``: a ``save_to_disk`` directory, a ``.parquet``
+    file or a directory of them."""
+    if source is None:
+        return False
+    path = pathlib.Path(source)
+    if path.is_file():
+        return path.suffix == ".parquet"
+    if not path.is_dir():
+        return False
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        return True
+    files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    return bool(files) and all(p.suffix == ".parquet" for p in files)
+
+
+def open_dataset(source: str):
+    """The ``datasets.Dataset`` of ``source`` (see :func:`is_dataset`), memory-mapped: a
+    ``DatasetDict``'s ``train`` split; parquet files through the ``datasets`` cache."""
+    try:
+        import datasets
+    except ImportError:
+        raise SystemExit(f"--data {source}: reading it needs the datasets package: pip install datasets") from None
+    path = pathlib.Path(source)
+    saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+    if not saved:
+        files = [path] if path.is_file() else sorted(path.rglob("*.parquet"))
+        return datasets.Dataset.from_parquet([str(f) for f in files])
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            splits = ", ".join(dataset)
+            raise SystemExit(f"--data {source}: a DatasetDict without a 'train' split (its splits: {splits})")
+        dataset = dataset["train"]
+    return dataset
+
+
+def dataset_documents(source: str, field: str | None = None, batch_rows: int = 1000):
+    """The documents of a dataset's column (``field``, else ``text``, else ``messages``), read in
+    batches of ``batch_rows`` rows from the memory-mapped table."""
+    dataset = open_dataset(source)
+    columns = dataset.column_names
+    names = (field,) if field else DEFAULT_FIELDS
+    column = next((n for n in names if n in columns), None)
+    if column is None:
+        raise SystemExit(
+            f"--data {source}: no column {' or '.join(map(repr, names))} (its columns: {', '.join(columns)}; "
+            "see --data-field)"
+        )
+    row = 0
+    for batch in dataset.select_columns([column]).iter(batch_size=batch_rows):
+        for value in batch[column]:
+            yield _field_value({column: value}, column, f"--data {source}: row {row}")
+            row += 1
+
+
+def _documents(files: list[pathlib.Path], order, limit: int | None, field: str | None = None):
+    """``(document, ...)`` of ``files`` in the seeded ``order``, until ``limit`` bytes (see
+    :func:`_take`)."""
     for idx in order:
         path = files[idx]
-        docs = jsonl_documents(path) if path.suffix == ".jsonl" else [path.read_bytes()]
-        for doc in docs:
-            if limit is not None:
-                doc = doc[: limit - total]
-            if doc:
-                total += len(doc)
-                yield doc
-            if limit is not None and total >= limit:
-                return
+        yield from jsonl_documents(path, field) if path.suffix == ".jsonl" else [path.read_bytes()]
+
+
+def _size(doc) -> int:
+    return len(doc) if isinstance(doc, bytes) else sum(len(str(m.get("content", "")).encode()) for m in doc)
+
+
+def _take(docs, limit: int | None):
+    """``docs`` until ``limit`` bytes (``None``: all): text as bytes (the last cut at the limit),
+    conversations as lists of messages (whole, counted by their contents)."""
+    total = 0
+    for doc in docs:
+        if isinstance(doc, bytes) and limit is not None:
+            doc = doc[: limit - total]
+        if doc:
+            total += _size(doc)
+            yield doc
+        if limit is not None and total >= limit:
+            return
+
+
+def chat_template(tokenizer, source) -> chat.ChatTemplate:
+    """The chat template of the checkpoint ``tokenizer`` was read from (chat rows need one)."""
+    directory = getattr(tokenizer, "directory", None)
+    if directory is None:
+        raise SystemExit(
+            f"--data {source} holds conversations ('messages'): they are rendered with a Hugging Face checkpoint's "
+            "chat template and tokenizer; give a checkpoint directory with a tokenizer.json as the model"
+        )
+    return chat.ChatTemplate(directory, tokenizer._tok)
+
+
+def _reorder(encoded):
+    ids, mask, nbytes = encoded
+    return ids, nbytes, mask
+
+
+def _masks(chunks) -> np.ndarray:
+    return np.concatenate([np.ones(len(c[0]), bool) if c[2] is None else c[2] for c in chunks])
 
 
 class Corpus:
@@ -166,22 +290,52 @@ class Corpus:
     about 5% for validation (a single document is split by position).
     """
 
-    def __init__(self, source: str | None, tokenizer, *, limit: int | None, seed: int):
+    def __init__(
+        self,
+        source: str | None,
+        tokenizer,
+        *,
+        limit: int | None,
+        seed: int,
+        field: str | None = None,
+        train_on: str = "assistant",
+    ):
         if source is None and limit is None:
             limit = STDLIB_BYTES
         self.notes = [] if limit is None else [f"reading at most {limit:,} bytes of text (--data-bytes)"]
-        files = corpus_files(source)
-        order = np.random.default_rng(seed).permutation(len(files))
-        docs = list(_documents(files, order, limit))
+        if is_dataset(source):
+            docs = list(_take(dataset_documents(source, field), limit))
+            self.notes.append(f"--data {source}: read through datasets (memory-mapped)")
+        else:
+            files = corpus_files(source)
+            if field is not None and not any(f.suffix == ".jsonl" for f in files):
+                raise SystemExit(
+                    f"--data-field {field}: --data {source} holds plain text files only; the field names a "
+                    "field of .jsonl rows or a column of a dataset"
+                )
+            order = np.random.default_rng(seed).permutation(len(files))
+            docs = list(_take(_documents(files, order, limit, field), limit))
         if not docs:
             raise SystemExit(f"no text in {source or 'the standard library'}")
         eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-        chunks = []  # (token ids, bytes) per document, in the seeded order
-        for doc, ids in zip(docs, tokenizer.encode_many(docs), strict=True):
-            chunks.append((np.concatenate([ids, np.asarray(eos, ids.dtype)]) if eos else ids, len(doc)))
-        if eos:
-            self.notes.append(f"{len(chunks):,} documents, each followed by the end-of-sequence token {eos[0]}")
-        total = sum(n for _, n in chunks)
+        texts = [d for d in docs if isinstance(d, bytes)]
+        encoded = iter(tokenizer.encode_many(texts))
+        template = chat_template(tokenizer, source) if len(texts) < len(docs) else None
+        chunks = []  # (token ids, bytes, loss mask or None) per document, in the seeded order
+        for doc in docs:
+            if isinstance(doc, bytes):
+                ids = next(encoded)
+                chunks.append((np.concatenate([ids, np.asarray(eos, ids.dtype)]) if eos else ids, len(doc), None))
+            else:
+                chunks.append(_reorder(template.encode(doc, assistant_only=train_on == "assistant")))
+        if eos and texts:
+            self.notes.append(f"{len(texts):,} documents, each followed by the end-of-sequence token {eos[0]}")
+        if template is not None:
+            self.notes.append(
+                f"{len(docs) - len(texts):,} conversations rendered with the chat template of {template.directory}; "
+                f"the loss covers {'the assistant tokens' if train_on == 'assistant' else 'every token'} (--train-on)"
+            )
+        total = sum(c[1] for c in chunks)
         # Whole documents from the end of the order go to validation until it holds ~5% of the
         # bytes; if no document is small enough (one big one), the last 5% of the last is held out.
         target, val, val_bytes = VAL_FRACTION * total, [], 0
@@ -192,13 +346,20 @@ class Corpus:
                 val.append(chunks.pop(i))
                 val_bytes += val[-1][1]
         if not val:
-            ids, nbytes = chunks.pop()
+            ids, nbytes, mask = chunks.pop()
             cut = len(ids) - max(len(ids) // 20, 1)
-            chunks.append((ids[:cut], nbytes * cut / len(ids)))
-            val = [(ids[cut:], nbytes * (len(ids) - cut) / len(ids))]
+            chunks.append((ids[:cut], nbytes * cut / len(ids), None if mask is None else mask[:cut]))
+            val = [(ids[cut:], nbytes * (len(ids) - cut) / len(ids), None if mask is None else mask[cut:])]
             val_bytes = val[0][1]
-        self.train = np.concatenate([ids for ids, _ in chunks])
-        self.val = np.concatenate([ids for ids, _ in val])
+        self.train = np.concatenate([c[0] for c in chunks])
+        self.val = np.concatenate([c[0] for c in val])
+        masked = any(c[2] is not None for c in chunks + val)
+        #: which tokens the loss covers (bool, parallel to train / val), or ``None``: every token
+        self.train_mask = _masks(chunks) if masked else None
+        self.val_mask = _masks(val) if masked else None
+        #: where each document starts in ``train`` and ``val`` (for packing, see :func:`segments_at`)
+        splits = (("train", chunks), ("val", val))
+        self.doc_starts = {name: np.cumsum([0] + [len(c[0]) for c in split[:-1]]) for name, split in splits}
         self.vocab_size = tokenizer.vocab_size
         #: bytes of text per token (1 for the byte tokenizer): converts nats/token to bits/byte
         self.val_bytes_per_token = val_bytes / max(len(self.val), 1)
@@ -263,6 +424,9 @@ class TokenCorpus:
     ``val.bin`` beside a ``train.bin``). Nothing is read whole: batches read their windows, the
     checks and the unigram baseline read a sample of a few million tokens."""
 
+    #: every token is in the loss (a pre-tokenized file has no conversations to mask)
+    train_mask = val_mask = None
+
     def __init__(self, path: pathlib.Path, tokenizer, *, dtype: str | None, limit: int | None):
         dt = token_dtype(path, dtype)
         tokens = _memmap(path, dt)
@@ -278,6 +442,7 @@ class TokenCorpus:
             self.train, self.val = tokens[:cut], tokens[cut:]
             self.notes.append(f"validation: the last {len(self.val):,} tokens")
         self.vocab_size = tokenizer.vocab_size
+        self.doc_starts = None  # documents end at the tokenizer's end-of-sequence token, if any
         sample = _sample(self.train)
         top = int(sample.max()) if sample.size else 0
         if top >= tokenizer.vocab_size:
@@ -300,20 +465,80 @@ class TokenCorpus:
         )
 
 
-def open_corpus(source: str | None, tokenizer, *, limit: int | None, seed: int, dtype: str | None = None):
-    """A :class:`TokenCorpus` for a ``.bin`` file, else a :class:`Corpus` of text."""
+def open_corpus(
+    source: str | None,
+    tokenizer,
+    *,
+    limit: int | None,
+    seed: int,
+    dtype: str | None = None,
+    field: str | None = None,
+    train_on: str = "assistant",
+):
+    """A :class:`TokenCorpus` for a ``.bin`` file, else a :class:`Corpus` of text and conversations
+    (``field``: the JSON field or dataset column to read; ``train_on``: ``assistant`` or ``all``
+    tokens of a conversation in the loss)."""
     if source is not None and pathlib.Path(source).suffix == ".bin" and pathlib.Path(source).is_file():
         return TokenCorpus(pathlib.Path(source), tokenizer, dtype=dtype, limit=limit)
     if dtype is not None:
         raise SystemExit("--data-dtype applies to a pre-tokenized .bin file only")
-    return Corpus(source, tokenizer, limit=limit, seed=seed)
+    if field is not None and pathlib.Path(source or "").suffix == ".bin":
+        raise SystemExit("--data-field names a JSON field or a dataset column; a .bin file has none")
+    if train_on not in TRAIN_ON:
+        raise SystemExit(f"--train-on {train_on}: choose one of {', '.join(TRAIN_ON)}")
+    return Corpus(source, tokenizer, limit=limit, seed=seed, field=field, train_on=train_on)
 
 
-def batch_at(tokens: np.ndarray, step: int, *, batch: int, seq: int, seed: int, rows: slice = slice(None)):
-    """The ``(batch, seq + 1)`` windows for ``step`` (only ``rows`` of them: a process's share).
+def _window_starts(n_tokens: int, step: int, *, batch: int, seq: int, seed: int, rows: slice) -> np.ndarray:
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_tokens - seq - 1, size=batch)[rows]
+
+
+def batch_at(tokens: np.ndarray, step: int, *, batch: int, seq: int, seed: int, rows: slice = slice(None), mask=None):
+    """The ``(batch, seq + 1)`` windows for ``step`` (only ``rows`` of them: a process's share);
+    with ``mask`` (parallel to ``tokens``), ``(windows, loss mask)``, the mask ``(batch, seq)`` over
+    each window's predicted tokens (its last ``seq``).
 
     Depends only on ``(seed, step)``: the data position of a run is its step.
     """
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq - 1, size=batch)[rows]
-    return np.stack([tokens[s : s + seq + 1] for s in starts]).astype(np.int32)
+    starts = _window_starts(len(tokens), step, batch=batch, seq=seq, seed=seed, rows=rows)
+    windows = np.stack([tokens[s : s + seq + 1] for s in starts]).astype(np.int32)
+    if mask is None:
+        return windows
+    return windows, np.stack([mask[s + 1 : s + seq + 1] for s in starts])
+
+
+def segments_at(
+    tokens: np.ndarray,
+    step: int,
+    *,
+    batch: int,
+    seq: int,
+    seed: int,
+    rows: slice = slice(None),
+    doc_starts: np.ndarray | None = None,
+    eos_id: int | None = None,
+) -> np.ndarray:
+    """The segment ids ``(batch, seq + 1)`` of :func:`batch_at`'s windows: 1 for the document a
+    window starts in, one more at each document that begins in it: at each offset of
+    ``doc_starts`` (sorted offsets into ``tokens``), else after each ``eos_id`` token.
+
+    **Example:**
+
+    ```python
+    import numpy as np
+    tokens = np.array([5, 6, 0, 7, 8, 9, 0, 4, 4, 4])        # documents ended by token 0
+    segments_at(tokens, 0, batch=1, seq=8, seed=0, eos_id=0)  # e.g. [[1, 2, 2, 2, 2, 3, 3, 3, 3]]
+    ```
+    """
+    if doc_starts is None and eos_id is None:
+        raise ValueError("segments_at needs the documents' starts (doc_starts) or their end token (eos_id)")
+    starts = _window_starts(len(tokens), step, batch=batch, seq=seq, seed=seed, rows=rows)
+    rows_out = []
+    for s in starts:
+        if doc_starts is not None:
+            seg = np.searchsorted(doc_starts, np.arange(s, s + seq + 1), side="right")
+        else:
+            seg = np.concatenate([[0], np.cumsum(np.asarray(tokens[s : s + seq]) == eos_id)])
+        rows_out.append(seg - seg[0] + 1)
+    return np.stack(rows_out).astype(np.int32)

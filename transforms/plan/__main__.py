@@ -131,50 +131,35 @@ def main(argv=None) -> int:
             )
         else:
             device = args.device
-        if args.generate:
-            return _generate(args, config, device)
-        result = make_plan(
-            config,
+        shared = dict(
             batch=args.batch,
-            seq=args.seq,
             device=device,
-            optimizer=args.optimizer,
-            fsdp=args.fsdp,
-            accum_steps=args.accum_steps,
             margin=args.margin,
             host_memory_gb=args.host_memory_gb,
-            clip_norm=args.clip_norm,
             quantize=args.quantize,
         )
+        if args.generate:
+            result = plan_generate(
+                config, context=args.context, prompt=args.prompt, cache_dtype=args.cache_dtype, **shared
+            )
+        else:
+            result = make_plan(
+                config,
+                seq=args.seq,
+                optimizer=args.optimizer,
+                fsdp=args.fsdp,
+                accum_steps=args.accum_steps,
+                clip_norm=args.clip_norm,
+                **shared,
+            )
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result.model = args.model + (f", {args.quantize}" if args.quantize else "")
     print(result)
-    if args.png:
+    if args.png and not args.generate:  # a generation plan has no chart
         result.save_png(args.png)
         print(f"\nwrote {args.png}")
-    if args.json:
-        result.save_json(args.json)
-        print(f"wrote {args.json}")
-    return 0
-
-
-def _generate(args, config, device) -> int:
-    """``--generate``: print the generation plan, optionally write it as JSON."""
-    result = plan_generate(
-        config,
-        batch=args.batch,
-        context=args.context,
-        prompt=args.prompt,
-        device=device,
-        cache_dtype=args.cache_dtype,
-        margin=args.margin,
-        host_memory_gb=args.host_memory_gb,
-        quantize=args.quantize,
-    )
-    result.model = args.model + (f", {args.quantize}" if args.quantize else "")
-    print(result)
     if args.json:
         result.save_json(args.json)
         print(f"wrote {args.json}")

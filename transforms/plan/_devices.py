@@ -134,58 +134,40 @@ _PCIE5 = dict(link="PCIe Gen5 x16", link_bytes_per_s=50 * GB, link_peak_bytes_pe
 _C2C = dict(link="NVLink-C2C", link_bytes_per_s=380 * GB, link_peak_bytes_per_s=450 * GB)
 _HOPPER = dict(flops_bf16=989e12, flops_tf32=494e12)
 
+
+def _dgx(chip: str, description: str, memory_gib: int, memory_gb_s: int, **more) -> DeviceProfile:
+    """One GPU of an 8-GPU DGX server (2 TB of host memory: 256 GiB per GPU), from its datasheets."""
+    return DeviceProfile(
+        name=chip.lower(),
+        description=description,
+        memory_bytes=memory_gib * GiB,
+        memory_bytes_per_s=memory_gb_s * GB,
+        host_memory_bytes=256 * GiB,
+        sources=(f"NVIDIA {chip} Tensor Core GPU datasheet", f"NVIDIA DGX {chip} user guide (2 TB host / 8 GPUs)"),
+        **more,
+    )
+
+
+def _grace_hopper(name: str, memory: str, memory_gib: int, memory_gb_s: int) -> DeviceProfile:
+    """A GH200 superchip: a Hopper GPU with ``memory`` (``"96 GB HBM3"``) and 480 GiB of Grace memory over C2C."""
+    return DeviceProfile(
+        name=name,
+        description=f"NVIDIA GH200 Grace Hopper ({memory})",
+        memory_bytes=memory_gib * GiB,
+        memory_bytes_per_s=memory_gb_s * GB,
+        host_memory_bytes=480 * GiB,
+        sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
+        **_HOPPER,
+        **_C2C,
+    )
+
+
 DEVICES: dict[str, DeviceProfile] = {
-    "a100": DeviceProfile(
-        name="a100",
-        memory_bytes_per_s=1935 * GB,
-        description="NVIDIA A100 80GB PCIe",
-        memory_bytes=80 * GiB,
-        flops_bf16=312e12,
-        flops_tf32=156e12,
-        host_memory_bytes=256 * GiB,
-        sources=("NVIDIA A100 Tensor Core GPU datasheet", "NVIDIA DGX A100 user guide (2 TB host / 8 GPUs)"),
-        **_PCIE4,
-    ),
-    "h100": DeviceProfile(
-        name="h100",
-        memory_bytes_per_s=3350 * GB,
-        description="NVIDIA H100 80GB SXM",
-        memory_bytes=80 * GiB,
-        host_memory_bytes=256 * GiB,
-        sources=("NVIDIA H100 Tensor Core GPU datasheet", "NVIDIA DGX H100 user guide (2 TB host / 8 GPUs)"),
-        **_HOPPER,
-        **_PCIE5,
-    ),
-    "h200": DeviceProfile(
-        name="h200",
-        memory_bytes_per_s=4800 * GB,
-        description="NVIDIA H200 141GB SXM",
-        memory_bytes=141 * GiB,
-        host_memory_bytes=256 * GiB,
-        sources=("NVIDIA H200 Tensor Core GPU datasheet", "NVIDIA DGX H200 user guide (2 TB host / 8 GPUs)"),
-        **_HOPPER,
-        **_PCIE5,
-    ),
-    "gh200": DeviceProfile(
-        name="gh200",
-        memory_bytes_per_s=4000 * GB,
-        description="NVIDIA GH200 Grace Hopper (96 GB HBM3)",
-        memory_bytes=96 * GiB,
-        host_memory_bytes=480 * GiB,
-        sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
-        **_HOPPER,
-        **_C2C,
-    ),
-    "gh200-144gb": DeviceProfile(
-        name="gh200-144gb",
-        memory_bytes_per_s=4900 * GB,
-        description="NVIDIA GH200 Grace Hopper (144 GB HBM3e)",
-        memory_bytes=144 * GiB,
-        host_memory_bytes=480 * GiB,
-        sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
-        **_HOPPER,
-        **_C2C,
-    ),
+    "a100": _dgx("A100", "NVIDIA A100 80GB PCIe", 80, 1935, flops_bf16=312e12, flops_tf32=156e12, **_PCIE4),
+    "h100": _dgx("H100", "NVIDIA H100 80GB SXM", 80, 3350, **_HOPPER, **_PCIE5),
+    "h200": _dgx("H200", "NVIDIA H200 141GB SXM", 141, 4800, **_HOPPER, **_PCIE5),
+    "gh200": _grace_hopper("gh200", "96 GB HBM3", 96, 4000),
+    "gh200-144gb": _grace_hopper("gh200-144gb", "144 GB HBM3e", 144, 4900),
     "gb200": DeviceProfile(
         name="gb200",
         memory_bytes_per_s=8000 * GB,

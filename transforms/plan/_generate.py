@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,33 +13,24 @@ from ._checks import fraction, positive_int
 from ._decode import PLACEMENTS, DecodeEstimate, Placement, evaluate_decode, itemsize
 from ._devices import DeviceProfile, get_device
 from ._model import Geometry, geometry, quantize_notes, quantized, resolve_model
+from ._result import Answer, Row, row_json, shown_estimate
 from ._search import _budgets
 
 
 @dataclasses.dataclass
-class GenerateRow:
-    """One evaluated placement and whether it fits the budgets."""
+class GenerateRow(Row):
+    """One evaluated placement and whether it fits the budgets (a :class:`Row` of a decode estimate)."""
 
     estimate: DecodeEstimate
-    fits_device: bool
-    fits_host: bool
 
     @property
-    def fits(self) -> bool:
-        return self.fits_device and self.fits_host
+    def label(self) -> str:
+        return self.estimate.placement.label
 
 
 def _row_dict(r: GenerateRow) -> dict[str, Any]:
-    e = r.estimate
-    return {
-        "placement": e.placement.label,
-        "weights": e.placement.weights,
-        "kv_cache": e.placement.cache,
-        "device_bytes": e.device_bytes,
-        "peak_phase": e.peak_phase,
-        "phases": e.phases,
-        "host_bytes": e.host_bytes,
-        "host": e.host,
+    e, pl = r.estimate, r.estimate.placement
+    costs = {
         "kv_cache_bytes": e.cache_bytes,
         "read_per_step_bytes": e.read_per_step,
         "host_to_device_per_step_bytes": e.h2d_per_step,
@@ -49,10 +40,8 @@ def _row_dict(r: GenerateRow) -> dict[str, Any]:
         "tokens_per_s": e.tokens_per_s,
         "limit": e.limit,
         "prefill_s": e.prefill_s,
-        "fits": r.fits,
-        "fits_device": r.fits_device,
-        "fits_host": r.fits_host,
     }
+    return row_json(r, {"placement": pl.label, "weights": pl.weights, "kv_cache": pl.cache}, costs)
 
 
 def _choose(rows: list[GenerateRow]) -> GenerateRow | None:
@@ -66,7 +55,7 @@ def _choose(rows: list[GenerateRow]) -> GenerateRow | None:
 
 
 @dataclasses.dataclass
-class GeneratePlan:
+class GeneratePlan(Answer):
     """The generation planner's answer (see :func:`plan_generate`); ``str(plan)`` is a table.
 
     Main fields: ``fits``, ``chosen`` (the chosen :class:`GenerateRow`, or ``None``), ``weights``
@@ -93,10 +82,6 @@ class GeneratePlan:
     env: dict[str, str]
 
     @property
-    def fits(self) -> bool:
-        return self.chosen is not None
-
-    @property
     def shown(self) -> GenerateRow:
         """The chosen row, or (nothing fits) the placement with the smallest device peak."""
         return self.chosen if self.chosen is not None else min(self.rows, key=lambda r: r.estimate.device_bytes)
@@ -113,25 +98,8 @@ class GeneratePlan:
     def kv_cache(self) -> str | None:
         return None if self.chosen is None else self.placement.cache
 
-    @property
-    def label(self) -> str:
-        return self.placement.label if self.fits else "nothing fits"
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.shown.estimate.tokens_per_s
-
-    @property
-    def device_bytes(self) -> int:
-        return self.shown.estimate.device_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        return self.shown.estimate.host_bytes
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.shown.estimate.cache_bytes
+    tokens_per_s = shown_estimate("tokens_per_s")
+    kv_cache_bytes = shown_estimate("cache_bytes")
 
     def row(self, weights: str = "device", kv_cache: str = "device") -> GenerateRow:
         """The evaluated row of one placement (``ValueError`` if the device does not allow it)."""
@@ -165,10 +133,6 @@ class GeneratePlan:
             "env": self.env,
         }
 
-    def save_json(self, path) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2, default=str)
-
     def __str__(self) -> str:
         from ._generate_report import render
 
@@ -192,26 +156,25 @@ def _check_shape(spec, batch, context, prompt) -> tuple[int, int, int]:
 def _evaluator(g: Geometry, profile: DeviceProfile, *, cache_itemsize, efficiency, heap_overhead, budgets):
     """``rows(batch, context, prompt)``: every allowed placement, evaluated and checked."""
     placements = [p for p in PLACEMENTS if not (profile.unified and p.n_offloads)]
-    rate = profile.flops(g.compute_dtype) * efficiency
+    # What every placement's estimate shares: the cache dtype and the device's rates.
+    evaluate = functools.partial(
+        evaluate_decode,
+        cache_itemsize=cache_itemsize,
+        memory_bytes_per_s=profile.memory_bytes_per_s,
+        link_bytes_per_s=profile.link_bytes_per_s,
+        flops_per_s=profile.flops(g.compute_dtype) * efficiency,
+        heap_overhead=heap_overhead,
+    )
 
     def rows(batch: int, context: int, prompt: int, geometry: Geometry | None = None) -> list[GenerateRow]:
-        out = []
-        for pl in placements:
-            est = evaluate_decode(
-                geometry or g,
-                pl,
-                batch=batch,
-                context=context,
-                prompt=prompt,
-                cache_itemsize=cache_itemsize,
-                memory_bytes_per_s=profile.memory_bytes_per_s,
-                link_bytes_per_s=profile.link_bytes_per_s,
-                flops_per_s=rate,
-                heap_overhead=heap_overhead,
+        return [
+            GenerateRow.of(
+                evaluate(geometry or g, pl, batch=batch, context=context, prompt=prompt),
+                budgets.device_budget,
+                budgets.host_budget,
             )
-            fits_host = budgets.host_budget is None or est.host_bytes <= budgets.host_budget
-            out.append(GenerateRow(est, est.device_bytes <= budgets.device_budget, fits_host))
-        return out
+            for pl in placements
+        ]
 
     return rows
 

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 from .._report import format_bytes
-from ._report import _fmt_s, _table, footer
+from ._report import _fit_text, _fmt_s, _table, footer
 
 PHASES = ("prefill", "decode")
 
 
 def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:,.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.3g}"
-
-
-def _fits(plan, row) -> str:
-    if row.fits:
-        return "yes"
-    parts = []
-    if not row.fits_device:
-        parts.append(f"device +{format_bytes(row.estimate.device_bytes - plan.device_budget)}")
-    if not row.fits_host:
-        parts.append(f"host +{format_bytes(row.estimate.host_bytes - (plan.host_budget or 0))}")
-    return "no (" + ", ".join(parts) + ")"
 
 
 def render(plan) -> str:
@@ -63,7 +52,7 @@ def render(plan) -> str:
                 format_bytes(e.h2d_per_step),
                 _rate(e.tokens_per_s),
                 e.limit,
-                _fits(plan, r),
+                _fit_text(plan, r),
             ]
         )
     header = ["placement", "device", "host", "h2d/step", "tokens/s", "bound by", "fits"]

@@ -92,7 +92,7 @@ def _header(plan) -> list[str]:
 
 
 def _choice(plan) -> list[str]:
-    est: Estimate = plan._shown.estimate
+    est: Estimate = plan.shown.estimate
     lines = []
     if plan.fits:
         head = f"Plan: {plan.label}"
@@ -120,7 +120,7 @@ def _choice(plan) -> list[str]:
 
 
 def _components(plan) -> list[str]:
-    est: Estimate = plan._shown.estimate
+    est: Estimate = plan.shown.estimate
     lines = []
     comps = plan.components
     order = [c for c in COMPONENT_ORDER if c in comps] + [c for c in comps if c not in COMPONENT_ORDER]
@@ -172,7 +172,7 @@ def save_chart(plan, path) -> None:
     import matplotlib.pyplot as plt
 
     base = plan.baseline.estimate
-    shown = plan._shown.estimate
+    shown = plan.shown.estimate
     bars = [("no offload\ndevice", base.phases[base.peak_phase]), ("plan\ndevice", shown.phases[shown.peak_phase])]
     bars.append(("plan\nhost", shown.host))
     names = [c for c in COMPONENT_ORDER if any(b.get(c, 0) for _, b in bars)]

@@ -36,20 +36,28 @@ class Row:
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
 
+    @classmethod
+    def of(cls, estimate, device_budget: int, host_budget: int | None):
+        """The row of ``estimate``, checked against the budgets (``host_budget`` ``None``: no limit)."""
+        fits_host = host_budget is None or estimate.host_bytes <= host_budget
+        return cls(estimate, estimate.device_bytes <= device_budget, fits_host)
+
+    @property
+    def label(self) -> str:
+        """What the row evaluates, as the tables name it."""
+        return self.estimate.candidate.label
+
 
 def row_dict(r: Row) -> dict[str, Any]:
-    e = r.estimate
-    return {
-        "transforms": e.candidate.label,
-        "offload_params": e.candidate.params,
-        "offload_opt_state": e.candidate.opt_state,
-        "stream_update": e.candidate.stream,
-        "activation_policy": e.candidate.policy,
-        "device_bytes": e.device_bytes,
-        "peak_phase": e.peak_phase,
-        "phases": e.phases,
-        "host_bytes": e.host_bytes,
-        "host": e.host,
+    e, c = r.estimate, r.estimate.candidate
+    what = {
+        "transforms": c.label,
+        "offload_params": c.params,
+        "offload_opt_state": c.opt_state,
+        "stream_update": c.stream,
+        "activation_policy": c.policy,
+    }
+    costs = {
         "activations": e.activations,
         "host_to_device_bytes": e.host_to_device,
         "device_to_host_bytes": e.device_to_host,
@@ -58,10 +66,44 @@ def row_dict(r: Row) -> dict[str, Any]:
         "exposed_transfer_s": e.exposed_transfer_s,
         "step_s": e.step_s,
         "stream_layer": e.stream_layer,
-        "fits": r.fits,
-        "fits_device": r.fits_device,
-        "fits_host": r.fits_host,
     }
+    return row_json(r, what, costs)
+
+
+def row_json(r: Row, what: dict[str, Any], costs: dict[str, Any]) -> dict[str, Any]:
+    """A row as both planners write it to JSON: ``what`` it evaluates, its memory (device peak, the
+    phase it is in, every phase; host), its ``costs`` (traffic, time), and whether it fits."""
+    e = r.estimate
+    memory = {"device_bytes": e.device_bytes, "peak_phase": e.peak_phase, "phases": e.phases}
+    fits = {"fits": r.fits, "fits_device": r.fits_device, "fits_host": r.fits_host}
+    return {**what, **memory, "host_bytes": e.host_bytes, "host": e.host, **costs, **fits}
+
+
+def shown_estimate(field: str) -> property:
+    """A plan's property: ``field`` of the estimate of the row it shows (``plan.shown``: the chosen
+    row, or when nothing fits the closest one)."""
+    return property(lambda plan: getattr(plan.shown.estimate, field), doc=f"``{field}`` of the shown row's estimate.")
+
+
+class Answer:
+    """What both planners' answers (:class:`Plan`, ``GeneratePlan``) read off their rows: ``chosen``
+    (``None`` when nothing fits) and ``shown`` (the chosen row, or when nothing fits the closest)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen is not None
+
+    @property
+    def label(self) -> str:
+        return self.chosen.label if self.fits else "nothing fits"
+
+    device_bytes = shown_estimate("device_bytes")
+    host_bytes = shown_estimate("host_bytes")
+
+    def save_json(self, path) -> None:
+        """Write :meth:`to_dict` as JSON (what the CLI's ``--json`` writes)."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2, default=str)
 
 
 def closest(rows: list[Row]) -> Row:
@@ -87,7 +129,7 @@ def best(rows: list[Row]) -> Row | None:
 
 
 @dataclasses.dataclass
-class Plan:
+class Plan(Answer):
     """The planner's answer (see :func:`plan`). ``str(plan)`` is a readable table.
 
     Main fields: ``fits`` (a plan fits), ``chosen`` (the chosen candidate's :class:`Row`, or
@@ -96,10 +138,11 @@ class Plan:
     ``host_bytes`` (per device, at the peak), ``host_to_device`` / ``device_to_host`` (bytes per
     step), ``step_time_s`` and ``overhead`` (over the no-offload, no-recompute compute time),
     ``rows`` (every candidate), ``notes``, ``suggestions`` (when nothing fits), ``env`` (environment
-    variables the plan needs), ``stream_update`` (the chosen optimizer-state offload streams the
-    update layer by layer), and the inputs (``clip_norm`` included). ``spec`` is the planned
-    model's :class:`zoo.ModelSpec`, ``n_params`` its parameter count (from its parameter tree),
-    ``config`` its zoo config (``None`` for a model of the user's own).
+    variables the plan needs), ``shown`` (the chosen row, or when nothing fits the closest),
+    ``stream_update`` (the chosen optimizer-state offload streams the update layer by layer), and
+    the inputs (``clip_norm`` included). ``spec`` is the planned model's :class:`zoo.ModelSpec`,
+    ``n_params`` its parameter count (from its parameter tree), ``config`` its zoo config (``None``
+    for a model of the user's own).
     """
 
     model: str
@@ -132,16 +175,12 @@ class Plan:
         return self._context.geometry.n_params
 
     @property
-    def fits(self) -> bool:
-        return self.chosen is not None
-
-    @property
     def baseline(self) -> Row:
         """The no-offload, no-remat candidate."""
         return next(r for r in self.rows if r.estimate.candidate == Candidate())
 
     @property
-    def _shown(self) -> Row:
+    def shown(self) -> Row:
         """The chosen row, or (nothing fits) the candidate with the smallest device peak."""
         return self.chosen if self.chosen is not None else closest(self.rows)
 
@@ -175,29 +214,9 @@ class Plan:
         cand = self.candidate
         return None if cand is None else cand.policy
 
-    @property
-    def label(self) -> str:
-        return self.candidate.label if self.fits else "nothing fits"
-
-    @property
-    def device_bytes(self) -> int:
-        return self._shown.estimate.device_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        return self._shown.estimate.host_bytes
-
-    @property
-    def host_to_device(self) -> int:
-        return self._shown.estimate.host_to_device
-
-    @property
-    def device_to_host(self) -> int:
-        return self._shown.estimate.device_to_host
-
-    @property
-    def step_time_s(self) -> float:
-        return self._shown.estimate.step_s
+    host_to_device = shown_estimate("host_to_device")
+    device_to_host = shown_estimate("device_to_host")
+    step_time_s = shown_estimate("step_s")
 
     @property
     def overhead(self) -> float:
@@ -217,7 +236,7 @@ class Plan:
     @property
     def components(self) -> dict[str, dict[str, int]]:
         """Component -> {"device": bytes at the device peak, "host": bytes} for the shown candidate."""
-        est = self._shown.estimate
+        est = self.shown.estimate
         device = est.phases[est.peak_phase]
         names = list(dict.fromkeys([*device, *est.host]))
         return {n: {"device": device.get(n, 0), "host": est.host.get(n, 0)} for n in names}
@@ -384,7 +403,7 @@ class Plan:
             "pinned_host_limit_bytes": self.pinned_host_limit,
             "fits": self.fits,
             "chosen": None if self.chosen is None else row(self.chosen),
-            "shown": row(self._shown),
+            "shown": row(self.shown),
             "candidates": [row(r) for r in self.rows],
             "overhead": self.overhead,
             "long_context": self.long_context.to_dict(),
@@ -392,10 +411,6 @@ class Plan:
             "suggestions": self.suggestions,
             "env": self.env,
         }
-
-    def save_json(self, path) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2, default=str)
 
     def save_png(self, path) -> None:
         """A stacked-bar chart of device vs host bytes per component (no offload, and the plan)."""

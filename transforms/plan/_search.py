@@ -85,8 +85,7 @@ class _Context:
                 heap_overhead=self.heap_overhead,
                 clip=self.clip,
             )
-            fits_host = self.host_budget is None or est.host_bytes <= self.host_budget
-            out.append(Row(est, est.device_bytes <= self.device_budget, fits_host))
+            out.append(Row.of(est, self.device_budget, self.host_budget))
         return out
 
 

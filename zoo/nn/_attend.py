@@ -4,7 +4,9 @@ One function, :func:`attend`, used by :class:`zoo.nn.Attention` for training (qu
 the same sequence) and for decoding with a KV cache (queries at some positions, keys at others,
 some cache slots empty). Which keys a query sees is decided from positions only: key ``j`` is
 visible to query ``i`` when ``k_pos[j] <= q_pos[i]``, ``q_pos[i] - k_pos[j] < window`` (with a
-sliding window) and ``k_pos[j] >= 0`` (a negative position marks an empty cache slot).
+sliding window) and ``k_pos[j] >= 0`` (a negative position marks an empty cache slot). With
+``segment_ids`` (several documents packed into one sequence), a query also sees only the keys of
+its own segment.
 
 Three implementations compute the same thing (:data:`IMPLEMENTATIONS`):
 
@@ -52,6 +54,37 @@ def visible(q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], window: int | Int[
     return ok
 
 
+#: One integer per token of a sequence: positions, segment ids, token ids.
+PerToken = Int[Array, " seq"]
+
+
+def segment_positions(segment_ids: Int[Array, "*batch seq"]) -> Int[Array, "*batch seq"]:
+    """Positions that restart at 0 wherever the segment id changes along the last axis.
+
+    The positions of packed documents: each document is numbered from 0 as if it ran alone.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from zoo.nn import segment_positions
+    segment_positions(jnp.array([1, 1, 1, 2, 2, 3]))   # [0, 1, 2, 0, 1, 0]
+    ```
+    """
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.ndim < 1 or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"segment_positions needs integer segment ids of at least one axis, got {segment_ids.dtype} "
+            f"{segment_ids.shape}"
+        )
+    n = segment_ids.shape[-1]
+    index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), segment_ids.shape)
+    first = jnp.ones((*segment_ids.shape[:-1], 1), bool)
+    starts = jnp.concatenate([first, segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+    start_index = jax.lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
+    return index - start_index
+
+
 def attend(
     q: Float[Array, "q heads dim"],
     k: Float[Array, "k kv_heads dim"],
@@ -59,6 +92,7 @@ def attend(
     *,
     q_pos: Int[Array, " q"] | None = None,
     k_pos: Int[Array, " k"] | None = None,
+    segment_ids: Int[Array, " seq"] | None = None,
     window: int | Int[Array, ""] | None = None,
     softcap: float | None = None,
     scale: float | None = None,
@@ -75,13 +109,17 @@ def attend(
     - `q`, `k`, `v`: queries ``(q, heads, dim)``, keys and values ``(k, kv_heads, dim)``.
     - `q_pos`, `k_pos`: positions of the queries and keys (both or neither); a negative key
       position is an empty slot that no query sees.
+    - `segment_ids`: one integer per token when queries and keys are the same sequence holding
+      several packed documents: a query sees only keys of its own segment (with `q_pos`/`k_pos`
+      given, they number each document from 0; see :func:`segment_positions`).
     - `window`: sliding window: a query sees itself and the ``window - 1`` keys before it.
     - `softcap`: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
     - `scale`: score scale (default ``dim ** -0.5``).
     - `implementation`: ``"xla"``, ``"cudnn"`` or ``"blockwise"`` (see the module docstring);
       ``"cudnn"`` raises a `ValueError` naming what it cannot do here (platform, dtype, head
       width, soft-capping). It computes self-attention only: with positions (decoding over a
-      cache) the ``"xla"`` form is used.
+      cache) the ``"xla"`` form is used. Segments reach it as a boolean mask (which it turns
+      into a bias).
     - `block`: keys per block of the ``"blockwise"`` implementation.
 
     **Returns:** ``(q, heads, dim)`` in the dtype of ``q``.
@@ -94,6 +132,7 @@ def attend(
     q = jnp.ones((5, 4, 8)); kv = jnp.ones((5, 2, 8))
     out = attend(q, kv, kv, window=3)    # (5, 4, 8)
     same = attend(q, kv, kv, window=3, implementation="blockwise", block=2)
+    docs = attend(q, kv, kv, segment_ids=jnp.array([1, 1, 2, 2, 2]))  # two packed documents
     ```
     """
     check_implementation(implementation)
@@ -104,25 +143,49 @@ def attend(
         raise ValueError(f"attend: {heads} query heads do not divide into {kv_heads} key/value heads")
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ValueError(f"attend: block must be a positive int, got {block!r}")
+    if segment_ids is not None:
+        _check_segments(segment_ids, q.shape[0], k.shape[0])
     dim = q.shape[-1]
     scale = dim**-0.5 if scale is None else scale
     if implementation == "blockwise":
         if q_pos is None:
             q_pos = k_pos = jnp.arange(q.shape[0], dtype=jnp.int32)
-        return blockwise_attend(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale, block=block)
+        return blockwise_attend(
+            q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale, block=block, segment_ids=segment_ids
+        )
     local = None if window is None else (window - 1, 0)
+    # Same segment: a (1, 1, q, k) boolean mask, as jax.nn.dot_product_attention takes one.
+    same = None if segment_ids is None else (segment_ids[:, None] == segment_ids[None, :])[None, None]
     if implementation == "cudnn" and q_pos is None:
         _check_cudnn(q, softcap)
         return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
+            q, k, v, mask=same, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
         )
     if q_pos is None and softcap is None:
         # Same sequence, no soft-capping: XLA's fused-pattern attention (the form every
         # transform and the planner's byte model are calibrated against).
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=local)
+        return jax.nn.dot_product_attention(q, k, v, mask=same, scale=scale, is_causal=True, local_window_size=local)
     if q_pos is None:
         q_pos = k_pos = jnp.arange(q.shape[0], dtype=jnp.int32)
-    return _explicit(q, k, v, visible(q_pos, k_pos, window), softcap=softcap, scale=scale)
+    mask = visible(q_pos, k_pos, window)
+    if same is not None:
+        mask = mask & same[0, 0]
+    return _explicit(q, k, v, mask, softcap=softcap, scale=scale)
+
+
+def _check_segments(segment_ids, n_q: int, n_k: int) -> None:
+    """A `ValueError` unless ``segment_ids`` numbers the tokens of one sequence of queries and keys."""
+    shape = getattr(segment_ids, "shape", None)
+    if n_q != n_k:
+        raise ValueError(
+            f"attend: segment_ids apply when queries and keys are the same sequence; got {n_q} queries and {n_k} "
+            "keys (decoding over a cache takes no segments)"
+        )
+    if shape != (n_q,) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(
+            f"attend: segment_ids must be integers of shape ({n_q},), one per token, got "
+            f"{getattr(segment_ids, 'dtype', type(segment_ids).__name__)} {shape}"
+        )
 
 
 def _check_cudnn(q, softcap) -> None:

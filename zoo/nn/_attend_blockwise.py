@@ -26,20 +26,27 @@ _NO_WINDOW = int(np.iinfo(np.int32).max)
 _NEG_INF = -jnp.inf
 
 
-def blockwise_attend(q, k, v, q_pos, k_pos, *, window, softcap, scale, block):
+def blockwise_attend(q, k, v, q_pos, k_pos, *, window, softcap, scale, block, segment_ids=None):
     """Attention of ``q`` ``(q, heads, dim)`` over ``k``, ``v`` ``(k, kv_heads, dim)``, ``block`` queries
-    by ``block`` keys at a time; positions decide visibility as in :func:`zoo.nn.attend`."""
+    by ``block`` keys at a time; positions (and segments, when given) decide visibility as in
+    :func:`zoo.nn.attend`."""
     n_q, heads, dim = q.shape
     kv_heads = k.shape[1]
     # The positions are the same in every layer. Left alone, differentiating a scan over layers
     # hoists everything computed from them alone out of the loop, stacked: the visibility mask of
     # every (query block, key block) pair, a (queries x keys) array. Tying them to the queries
     # keeps that work inside the loop, one block at a time.
-    q_pos, k_pos, q = jax.lax.optimization_barrier((q_pos, k_pos, q))
+    if segment_ids is None:
+        q_pos, k_pos, q = jax.lax.optimization_barrier((q_pos, k_pos, q))
+    else:
+        q_pos, k_pos, q, segment_ids = jax.lax.optimization_barrier((q_pos, k_pos, q, segment_ids))
     qg = q.reshape(n_q, kv_heads, heads // kv_heads, dim)
     qb, qpb = _blocks(qg, q_pos, block)  # padded queries see nothing, and are dropped below
     kb, kpb = _blocks(k, k_pos, block)
     vb, _ = _blocks(v, k_pos, block)
+    if segment_ids is not None:  # segments ride with the positions: (n_blocks, size, 2)
+        qpb = jnp.stack([qpb, _blocks(segment_ids, q_pos, block)[0].astype(jnp.int32)], axis=-1)
+        kpb = jnp.stack([kpb, _blocks(segment_ids, k_pos, block)[0].astype(jnp.int32)], axis=-1)
     window = jnp.asarray(_NO_WINDOW if window is None else window, jnp.int32)  # may be traced (per layer)
     out = _attend(qb, kb, vb, qpb, kpb, window, softcap, float(scale))
     return out.reshape(-1, heads, v.shape[-1])[:n_q]
@@ -64,9 +71,16 @@ def _scores(qc, kc, qp, kp, window, softcap, scale):
     if softcap is not None:
         capped = jnp.tanh(raw / softcap)
         raw = softcap * capped
+    if qp.ndim == 2:  # (size, 2): position and segment of each token
+        same = qp[:, None, 1] == kp[None, :, 1]
+        qp, kp = qp[..., 0], kp[..., 0]
+    else:
+        same = None
     diff = qp[:, None] - kp[None, :]
     mask = (diff >= 0) & (kp[None, :] >= 0)
     mask = mask & (diff < window)
+    if same is not None:
+        mask = mask & same
     return jnp.where(mask, raw, _NEG_INF), mask, capped
 
 

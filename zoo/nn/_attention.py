@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._attend import attend, check_implementation
+from ._attend import PerToken, attend, check_implementation
 from ._axes import AxisNamed
 from ._kv_cache import KVCache, cache_slots, cached_attention
 from ._linear import Linear
@@ -237,7 +237,7 @@ class Attention(eqx.Module):
             q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
         return q, k, v, window
 
-    def _forward(self, x, positions, cache: KVCache | None):
+    def _forward(self, x, positions, cache: KVCache | None, segment_ids=None):
         """The one body of :meth:`__call__` and :meth:`decode`: ``(output, cache)``."""
         seq = x.shape[0]
         if positions is None:
@@ -245,6 +245,8 @@ class Attention(eqx.Module):
         q, k, v, window = self._qkv(x, positions)
         common = dict(window=window, softcap=self.softcap, scale=self.scale, implementation=self.implementation)
         if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("Attention.decode takes no segment_ids: a KV cache holds one document per sequence")
             ctx, cache = cached_attention(q, k, v, positions, cache, **common)
         else:
             # Several kinds: the window is this layer's, selected inside the scan (a traced value),
@@ -255,14 +257,19 @@ class Attention(eqx.Module):
                     "attention implementation 'cudnn' needs one window for all layers; this model's layers "
                     f"differ ({[kind.window for kind in self.kinds]}): use 'xla' or 'blockwise'"
                 )
+            if segment_ids is not None:  # packed documents: none sees another's keys
+                per_layer["segment_ids"] = segment_ids
             ctx = attend(q, k, v, **common, **per_layer)  # (seq, heads, head_dim)
         ctx = checkpoint_name(ctx.reshape(seq, self.n_heads * self.head_dim), "attn_context")
         return checkpoint_name(self.o_proj(ctx), "attn_out"), cache
 
     def __call__(
-        self, x: Float[Array, "seq embed"], *, positions: Int[Array, " seq"] | None = None
+        self, x: Float[Array, "seq embed"], *, positions: PerToken | None = None, segment_ids: PerToken | None = None
     ) -> Float[Array, "seq embed"]:
-        return self._forward(x, positions, None)[0]
+        """Attention over one sequence. ``segment_ids`` (one integer per token) marks packed
+        documents: a token attends only within its own; give ``positions`` that restart per
+        document too (:func:`zoo.nn.segment_positions`) so rotary sees each from 0."""
+        return self._forward(x, positions, None, segment_ids)[0]
 
     def decode(
         self, x: Float[Array, "t embed"], cache: KVCache, *, positions: Int[Array, " t"]

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from ._attention import Attention, _norm_width
 from ._mlp import FeedForward
-from ._spec import LayerSpec, NormSpec
+from ._spec import LayerSpec, NormSpec, describe_part
 
 
 def _maybe(norm, x):
@@ -81,13 +81,11 @@ class Block(eqx.Module):
         the attention's query/key norms, as :class:`zoo.NormSpec` s). A :class:`zoo.nn.Stack` adds
         ``block_input``. Raises `TypeError` if the MLP does not describe itself."""
         attn = self.attn.describe()
-        describe_mlp = getattr(self.mlp, "describe", None)
-        if not callable(describe_mlp):
-            raise TypeError(
-                f"Block.describe: the MLP {type(self.mlp).__name__} has no describe() method; use zoo.nn.SwiGLU or "
-                "zoo.nn.GeluMLP, or give it describe() -> {'d_ff': ..., 'mlp_inputs': ..., 'activations': (...)}"
-            )
-        mlp = describe_mlp()
+        mlp = describe_part(
+            self.mlp,
+            f"Block.describe: the MLP {type(self.mlp).__name__} has no describe() method; use zoo.nn.SwiGLU or "
+            "zoo.nn.GeluMLP, or give it describe() -> {'d_ff': ..., 'mlp_inputs': ..., 'activations': (...)}",
+        )
         names = (*attn.pop("activations"), ("attn_residual", attn["d_model"]), *mlp.pop("activations"))
         d = attn["d_model"]
         qk = [NormSpec(name, "qk", width, over) for name, width, over in attn.pop("norms", ())]
@@ -106,10 +104,10 @@ class Block(eqx.Module):
         statistics of no layer (empty for a dense MLP)."""
         return self.mlp.zero_stats()
 
-    def _forward(self, x, positions, cache, batched: bool):
+    def _forward(self, x, positions, cache, batched: bool, segment_ids=None):
         """The one body of :meth:`__call__` and :meth:`decode`: ``(x, cache, statistics)``."""
         with jax.named_scope("attn"):
-            h, cache = self.attn._forward(_maybe(self.attn_norm, x), positions, cache)
+            h, cache = self.attn._forward(_maybe(self.attn_norm, x), positions, cache, segment_ids)
             x = x + _maybe(self.attn_post_norm, h)
         x = checkpoint_name(x, "attn_residual")
         with jax.named_scope("mlp"):
@@ -123,11 +121,13 @@ class Block(eqx.Module):
         positions: Int[Array, " seq"] | None = None,
         carry: dict | None = None,
         batched: bool = False,
+        segment_ids: Int[Array, " seq"] | None = None,
     ):
         """The block over one sequence. With a ``carry`` (see :meth:`zero_carry`), returns
         ``(x, carry)`` with this layer's statistics added; without, ``x``. ``batched`` says whether
-        the call runs under `jax.vmap` (it chooses a mixture of experts' grouped matmul)."""
-        x, _, stats = self._forward(x, positions, None, batched)
+        the call runs under `jax.vmap` (it chooses a mixture of experts' grouped matmul).
+        ``segment_ids`` marks packed documents (see :meth:`zoo.nn.Attention.__call__`)."""
+        x, _, stats = self._forward(x, positions, None, batched, segment_ids)
         if carry is None:
             return x
         return x, jax.tree.map(lambda a, b: a + b, carry, stats)

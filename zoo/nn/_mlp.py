@@ -117,8 +117,10 @@ class _GatedMLP(FeedForward):
         return _mlp_part(self.down, mlp_inputs=2, hidden_residuals=self.hidden_residuals)
 
 
-class SwiGLU(_GatedMLP):
-    """``down(silu(gate(x)) * up(x))``, the Llama feed-forward block.
+def _gated_doc(summary: str, name: str) -> str:
+    """The docstring of gated MLP ``zoo.nn.<name>``: ``summary``, its activation point, arguments
+    and example."""
+    return f"""{summary}
 
     Named activation point: ``mlp_hidden`` (the gated product, input of ``down``).
 
@@ -130,10 +132,14 @@ class SwiGLU(_GatedMLP):
     ```python
     import jax, jax.numpy as jnp
     from zoo import nn
-    mlp = nn.SwiGLU(64, 192, key=jax.random.key(0))
+    mlp = nn.{name}(64, 192, key=jax.random.key(0))
     y = mlp(jnp.ones((10, 64)))    # (10, 64)
     ```
     """
+
+
+class SwiGLU(_GatedMLP):
+    __doc__ = _gated_doc("``down(silu(gate(x)) * up(x))``, the Llama feed-forward block.", "SwiGLU")
 
     _act = staticmethod(jax.nn.silu)
 
@@ -149,23 +155,11 @@ def _mlp_part(down: Linear, *, mlp_inputs: int, hidden_residuals: int) -> dict:
 
 
 class GeGLU(_GatedMLP):
-    """``down(gelu(gate(x)) * up(x))`` with the tanh approximation of GELU, the Gemma feed-forward
-    block (Shazeer 2020, "GLU Variants Improve Transformer").
-
-    Named activation point: ``mlp_hidden`` (the gated product, input of ``down``).
-
-    **Arguments:** `d_model`, `d_ff` (hidden width), `use_bias` (default off), `init_std`,
-    `out_init_std`, `dtype`, `key`.
-
-    **Example:**
-
-    ```python
-    import jax, jax.numpy as jnp
-    from zoo import nn
-    mlp = nn.GeGLU(64, 192, key=jax.random.key(0))
-    y = mlp(jnp.ones((10, 64)))    # (10, 64)
-    ```
-    """
+    __doc__ = _gated_doc(
+        """``down(gelu(gate(x)) * up(x))`` with the tanh approximation of GELU, the Gemma feed-forward
+    block (Shazeer 2020, "GLU Variants Improve Transformer").""",
+        "GeGLU",
+    )
 
     #: The tanh form of GELU keeps two more hidden-width values than SiLU for its backward.
     hidden_residuals = 8

@@ -41,6 +41,15 @@ def _pairs(owner: str, activations) -> tuple[tuple[str, int], ...]:
     return pairs
 
 
+def describe_part(part, refusal: str):
+    """``part.describe()``, or a `TypeError` saying ``refusal`` (what is wrong, how to fix it) when
+    ``part`` has no such method."""
+    describe = getattr(part, "describe", None)
+    if not callable(describe):
+        raise TypeError(refusal)
+    return describe()
+
+
 def _dtype_name(owner: str, field: str, value) -> str:
     try:
         dtype = jnp.dtype(value)
@@ -324,10 +333,8 @@ class ModelSpec:
         assert spec.n_layers == 2 and spec.layer.mlp_inputs == 1
         ```
         """
-        described = getattr(stack, "describe", None)
-        if not callable(described):
-            raise TypeError(f"ModelSpec.from_stack needs a zoo.nn.Stack, got {type(stack).__name__}")
-        n_layers, layer = described()
+        refusal = f"ModelSpec.from_stack needs a zoo.nn.Stack, got {type(stack).__name__}"
+        n_layers, layer = describe_part(stack, refusal)
         return cls(
             name=name,
             n_layers=n_layers,

@@ -17,6 +17,7 @@ from ._kv_cache import LayeredKVCache
 from ._placement import any_on_host, is_arraylike, on_host
 from ._prefetch import prefetch_scan, prefetched_scan
 from ._remat import Remat
+from ._spec import describe_part
 
 
 @functools.cache
@@ -127,13 +128,11 @@ class Stack(AxisNamed):
 
         Raises `TypeError` if the layer does not describe itself (a :class:`zoo.nn.Block` does).
         """
-        describe_layer = getattr(self.layers, "describe", None)
-        if not callable(describe_layer):
-            raise TypeError(
-                f"Stack.describe: its layer {type(self.layers).__name__} has no describe() method returning a "
-                "zoo.LayerSpec; build the layers from zoo.nn.Block (or give the layer such a method)"
-            )
-        spec = describe_layer()
+        spec = describe_part(
+            self.layers,
+            f"Stack.describe: its layer {type(self.layers).__name__} has no describe() method returning a "
+            "zoo.LayerSpec; build the layers from zoo.nn.Block (or give the layer such a method)",
+        )
         return self.n_layers, spec.replace(activations=(("block_input", spec.d_model), *spec.activations))
 
     def layer(self, i: int) -> eqx.Module:
