@@ -470,7 +470,12 @@ class Run:
         if args.plan:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
             try:
                 self.plan = transforms.plan(
-                    self.config, batch=args.batch, seq=args.seq, device=args.plan, clip_norm=args.clip
+                    self.config,
+                    batch=args.batch,
+                    seq=args.seq,
+                    device=args.plan,
+                    clip_norm=args.clip,
+                    quantize=getattr(args, "quantize", None),
                 )
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--plan {args.plan}: {err}") from None
@@ -604,7 +609,10 @@ class Run:
     def prediction(self) -> dict:
         """The planner's bytes for the transforms this run uses (gradients and activations)."""
         a = self.args
-        plan = self.plan or transforms.plan(self.config, batch=a.batch, seq=a.seq, device=a.plan or "h100")
+        quantize = getattr(a, "quantize", None)
+        plan = self.plan or transforms.plan(
+            self.config, batch=a.batch, seq=a.seq, device=a.plan or "h100", quantize=quantize
+        )
         if self.plan is not None:
             c = self.plan.candidate
             return plan.predict(params=c.params, opt_state=c.opt_state, activations=c.policy) if c else {}
