@@ -207,7 +207,11 @@ def _logits_zoo(model, tokens):
 def lora_run(checkpoints, notes, tmp_path_factory):
     """LoRA on the tied checkpoint (fp32 base) with the base and optimizer state offloaded."""
     root = tmp_path_factory.mktemp("lora")
+    # --no-pack: packing makes attention take a document mask, and float32 rounding between the
+    # offloaded and the device program then shows through Adam at lr 3e-2 (7e-4 relative on 1 of 512
+    # adapter elements after 4 steps), past the resume test's bound; packing has its own tests.
     flags = [str(checkpoints["tied"]), "--data", str(notes), *FAST, "--steps", "4", "--lr", "3e-2", "--warmup", "1"]
+    flags += ["--no-pack"]
     flags += ["--lora-rank", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate,up,down"]
     flags += ["--base-dtype", "float32", "--export-dtype", "float32"]
     exports = ["--export", str(root / "adapter"), "--export-merged", str(root / "merged")]

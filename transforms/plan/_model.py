@@ -38,7 +38,7 @@ def quantized(model: PlannedModel, scheme: str | None, block_size: int = 64) -> 
     """``model`` with the weights :func:`transforms.quantize` targets by default (the projections
     inside the stacks) stored as ``scheme`` codes plus float32 scales; unchanged for ``None``."""
     from zoo import nn
-    from zoo.nn._quant import SCHEMES
+    from zoo.nn import QUANTIZATION_SCHEMES as SCHEMES
 
     if scheme is None:
         return model
