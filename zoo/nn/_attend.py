@@ -21,9 +21,10 @@ them (:data:`IMPLEMENTATIONS`):
   ``queries x keys`` (``zoo/nn/_attend_blockwise.py``).
 - ``"auto"``: resolved at trace time, from static shapes, by :func:`resolve_attention`:
   ``"cudnn"`` on a GPU where the kernel applies (bfloat16/float16, head width a multiple of 8 up
-  to 256, no soft-capping) and queries and keys are one sequence (training, prefill without a
-  cache); else ``"blockwise"`` when one sequence's float32 scores (``heads x queries x keys x 4``
-  bytes) exceed :data:`AUTO_BLOCKWISE_SCORE_BYTES`; else ``"xla"``.
+  to 256, no soft-capping) and queries and keys are one sequence without explicit positions
+  (training; not decoding over a cache, nor a window chosen per layer inside a scan); else
+  ``"blockwise"`` when one sequence's float32 scores (``heads x queries x keys x 4`` bytes) exceed
+  :data:`AUTO_BLOCKWISE_SCORE_BYTES`; else ``"xla"``.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def resolve_attention(
     (:func:`transforms.plan`), from static facts of one sequence:
 
     1. ``"cudnn"`` when ``platform`` is a GPU, the queries and keys are one sequence without
-       explicit ``positions`` and the kernel takes ``dtype``, ``head_dim`` and ``softcap`` (bfloat16/float16, a multiple
-       of 8 up to 256, no soft-capping);
+       explicit ``positions`` and the kernel takes ``dtype``, ``head_dim`` and ``softcap``
+       (bfloat16/float16, a multiple of 8 up to 256, no soft-capping);
     2. else ``"blockwise"`` when the float32 scores, ``heads x queries x keys x 4`` bytes, exceed
        :data:`AUTO_BLOCKWISE_SCORE_BYTES`;
     3. else ``"xla"``.
