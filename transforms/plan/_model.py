@@ -378,6 +378,7 @@ def geometry(spec, model, config=None) -> Geometry:
         n_experts=n_experts,
         experts_per_token=spec.layer.experts_per_token,
         expert_stack_bytes=sum(nbytes(x) for x in experts),
+        # Without a zoo config: zoo.nn.Attention's own default, "xla" (a config's default is "auto").
         attention=getattr(settings, "attention", None) or "xla",
         attention_block=block,
         loss_chunk=getattr(settings, "loss_chunk", None) or 0,
