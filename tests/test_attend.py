@@ -81,7 +81,8 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="both q_pos and k_pos"):
         nn.attend(q, k, v, q_pos=jnp.arange(3))
     with pytest.raises(
-        ValueError, match=r"unknown attention implementation 'flash'; choose one of \['xla', 'cudnn', 'blockwise'\]"
+        ValueError,
+        match=r"unknown attention implementation 'flash'; choose one of \['auto', 'xla', 'cudnn', 'blockwise'\]",
     ):
         nn.attend(q, k, v, implementation="flash")
 
@@ -90,7 +91,7 @@ def test_a_config_with_an_unknown_attention_implementation_is_refused():
     import zoo
 
     with pytest.raises(
-        ValueError, match=r"LlamaConfig.attention must be one of \['xla', 'cudnn', 'blockwise'\], got 'flash'"
+        ValueError, match=r"LlamaConfig.attention must be one of \['auto', 'xla', 'cudnn', 'blockwise'\], got 'flash'"
     ):
         zoo.LlamaConfig.preset("tiny", attention="flash")
     cfg = zoo.GPT2Config.preset("tiny", attention="xla")

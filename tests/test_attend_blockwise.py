@@ -116,7 +116,7 @@ def test_cudnn_is_refused_clearly_off_gpu_and_for_float32_and_softcap():
         ValueError, match=r"'cudnn' cannot be used here: .*it takes bfloat16 or float16, and the queries"
     ):
         nn.attend(q, k, v, implementation="cudnn")
-    with pytest.raises(ValueError, match=r"no score soft-capping .*Choose one of \['xla', 'blockwise'\]"):
+    with pytest.raises(ValueError, match=r"no score soft-capping .*Choose one of \['auto', 'xla', 'blockwise'\]"):
         nn.attend(q.astype(jnp.bfloat16), k, v, implementation="cudnn", softcap=2.0)
     if jax.default_backend() != "gpu":  # the tests' platform: CPU
         model = zoo.Llama(zoo.LlamaConfig.preset("tiny", attention="cudnn"), key=jax.random.key(0))

@@ -102,11 +102,13 @@ RESIDUAL_FAMILIES = ["llama", "gpt2", "phi3", "qwen3", "olmo2", "gemma2", "gemma
 @pytest.mark.parametrize("family", RESIDUAL_FAMILIES)
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_saved_activation_model_matches_what_jax_saves(family, compute_dtype):
-    """The per-layer saved bytes (derived from the model's describe()) equal JAX's residuals exactly."""
+    """The per-layer saved bytes (derived from the model's describe()) equal JAX's residuals exactly.
+
+    Attention "xla" as written: "auto" in bfloat16 is cuDNN on the planner's GPU, which this CPU cannot run."""
     if family == "llama":  # head_dim != d_model / n_heads, grouped-query attention
-        cfg = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8, compute_dtype=compute_dtype)
+        cfg = zoo.LlamaConfig.preset("tiny", n_layers=3, head_dim=8, compute_dtype=compute_dtype, attention="xla")
     else:
-        cfg = zoo.config_from_name(f"{family}:tiny").replace(n_layers=3, compute_dtype=compute_dtype)
+        cfg = zoo.config_from_name(f"{family}:tiny").replace(n_layers=3, compute_dtype=compute_dtype, attention="xla")
     batch, seq = 2, 32
     p = transforms.plan(cfg, batch=batch, seq=seq, device="h100")
     candidates = [
@@ -490,7 +492,8 @@ def test_dgx_spark_still_recomputes_when_that_fits():
 
 
 def test_when_nothing_fits_the_plan_says_what_is_missing_and_what_would_fit():
-    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16")
+    # The XLA attention's score matrix ("auto" would pick cuDNN here, which fits).
+    cfg = zoo.LlamaConfig.preset("8b", compute_dtype="bfloat16", attention="xla")
     p = transforms.plan(cfg, batch=4, seq=8192, device="a100")
     assert not p.fits and p.label == "nothing fits" and p.transforms == ()
     text = "\n".join(p.suggestions)

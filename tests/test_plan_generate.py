@@ -118,14 +118,15 @@ def test_the_cheaper_of_cache_and_weights_moves_to_host(batch, moved):
 
 
 def test_nothing_fits_says_what_is_missing_and_what_would_fit():
-    p = plan_generate("llama:8b", batch=8, context=8192, device="h100")  # float32, prefill of 8 x 8192
+    cfg = zoo.config_from_name("llama:8b", attention="xla")  # "auto" would prefill blockwise already
+    p = plan_generate(cfg, batch=8, context=8192, device="h100")  # float32, prefill of 8 x 8192
     assert not p.fits and p.label == "nothing fits"
     text = "\n".join(p.suggestions)
     assert "missing:" in text and "would fit: batch=" in text and "would fit: context=" in text
     assert "attention='blockwise'" in text  # the prefill's score matrix is the peak
     n = int(re.search(r"batch=(\d+)", text).group(1))
-    assert plan_generate("llama:8b", batch=n, context=8192, device="h100").fits
-    assert not plan_generate("llama:8b", batch=n + 1, context=8192, device="h100").fits
+    assert plan_generate(cfg, batch=n, context=8192, device="h100").fits
+    assert not plan_generate(cfg, batch=n + 1, context=8192, device="h100").fits
 
 
 @pytest.mark.parametrize(

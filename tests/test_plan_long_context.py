@@ -29,7 +29,7 @@ def test_a_chunked_loss_holds_one_chunk_of_logits():
 
 
 def test_blockwise_attention_keeps_no_score_matrix():
-    cfg = zoo.LlamaConfig.preset("tiny", n_heads=4, max_seq_len=8192)
+    cfg = zoo.LlamaConfig.preset("tiny", n_heads=4, max_seq_len=8192, attention="xla")
     seq = 2048
     plain = _estimate(cfg, seq).activations["attention probabilities"]["per_layer"]
     blockwise = _estimate(cfg.replace(attention="blockwise"), seq).activations["attention probabilities"]["per_layer"]
@@ -41,7 +41,7 @@ def test_blockwise_attention_keeps_no_score_matrix():
 def test_with_the_tools_device_bytes_grow_linearly_with_the_sequence(tools):
     """Blockwise attention + a chunked loss + recomputation: every term is O(seq) (second
     differences vanish); with the score matrix and the whole logits they do not."""
-    cfg = zoo.LlamaConfig.preset("1b", max_seq_len=2**16)
+    cfg = zoo.LlamaConfig.preset("1b", max_seq_len=2**16, attention="xla")
     if tools:
         cfg = cfg.replace(attention="blockwise", loss_chunk=1024)
     peaks = [_estimate(cfg, s, activations="recompute_all").phases["backward"] for s in (4096, 8192, 16384)]

@@ -61,8 +61,10 @@ def test_quantized_device_bytes_agree_with_compiled_memory_analysis(cfg, batch, 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_quantized_layers_save_what_jax_saves(family):
-    """No matmul keeps its input for a weight gradient: the per-layer residuals, byte for byte."""
-    cfg = zoo.config_from_name(f"{family}:tiny").replace(n_layers=3, compute_dtype="bfloat16")
+    """No matmul keeps its input for a weight gradient: the per-layer residuals, byte for byte.
+
+    Attention "xla" as written: "auto" in bfloat16 is cuDNN on the planner's GPU, which this CPU cannot run."""
+    cfg = zoo.config_from_name(f"{family}:tiny").replace(n_layers=3, compute_dtype="bfloat16", attention="xla")
     p = transforms.plan(cfg, batch=B, seq=32, quantize="nf4")
     tokens = jnp.zeros((B, 33), jnp.int32)
     for cand in [Candidate(), Candidate(params=True), Candidate(activations="save_projections")]:

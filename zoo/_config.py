@@ -66,7 +66,9 @@ class DecoderConfig:
     # Scan over layers: compile time stays flat with depth. False runs a Python loop (same numbers).
     scan_layers: bool = True
     # How attention scores are computed: one of zoo.nn.ATTENTION_IMPLEMENTATIONS (see zoo.nn.attend).
-    attention: str = "xla"
+    # "auto" picks one per call from static shapes (zoo.nn.resolve_attention): cuDNN's fused kernel
+    # on a GPU where it applies, blockwise for long sequences, else xla.
+    attention: str = "auto"
     # Tokens per chunk of the next-token loss (zoo.lm_loss): the output head and cross-entropy run
     # over this many tokens at a time, so the (batch, seq, vocab) logits never exist. 0: all at once;
     # "auto": at most 256 MiB of float32 logits at a time (zoo.loss_chunk_for).

@@ -81,15 +81,17 @@ of pre-norms saves ``block_input``, the three projections, the scores and ``attn
 (the projections' outputs are no longer dot outputs) and recomputes the MLP. Checked against
 ``saved_residuals``, ``memory_analysis`` and the jaxpr's transfers in ``tests/test_plan_quantize.py``.
 
-*Long context.* With ``config.attention == "blockwise"`` no score matrix exists: the layer keeps a
+*Long context.* With ``config.attention == "blockwise"`` (or ``"auto"`` resolved to it at this
+length, :meth:`Geometry.attention_at`) no score matrix exists: the layer keeps a
 float32 log-normaliser per query and head instead of the probabilities (no causal mask either),
 the recomputed forward keeps nothing of its blocks, and the backward pass holds one float32 block
 of scores, ``H*S*block*4`` (``block`` = ``config.attention_block`` or the implementation's
 default, 512; on XLA:CPU the gradient of blockwise attention alone needs 0.8x that). With
 ``config.loss_chunk`` the loss holds the logits of one chunk of tokens (of the flattened batch;
 ``"auto"`` resolved by :func:`zoo.loss_chunk_for`, as ``zoo.lm_loss`` does) instead of all
-``batch * S``. Other implementations (``"xla"``, ``"cudnn"``)
-are counted as materialising the full score matrix, which is what ``"xla"`` does.
+``batch * S``. ``"xla"`` is counted as materialising the full score matrix; ``"cudnn"`` (what
+``"auto"`` resolves to on a GPU where the kernel applies) is counted like ``"blockwise"``: the
+planner has no model of the fused kernel, which like blockwise writes no score matrix.
 
 **Working buffers** (the transient part of each phase's peak):
 
@@ -326,7 +328,7 @@ def full_layer_items(g: Geometry, S: int) -> dict[str, int]:
     """Per-example bytes of one layer's residuals with no transform (see the module docstring)."""
     c = g.c
     # Blockwise: the custom backward keeps the output and a float32 log-normaliser per query and head.
-    blockwise = g.attention == "blockwise"
+    blockwise = g.blockwise(S)
     probabilities = g.heads * S * 4 if blockwise else g.heads * S * S * (4 + c) + 2 * g.heads * S * 4
     items = {
         **norm_items(g, S),
@@ -342,7 +344,7 @@ def full_layer_items(g: Geometry, S: int) -> dict[str, int]:
         "mlp pre-activations and nonlinearity": (g.hidden_residuals - 1) * _sd(S, g.f_active, c),
         "mlp_hidden": _sd(S, g.f_active, c),
     }
-    if g.explicit_scores:  # the mask, broadcast over the heads, before and after the softmax
+    if g.explicit_scores(S):  # the mask, broadcast over the heads, before and after the softmax
         items["attention masks"] = 2 * g.heads * S * S
     if g.softcap and not blockwise:  # tanh's input and output, float32
         items["soft-capped scores"] = 2 * g.heads * S * S * 4
@@ -378,7 +380,7 @@ def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
         "v_proj": _sd(S, g.kv, c),
-        "attention scores (float32)": g.heads * S * (4 if g.attention == "blockwise" else S * 4),
+        "attention scores (float32)": g.heads * S * (4 if g.blockwise(S) else S * 4),
         "attn_context": _sd(S, g.q, c),
         "attn_residual": _sd(S, g.d, c),
         # With experts, the grouped matmuls' outputs per (token, expert) pair: gate and up, and the
@@ -406,7 +408,7 @@ def pre_norm_outputs(g: Geometry, S: int) -> dict[str, int]:
 def probabilities_bytes(g: Geometry, S: int) -> int:
     """Per-example bytes of the softmax probabilities a recomputed layer materialises (blockwise:
     each block's die inside the forward scan; only its output remains)."""
-    return 0 if g.attention == "blockwise" else g.heads * S * S * g.c
+    return 0 if g.blockwise(S) else g.heads * S * S * g.c
 
 
 def recompute_items(g: Geometry, S: int) -> dict[str, int]:
@@ -442,7 +444,7 @@ def cotangent_bytes(g: Geometry, S: int) -> tuple[int, int]:
     and pre-activation tensors, plus the residual stream and the norm's float32 cotangent.
     """
     # Blockwise: one float32 block of scores at a time (its probabilities and their cotangent fuse).
-    scores = g.heads * S * g.score_cols(S) * (4 if g.attention == "blockwise" else 4 + g.c)
+    scores = g.heads * S * g.score_cols(S) * (4 if g.blockwise(S) else 4 + g.c)
     attn = scores + _sd(S, 2 * g.q + 2 * g.kv, g.c) + _sd(S, g.d, 4)
     mlp = (g.n_mlp_in + 1) * _sd(S, g.f_active, g.c) + 2 * _sd(S, g.d, 4)
     if g.moe:  # the gathered rows' and the expert outputs' cotangents
@@ -606,8 +608,8 @@ def outside_stack(g: Geometry, cand: Candidate, sh: Shares, saved: Saved) -> tup
     head_copy = g.head_elems * c // sh.fsdp if (g.tied_head or p != c or cand.params) else 0
     # XLA's fused form: a boolean mask and its float32 fill; written-out scores: the two float32
     # fills (masked scores, and probabilities of queries that see nothing), broadcast.
-    per_score = 8 if g.explicit_scores else 5
-    mask = g.heads * sh.S * sh.S * per_score if saved.mode == "all" and g.attention != "blockwise" else 0
+    per_score = 8 if g.explicit_scores(sh.S) else 5
+    mask = g.heads * sh.S * sh.S * per_score if saved.mode == "all" and not g.blockwise(sh.S) else 0
     return sh.mb * (norm + mask) + head_copy, sh.mb * mask
 
 

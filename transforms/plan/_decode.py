@@ -114,7 +114,7 @@ def layer_working_bytes(g: Geometry, *, batch: int, queries: int, keys: int) -> 
         + (g.n_mlp_in + 1) * g.f_active * c  # the MLP's (experts') hidden tensors
         + (g.n_experts * 4 if g.moe else 0)  # router logits (float32)
     )
-    scores = g.heads * queries * g.score_cols(keys) * (4 + c)
+    scores = g.heads * queries * g.score_cols(keys, queries, positions=True) * (4 + c)
     return batch * (queries * per_token + scores)
 
 

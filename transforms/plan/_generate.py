@@ -207,7 +207,7 @@ def _suggest(rows_of, rows, budgets, g: Geometry, batch, context, prompt) -> lis
     c = _largest(lambda c: fits(batch, c, min(prompt, c)), context - 1)
     if c is not None:
         out.append(f"would fit: context={c} (batch={batch})")
-    if least.peak_phase == "prefill" and g.attention != "blockwise":
+    if least.peak_phase == "prefill" and g.attention_at(prompt, positions=True) != "blockwise":
         blockwise = dataclasses.replace(g, attention="blockwise")
         if any(r.fits for r in rows_of(batch, context, prompt, blockwise)):
             out.append(

@@ -19,11 +19,17 @@ import numpy as np
 
 from zoo import loss_chunk_for
 from zoo.nn import DEFAULT_ATTENTION_BLOCK as DEFAULT_BLOCK
+from zoo.nn import resolve_attention
 
 from .._memory import is_arraylike, is_floating
 from .._report import nbytes
 from .._tree import is_stack as _is_stack
 from .._tree import stack_units, stack_view
+
+#: The platform ``attention="auto"`` is resolved for: every :class:`transforms.DeviceProfile` is an
+#: NVIDIA GPU, where the runtime picks cuDNN's fused kernel when it applies (see
+#: :func:`zoo.nn.resolve_attention`).
+PLATFORM = "gpu"
 
 
 def float_params(tree):
@@ -208,7 +214,7 @@ class Geometry:
     n_experts: int = 0  # a mixture-of-experts MLP: experts per layer (0: dense)
     experts_per_token: int = 0
     expert_stack_bytes: int = 0  # bytes of the experts' weights, all layers
-    attention: str = "xla"  # the config's attention implementation
+    attention: str = "xla"  # the config's attention implementation ("auto": see attention_at)
     attention_block: int = DEFAULT_BLOCK  # keys per block of the "blockwise" implementation
     loss_chunk: int | str = 0  # tokens per loss chunk (0: the whole logits; "auto": zoo.loss_chunk_for)
     frozen_matmuls: bool = False  # every matmul weight of the layers is quantized: no weight gradient
@@ -242,16 +248,44 @@ class Geometry:
         """MLP hidden elements per token: ``d_ff``, or ``experts_per_token * d_ff`` for experts."""
         return self.f * self.experts_per_token if self.moe else self.f
 
-    @property
-    def explicit_scores(self) -> bool:
+    def attention_at(self, queries: int, keys: int | None = None, *, positions: bool | None = None) -> str:
+        """The implementation the byte model counts for ``queries`` attending to ``keys`` (default:
+        the same sequence): the config's, ``"auto"`` resolved by :func:`zoo.nn.resolve_attention`
+        for :data:`PLATFORM`, as ``zoo.nn.attend`` resolves it at trace time. ``positions``
+        (default: several layer kinds, whose window the scan selects through positions) marks
+        queries and keys with explicit positions (a KV cache).
+
+        ``"cudnn"`` is counted as ``"blockwise"``: the planner has no model of the fused kernel,
+        and like blockwise it writes no score matrix (it keeps a float32 log-normaliser per query
+        and head for its backward pass); blockwise's one block of scores overstates its workspace
+        slightly, where ``"xla"``'s ``S x S`` scores would overstate it by far."""
+        name = resolve_attention(
+            self.attention,
+            queries=queries,
+            keys=queries if keys is None else keys,
+            heads=self.heads,
+            head_dim=self.head_dim,
+            dtype=self.compute_dtype,
+            softcap=True if self.softcap else None,
+            positions=self.layer_kinds > 1 if positions is None else positions,
+            platform=PLATFORM,
+        )
+        return "blockwise" if name == "cudnn" else name
+
+    def blockwise(self, S: int) -> bool:
+        """A sequence of ``S`` tokens attends blockwise (no score matrix; see :meth:`attention_at`)."""
+        return self.attention_at(S) == "blockwise"
+
+    def explicit_scores(self, S: int) -> bool:
         """The "xla" implementation writes the scores, mask and softmax out (soft-capping, or a
         window selected per layer inside the scan) instead of XLA's fused causal form."""
-        return self.attention != "blockwise" and (self.softcap or self.layer_kinds > 1)
+        return not self.blockwise(S) and (self.softcap or self.layer_kinds > 1)
 
-    def score_cols(self, S: int) -> int:
-        """Keys whose scores exist at once per query: all ``S`` (the score matrix is materialised),
-        or one block of them with the blockwise implementation."""
-        return min(S, self.attention_block) if self.attention == "blockwise" else S
+    def score_cols(self, keys: int, queries: int | None = None, *, positions: bool | None = None) -> int:
+        """Keys whose scores exist at once per query: all ``keys`` (the score matrix is
+        materialised), or one block of them with the blockwise implementation."""
+        blockwise = self.attention_at(keys if queries is None else queries, keys, positions=positions) == "blockwise"
+        return min(keys, self.attention_block) if blockwise else keys
 
     def logit_rows(self, tokens: int, devices: int = 1) -> int:
         """Positions whose logits exist at once when the loss runs over ``tokens`` positions (of
@@ -344,6 +378,7 @@ def geometry(spec, model, config=None) -> Geometry:
         n_experts=n_experts,
         experts_per_token=spec.layer.experts_per_token,
         expert_stack_bytes=sum(nbytes(x) for x in experts),
+        # Without a zoo config: zoo.nn.Attention's own default, "xla" (a config's default is "auto").
         attention=getattr(settings, "attention", None) or "xla",
         attention_block=block,
         loss_chunk=getattr(settings, "loss_chunk", None) or 0,

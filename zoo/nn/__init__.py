@@ -2,9 +2,11 @@
 
 from .._jax_compat import memory_space as memory_space
 from .._jax_compat import var_memory_space as var_memory_space
+from ._attend import AUTO_BLOCKWISE_SCORE_BYTES as AUTO_BLOCKWISE_SCORE_BYTES
 from ._attend import DEFAULT_BLOCK as DEFAULT_ATTENTION_BLOCK
 from ._attend import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from ._attend import attend as attend
+from ._attend import resolve_attention as resolve_attention
 from ._attend import segment_positions as segment_positions
 from ._attention import Attention as Attention
 from ._attention import AttentionKind as AttentionKind

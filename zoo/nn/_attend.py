@@ -8,7 +8,8 @@ sliding window) and ``k_pos[j] >= 0`` (a negative position marks an empty cache 
 ``segment_ids`` (several documents packed into one sequence), a query also sees only the keys of
 its own segment.
 
-Three implementations compute the same thing (:data:`IMPLEMENTATIONS`):
+Three implementations compute the same thing, and ``"auto"`` (the config default) picks one of
+them (:data:`IMPLEMENTATIONS`):
 
 - ``"xla"``: the scores written out whole, ``(queries, keys)`` per head, through
   `jax.nn.dot_product_attention` (or an explicit softmax where it cannot express the mask).
@@ -18,6 +19,12 @@ Three implementations compute the same thing (:data:`IMPLEMENTATIONS`):
 - ``"blockwise"``: the keys ``block`` at a time with an online softmax, in plain JAX on every
   backend, forward and backward in memory that grows with ``queries x block``, not with
   ``queries x keys`` (``zoo/nn/_attend_blockwise.py``).
+- ``"auto"``: resolved at trace time, from static shapes, by :func:`resolve_attention`:
+  ``"cudnn"`` on a GPU where the kernel applies (bfloat16/float16, head width a multiple of 8 up
+  to 256, no soft-capping) and queries and keys are one sequence without explicit positions
+  (training; not decoding over a cache, nor a window chosen per layer inside a scan); else
+  ``"blockwise"`` when one sequence's float32 scores (``heads x queries x keys x 4`` bytes) exceed
+  :data:`AUTO_BLOCKWISE_SCORE_BYTES`; else ``"xla"``.
 """
 
 from __future__ import annotations
@@ -28,8 +35,18 @@ from jaxtyping import Array, Float, Int
 
 from ._attend_blockwise import blockwise_attend
 
-#: Attention implementations a config may select (see :func:`zoo.nn.attend`).
-IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
+#: Attention implementations a config may select (see :func:`zoo.nn.attend`); ``"auto"`` resolves
+#: to one of the others (:func:`resolve_attention`).
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blockwise")
+
+#: ``"auto"`` picks ``"blockwise"`` when one sequence's float32 scores (``heads x queries x keys x 4``
+#: bytes) exceed this. Measured on CPU with ``benchmarks/attention_auto_cpu.py`` (value-and-grad of
+#: one layer, heads 8, head_dim 64, float32; ``benchmarks/results/attention_auto_cpu.md``). Rule:
+#: blockwise from the size where it stops being slower, measured side by side: 1.14x xla's time at
+#: 8 MiB of scores (seq 512), and faster from 32 MiB on (0.89x at seq 1024, 0.76x at 2048, 0.69x
+#: at 4096), while xla's scores, kept for the backward pass, grow as seq**2 in memory; 16 MiB lies
+#: between. (Below one block, seq 256, both are one softmax and the timings are noise.)
+AUTO_BLOCKWISE_SCORE_BYTES = 16 * 2**20
 
 #: Keys per block of the ``"blockwise"`` implementation, unless a caller says otherwise.
 DEFAULT_BLOCK = 512
@@ -43,6 +60,66 @@ def check_implementation(name: str) -> str:
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {name!r}; choose one of {list(IMPLEMENTATIONS)}")
     return name
+
+
+def resolve_attention(
+    implementation: str,
+    *,
+    queries: int,
+    keys: int,
+    heads: int,
+    head_dim: int,
+    dtype,
+    softcap: float | bool | None = None,
+    positions: bool = False,
+    platform: str | None = None,
+) -> str:
+    """The concrete implementation ``implementation`` stands for: ``"auto"`` resolved, others as given.
+
+    The one place ``"auto"`` is decided, by :func:`attend` at trace time and by the planner
+    (:func:`transforms.plan`), from static facts of one sequence:
+
+    1. ``"cudnn"`` when ``platform`` is a GPU, the queries and keys are one sequence without
+       explicit ``positions`` and the kernel takes ``dtype``, ``head_dim`` and ``softcap``
+       (bfloat16/float16, a multiple of 8 up to 256, no soft-capping);
+    2. else ``"blockwise"`` when the float32 scores, ``heads x queries x keys x 4`` bytes, exceed
+       :data:`AUTO_BLOCKWISE_SCORE_BYTES`;
+    3. else ``"xla"``.
+
+    **Arguments:**
+
+    - `implementation`: one of :data:`IMPLEMENTATIONS` (a `ValueError` lists them otherwise).
+    - `queries`, `keys`: queries and keys of one sequence (the batch does not count).
+    - `heads`, `head_dim`: query heads and their width.
+    - `dtype`: the dtype of the queries.
+    - `softcap`: the score soft-capping, if any (only whether there is one matters: ``True`` will do).
+    - `positions`: queries and keys come with explicit positions (``q_pos``/``k_pos`` of
+      :func:`attend`: decoding or prefilling over a KV cache, or a window chosen per layer
+      inside a scan), which the cuDNN kernel does not take.
+    - `platform`: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default ``jax.default_backend()``.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from zoo.nn import resolve_attention
+    shape = dict(heads=8, head_dim=64, dtype=jnp.bfloat16)
+    resolve_attention("auto", queries=128, keys=128, platform="cpu", **shape)        # 'xla'
+    resolve_attention("auto", queries=32768, keys=32768, platform="cpu", **shape)    # 'blockwise'
+    resolve_attention("auto", queries=4096, keys=4096, platform="gpu", **shape)      # 'cudnn'
+    resolve_attention("auto", queries=1, keys=4096, positions=True, platform="gpu", **shape)  # 'xla'
+    resolve_attention("blockwise", queries=8, keys=8, **shape)                       # 'blockwise'
+    ```
+    """
+    check_implementation(implementation)
+    if implementation != "auto":
+        return implementation
+    platform = jax.default_backend() if platform is None else platform
+    if not positions and not _cudnn_problems(platform, jnp.dtype(dtype).name, head_dim, softcap):
+        return "cudnn"
+    if heads * queries * keys * 4 > AUTO_BLOCKWISE_SCORE_BYTES:
+        return "blockwise"
+    return "xla"
 
 
 def visible(q_pos: Int[Array, " q"], k_pos: Int[Array, " k"], window: int | Int[Array, ""] | None) -> jax.Array:
@@ -115,7 +192,8 @@ def attend(
     - `window`: sliding window: a query sees itself and the ``window - 1`` keys before it.
     - `softcap`: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
     - `scale`: score scale (default ``dim ** -0.5``).
-    - `implementation`: ``"xla"``, ``"cudnn"`` or ``"blockwise"`` (see the module docstring);
+    - `implementation`: ``"auto"``, ``"xla"``, ``"cudnn"`` or ``"blockwise"`` (see the module
+      docstring; ``"auto"`` resolves by :func:`resolve_attention`);
       ``"cudnn"`` raises a `ValueError` naming what it cannot do here (platform, dtype, head
       width, soft-capping). It computes self-attention only: with positions (decoding over a
       cache) the ``"xla"`` form is used. Segments reach it as a boolean mask (which it turns
@@ -135,10 +213,19 @@ def attend(
     docs = attend(q, kv, kv, segment_ids=jnp.array([1, 1, 2, 2, 2]))  # two packed documents
     ```
     """
-    check_implementation(implementation)
     if (q_pos is None) != (k_pos is None):
         raise ValueError("attend: give both q_pos and k_pos, or neither")
     heads, kv_heads = q.shape[1], k.shape[1]
+    implementation = resolve_attention(
+        implementation,
+        queries=q.shape[0],
+        keys=k.shape[0],
+        heads=heads,
+        head_dim=q.shape[-1],
+        dtype=q.dtype,
+        softcap=softcap,
+        positions=q_pos is not None,
+    )
     if heads % kv_heads:
         raise ValueError(f"attend: {heads} query heads do not divide into {kv_heads} key/value heads")
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
@@ -188,18 +275,23 @@ def _check_segments(segment_ids, n_q: int, n_k: int) -> None:
         )
 
 
-def _check_cudnn(q, softcap) -> None:
-    """A `ValueError` naming what the cuDNN kernel cannot do with these inputs on this platform."""
-    platform = jax.default_backend()
+def _cudnn_problems(platform: str, dtype: str, head_dim: int, softcap) -> list[str]:
+    """What the cuDNN kernel cannot do with these inputs on ``platform`` (empty: it applies)."""
     problems = []
-    if platform != "gpu":
+    if platform not in ("gpu", "cuda"):
         problems.append(f"it runs on NVIDIA GPUs, and this platform is {platform!r}")
-    if q.dtype.name not in _CUDNN_DTYPES:
-        problems.append(f"it takes {' or '.join(_CUDNN_DTYPES)}, and the queries are {q.dtype.name}")
-    if q.shape[-1] > _CUDNN_MAX_HEAD_DIM or q.shape[-1] % 8:
-        problems.append(f"it takes head widths that are multiples of 8 up to {_CUDNN_MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if dtype not in _CUDNN_DTYPES:
+        problems.append(f"it takes {' or '.join(_CUDNN_DTYPES)}, and the queries are {dtype}")
+    if head_dim > _CUDNN_MAX_HEAD_DIM or head_dim % 8:
+        problems.append(f"it takes head widths that are multiples of 8 up to {_CUDNN_MAX_HEAD_DIM}, got {head_dim}")
     if softcap is not None:
         problems.append("it has no score soft-capping (softcap)")
+    return problems
+
+
+def _check_cudnn(q, softcap) -> None:
+    """A `ValueError` naming what the cuDNN kernel cannot do with these inputs on this platform."""
+    problems = _cudnn_problems(jax.default_backend(), q.dtype.name, q.shape[-1], softcap)
     if problems:
         raise ValueError(
             "attention implementation 'cudnn' cannot be used here: "
