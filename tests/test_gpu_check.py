@@ -140,6 +140,25 @@ def test_the_preflight_exercises_every_jax_api_the_project_uses():
     assert found["checks"] == [what for what, _ in preflight.CHECKS]
     assert set(found["versions"]) == set(preflight.DISTRIBUTIONS) and found["versions"]["jax"]
     assert found["platform_version"]
+    assert found["attention"] == {"resolved": "xla", "ok": True}  # bf16 on the CPU: no cuDNN
+
+
+def test_the_main_runs_fall_back_to_xla_attention_where_the_default_failed_in_the_preflight(monkeypatch):
+    def failing_attend(*args, **kwargs):
+        raise RuntimeError("cuDNN: no kernel for this shape\nmore detail")
+
+    monkeypatch.setattr("zoo.nn.attend", failing_attend)
+    probe = preflight.attention_default()
+    assert probe["ok"] is False and probe["error"] == "RuntimeError: cuDNN: no kernel for this shape"
+    conf = configs.config_table()[0]
+    args = cli.apply_defaults(cli.parse_args(["--allow-cpu"]), reduced=True)
+    results = {"preflight": {"attention": probe}}
+    spec = orchestrate.worker_spec(
+        args, conf, test={}, compile_cache=None, attention=orchestrate.attention_fallback(results)
+    )
+    assert spec["attention"] == "xla"
+    assert orchestrate.attention_fallback({"preflight": {"attention": {"ok": True}}}) is None
+    assert orchestrate.attention_fallback({"preflight": {}}) is None
 
 
 def test_a_missing_jax_api_fails_the_preflight_in_one_line(monkeypatch):

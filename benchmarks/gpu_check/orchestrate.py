@@ -92,9 +92,18 @@ def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict)
     return run
 
 
-def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None) -> dict:
+def attention_fallback(results: dict) -> str | None:
+    """``"xla"`` where the preflight saw the default attention fail on this platform (the main runs
+    then use it, and the results say so under ``preflight.attention``), else None (the default)."""
+    probe = (results.get("preflight") or {}).get("attention") or {}
+    return "xla" if probe.get("ok") is False else None
+
+
+def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None, attention: str | None = None) -> dict:
+    """What one configuration's worker runs; ``attention`` overrides the config's default."""
     capped = conf.capped
     return {
+        "attention": attention,
         "config": dataclasses.asdict(conf),
         "model": args.capped_model if capped else args.model,
         "batch": args.capped_batch if capped else args.batch,
@@ -268,9 +277,8 @@ def run_config(run: Run, name: str, pending: int) -> None:
         return
     timeout = min(args.worker_timeout, remaining)
     run.say(f"{name}: {conf.description} (limit {timeout:.0f} s, {pending} after it)")
-    spec = worker_spec(
-        args, conf, test={"test_crash": args.test_crash, "test_hang": args.test_hang}, compile_cache=run.cache
-    )
+    test = {"test_crash": args.test_crash, "test_hang": args.test_hang}
+    spec = worker_spec(args, conf, test=test, compile_cache=run.cache, attention=attention_fallback(run.results))
     try:
         done = run_worker(name, spec, run.work_dir, timeout, worker_env(conf, args, run.capped))
         entry = finish_config(name, conf, done, run.results["platform"])
@@ -299,6 +307,9 @@ def orchestrate(args, probe: dict, started: float) -> dict:
     cache = None if args.compile_cache == "off" else str(work_dir / "jax_cache")
     run = Run(args, results, started, work_dir, cache, capped, {c.name: c for c in config_table()})
     path = run.write()
+    if attention_fallback(results):
+        error = results["preflight"]["attention"].get("error")
+        run.say(f"the default attention failed here ({error}): the main runs use attention='xla'")
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         run_parity(run)

@@ -127,6 +127,31 @@ def _extend() -> dict:
     return {"platform_version": jax.extend.backend.get_backend().platform_version}
 
 
+def attention_default() -> dict:
+    """The default attention (``"auto"``) in bfloat16 with 8 heads of 64 (cuDNN's kernel on a GPU,
+    as in the main runs; 512 tokens keep it ``"xla"`` on a CPU), run once under `jax.vmap` and
+    `jax.grad`. Not fatal: where it fails, the main runs use ``"xla"`` and the results say why."""
+    import jax
+    import jax.numpy as jnp
+
+    from zoo.nn import attend, resolve_attention
+
+    seq, heads, dim = 512, 8, 64
+    resolved = resolve_attention("auto", queries=seq, keys=seq, heads=heads, head_dim=dim, dtype="bfloat16")
+    q = jax.random.normal(jax.random.key(0), (2, seq, heads, dim), jnp.bfloat16)
+
+    def loss(x):
+        out = jax.vmap(lambda t: attend(t, t, t, implementation="auto"))(x)
+        return jnp.sum(out.astype(jnp.float32))
+
+    try:
+        jax.block_until_ready(jax.jit(jax.grad(loss))(q))
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return {"resolved": resolved, "ok": False, "error": f"{type(err).__name__}: {first}"}
+    return {"resolved": resolved, "ok": True}
+
+
 #: ``(what is checked, check)``, in the order they run.
 CHECKS = (
     ("jax.memory.Space + zoo._jax_compat.memory_space/var_memory_space", _memory_spaces),
@@ -152,5 +177,6 @@ def run() -> dict:
     if failures:
         jax_version = out["versions"]["jax"]
         raise PreflightError(f"gpu_check: preflight failed (jax {jax_version}): {'; '.join(failures)}")
+    out["attention"] = attention_default()
     out["seconds"] = round(time.perf_counter() - started, 3)
     return out

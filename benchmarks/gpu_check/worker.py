@@ -179,7 +179,8 @@ def _init_train(spec: dict, conf: Config, report: dict):
     import transforms
     import zoo
 
-    cfg, batch, seq = make_config(spec["model"], seq=spec["seq"]), spec["batch"], spec["seq"]
+    attention = {"attention": spec["attention"]} if spec.get("attention") else {}
+    cfg, batch, seq = make_config(spec["model"], seq=spec["seq"], **attention), spec["batch"], spec["seq"]
     report["model"] = {"spec": spec["model"], "n_params": cfg.n_params(), "n_layers": cfg.n_layers}
     report["model"].update(batch=batch, seq=seq, config=cfg.to_dict())
     model, rest = _build_model(spec, cfg, conf, report)
