@@ -3,6 +3,7 @@ so a packed batch computes what its documents run one by one compute."""
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +63,11 @@ def test_attend_refuses_bad_segment_ids():
         attend(q[:3], k, v, q_pos=jnp.arange(3), k_pos=jnp.arange(10), segment_ids=SEGMENTS)
 
 
+#: ``zoo.lm_loss`` compiled once per shape (eagerly, each of the model's operations is dispatched
+#: on its own, which made these tests several times slower); ``chunk`` is static.
+lm_loss = eqx.filter_jit(zoo.lm_loss)
+
+
 def _docs(rng, lengths, vocab):
     return [rng.integers(0, vocab, n, dtype=np.int32) for n in lengths]
 
@@ -83,10 +89,10 @@ def test_packed_loss_equals_documents_one_by_one(name):
     tokens = jnp.asarray(np.stack([np.concatenate(r) for r in rows]))
     segments = jnp.asarray(np.stack([np.repeat(np.arange(1, len(r) + 1), [len(d) for d in r]) for r in rows]))
 
-    packed = zoo.lm_loss(model, tokens, segment_ids=segments, chunk=0)
-    chunked = zoo.lm_loss(model, tokens, segment_ids=segments, chunk=5)
+    packed = lm_loss(model, tokens, segment_ids=segments, chunk=0)
+    chunked = lm_loss(model, tokens, segment_ids=segments, chunk=5)
     # Each document alone: the mean over all their predicted tokens.
-    nll_sum = sum(float(zoo.lm_loss(model, jnp.asarray(d)[None], chunk=0)) * (len(d) - 1) for r in rows for d in r)
+    nll_sum = sum(float(lm_loss(model, jnp.asarray(d)[None], chunk=0)) * (len(d) - 1) for r in rows for d in r)
     n_targets = sum(len(d) - 1 for r in rows for d in r)
     np.testing.assert_allclose(float(packed), nll_sum / n_targets, rtol=1e-5)
     np.testing.assert_allclose(float(chunked), float(packed), rtol=1e-5)
@@ -150,8 +156,8 @@ def test_packed_mixture_of_experts_loss_and_metrics_equal_the_plain_loss_of_each
     docs = _docs(np.random.default_rng(1), (6, 7), cfg.vocab_size)
     tokens = jnp.asarray(np.concatenate(docs))[None]
     segments = jnp.asarray(np.repeat([1, 2], [6, 7]))[None]
-    _, metrics = zoo.lm_loss_and_metrics(model, tokens, segment_ids=segments, chunk=0)
-    alone = sum(float(zoo.lm_loss(model, jnp.asarray(d)[None], chunk=0)) * (len(d) - 1) for d in docs) / 11
+    _, metrics = eqx.filter_jit(zoo.lm_loss_and_metrics)(model, tokens, segment_ids=segments, chunk=0)
+    alone = sum(float(lm_loss(model, jnp.asarray(d)[None], chunk=0)) * (len(d) - 1) for d in docs) / 11
     np.testing.assert_allclose(float(metrics["cross_entropy"]), alone, rtol=1e-5)
 
 
