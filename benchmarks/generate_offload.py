@@ -40,7 +40,7 @@ def _measure(args) -> dict:
 
     import zoo
 
-    from .gpu_check.worker import _build_on_host, memory_stats
+    from .gpu_check.worker import build_on_host, memory_stats
 
     cfg = zoo.config_from_name(args.model, compute_dtype="bfloat16", param_dtype="bfloat16")
     key = jax.random.key(0)
@@ -50,7 +50,7 @@ def _measure(args) -> dict:
 
     t = time.perf_counter()
     on_host = args.placement == "pinned_host"
-    model = _build_on_host(build, key, _NoPrefetch()) if on_host else eqx.filter_jit(build)(key)
+    model = build_on_host(build, key) if on_host else eqx.filter_jit(build)(key)
     jax.block_until_ready(eqx.filter(model, eqx.is_array))
     init_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
@@ -82,10 +82,6 @@ def _measure(args) -> dict:
         "peak_bytes": stats.get("peak_bytes_in_use"),
         "tokens": tokens,
     }
-
-
-class _NoPrefetch:
-    prefetch = False
 
 
 def _row(r: dict, ref: dict | None) -> str:

@@ -358,12 +358,12 @@ def test_weights_built_in_host_memory_have_a_host_memory_type():
     import jax
 
     import zoo
-    from benchmarks.gpu_check.worker import _build_on_host
+    from benchmarks.gpu_check.worker import build_on_host
     from zoo._jax_compat import memory_space
 
     conf = next(c for c in configs.config_table() if c.name == "params")
     cfg = configs.make_config("llama:tiny", seq=32)
-    model = _build_on_host(lambda k: zoo.build_model(cfg, key=k), jax.random.key(0), conf)
+    model = build_on_host(lambda k: zoo.build_model(cfg, key=k), jax.random.key(0), prefetch=conf.prefetch)
     stack = jax.tree.leaves(model.stack)
     assert stack and all(memory_space(x) == jax.memory.Space.Host for x in stack)
     assert all(x.sharding.memory_kind == "pinned_host" for x in stack)

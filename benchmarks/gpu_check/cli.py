@@ -233,9 +233,6 @@ def recheck(paths: list[Path]) -> int:
             print(f"--recheck: {path} is not a GPU check results file ({type(err).__name__}: {err})", file=sys.stderr)
             return 2
         elapsed = data.get("elapsed_s")
-        for entry in data["configs"].values():  # files written before ``run_detail`` existed
-            if entry.get("run_status") == "measured" and "run_detail" not in entry:
-                entry["run_detail"] = "" if entry.get("detail") == entry.get("invalid_reason") else entry.get("detail")
         results.refresh(data, time.monotonic())
         data["elapsed_s"] = elapsed  # the run's, not the recheck's
         data.setdefault("rechecks", []).append({"at": utc_now(), "git_commit": git_commit()})

@@ -140,7 +140,7 @@ def check_entry(entry: dict, ref: dict | None, parity: dict, dtype: str) -> None
     if not failures and not (entry["name"] == "none" or entry["grad_parity_ok"] or all_passed):
         failures.append("unverified: neither the parity pass nor a comparison with none checked it")
     entry.update(valid=not failures, invalid_reason="; ".join(failures) or None)
-    verdict = entry["invalid_reason"] or entry.get("run_detail", entry["detail"])
+    verdict = entry["invalid_reason"] or entry["run_detail"]
     entry.update(status="ok" if entry["valid"] else "INVALID", detail=verdict)
     if not entry["valid"]:
         entry["invalid_figures"] = {k: entry[k] for k in SPEED_FIELDS}

@@ -114,7 +114,7 @@ def worker_bandwidth(spec: dict, report: dict, write) -> None:
     report["h2d_gb_per_s"], report["d2h_gb_per_s"] = largest["h2d"]["gb_per_s"], largest["d2h"]["gb_per_s"]
 
 
-def _build_on_host(build, key, conf: Config):
+def build_on_host(build, key, *, prefetch: bool = False):
     """The model of ``build(key)`` with ``offload_params`` applied to its abstract form, its weights
     computed straight into the placements that gives (``pinned_host``): the device never holds
     every weight at once, so the peak of a run with offloaded weights is the training's own.
@@ -132,7 +132,7 @@ def _build_on_host(build, key, conf: Config):
         return isinstance(x, jax.ShapeDtypeStruct)
 
     abstract = eqx.filter_eval_shape(build, key)
-    placed_part, static = eqx.partition(transforms.offload_params(abstract, prefetch=conf.prefetch), is_abstract)
+    placed_part, static = eqx.partition(transforms.offload_params(abstract, prefetch=prefetch), is_abstract)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = [x.sharding or device for x in jax.tree.leaves(placed_part)]
 
@@ -158,7 +158,7 @@ def _build_model(spec: dict, cfg, conf: Config, report: dict):
 
     if conf.params:
         try:
-            model = jax.block_until_ready(_build_on_host(build, key, conf))
+            model = jax.block_until_ready(build_on_host(build, key, prefetch=conf.prefetch))
             report["init"] = "weights built in pinned_host (offload_params of the abstract model)"
             report["timings"]["init_model_s"] = time.perf_counter() - t
             return model, dataclasses.replace(conf, params=False, prefetch=False)
