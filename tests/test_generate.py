@@ -2,6 +2,8 @@
 sampling limits, compilations per bucket, errors, and generation with offloaded weights and a KV
 cache in host memory (same tokens; placement in the jaxpr and in the program lowered for CUDA)."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -80,16 +82,21 @@ def test_greedy_equals_rerunning_the_whole_sequence_and_a_batch_equals_each_prom
         assert list(np.asarray(alone)) == _full_window_greedy(llama, prompt, 5)
 
 
-@pytest.mark.parametrize("window", [4, None], ids=["ring-buffer", "full"])
-def test_cached_decoding_gives_the_logits_of_the_full_forward(window):
+@pytest.mark.parametrize(
+    "window, pad", [(4, "left"), (None, "left"), (None, "right")], ids=["ring-buffer", "full", "full-right-padded"]
+)
+def test_cached_decoding_gives_the_logits_of_the_full_forward(window, pad):
     model = zoo.Llama(zoo.config_from_name("llama:tiny", sliding_window=window), key=jax.random.key(2))
     tokens = jax.random.randint(jax.random.key(3), (14,), 0, model.config.vocab_size)
     cache = model.init_cache(32)
-    assert cache.k.shape[1] == (window or 32)  # a ring buffer holds only the window
-    prompt = jnp.concatenate([tokens[:7], jnp.zeros(3, jnp.int32)])  # padded prompt
-    positions = jnp.concatenate([jnp.arange(7), jnp.full(3, -1)]).astype(jnp.int32)
+    assert cache.slots == (window or 32)  # a ring buffer holds only the window
+    pieces = [tokens[:7], jnp.zeros(3, jnp.int32)]
+    places = [jnp.arange(7), jnp.full(3, -1)]
+    if pad == "left":
+        pieces, places = pieces[::-1], places[::-1]
+    prompt, positions = jnp.concatenate(pieces), jnp.concatenate(places).astype(jnp.int32)
     logits, cache = model.decode(prompt, positions, cache)
-    steps = [logits[:7]]
+    steps = [logits[3:] if pad == "left" else logits[:7]]
     for i in range(7, 14):
         logits, cache = model.decode(tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
         steps.append(logits)
@@ -103,8 +110,8 @@ def test_local_layers_keep_a_ring_of_their_window_and_global_ones_every_position
     assert isinstance(cache, zoo.nn.LayeredKVCache)
     local = [cfg.types_per_layer()[i] == "sliding_attention" for i in range(cfg.n_layers)]
     assert cache.is_windowed == tuple(local)
-    assert cache.windowed.k.shape[:2] == (sum(local), cfg.sliding_window)
-    assert cache.full.k.shape[:2] == (cfg.n_layers - sum(local), 64)
+    assert cache.windowed.pos.shape == (sum(local), cfg.sliding_window)
+    assert cache.full.pos.shape == (cfg.n_layers - sum(local), 64)
     tokens = jax.random.randint(jax.random.key(5), (30,), 0, cfg.vocab_size)  # past the window (8)
     decode = eqx.filter_jit(lambda m, t, p, c: m.decode(t, p, c))
     logits, cache = decode(model, tokens[:20], jnp.arange(20, dtype=jnp.int32), cache)
@@ -134,10 +141,10 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_tokens(llama):
 def test_one_compilation_per_bucket(llama):
     zoo.generate(llama, jnp.arange(1, 6), max_new_tokens=3)
     before = dict(_generate.TRACES)
-    zoo.generate(llama, jnp.arange(1, 8), max_new_tokens=5)  # same buckets: prompt 16, cache 16
+    zoo.generate(llama, jnp.arange(1, 8), max_new_tokens=5)  # same buckets: prompt 16, cache 32
     zoo.generate(llama, jnp.arange(2, 9), max_new_tokens=8)
     assert dict(_generate.TRACES) == before
-    zoo.generate(llama, jnp.arange(1, 30), max_new_tokens=5)  # a longer prompt: new buckets
+    zoo.generate(llama, jnp.arange(1, 60), max_new_tokens=5)  # a longer prompt: new buckets (64, 80)
     assert _generate.TRACES["prefill"] == before["prefill"] + 1
     assert _generate.TRACES["decode"] == before["decode"] + 1
 
@@ -199,12 +206,16 @@ def test_offloaded_weights_and_a_host_cache_give_the_same_tokens(llama):
 def _decode_step(model, cache_on_host: bool):
     """One decoding step of a batch of 2 as a jittable function of (weights, cache, token, position)."""
     params, static = eqx.partition(model, eqx.is_array)
-    cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (2, *a.shape)), model.init_cache(16))
+    cache = model.init_cache(16)
+    axes = zoo.nn.cache_axes(cache, 1)  # the batch after the layer axis; one token count for all
+    cache = eqx.tree_at(lambda c: (c.k, c.v, c.pos), cache, replace_fn=lambda a: jnp.stack([a, a], axis=1))
     if cache_on_host:
-        cache = jax.device_put(cache, jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), cache))
+        cache = eqx.tree_at(lambda c: (c.k, c.v, c.pos), cache, replace_fn=lambda a: jax.device_put(a, H))
 
     def step(params, cache, token, position):
-        return jax.vmap(eqx.combine(params, static).decode)(token, position, cache)
+        return jax.vmap(eqx.combine(params, static).decode, in_axes=(0, 0, axes), out_axes=(0, axes))(
+            token, position, cache
+        )
 
     return step, (params, cache, jnp.ones((2, 1), jnp.int32), jnp.ones((2, 1), jnp.int32))
 
@@ -213,7 +224,7 @@ def test_host_weights_and_cache_move_one_layer_at_a_time_in_the_scan(llama):
     step, args = _decode_step(transforms.offload_params(llama), cache_on_host=True)
     moves = list(device_puts(jax.make_jaxpr(step)(*args).jaxpr))
     n_weights = len(jax.tree.leaves(eqx.filter(llama.stack, eqx.is_array)))
-    layer = [tuple(c.shape[2:]) for c in jax.tree.leaves(args[1])]  # one layer's k, v, pos (per example)
+    layer = [tuple(c.shape[2:]) for c in (args[1].k, args[1].v, args[1].pos)]  # one layer's (per example)
     fetched = [shape for in_scan, a, b, shape in moves if in_scan and (a, b) == (H, DEV)]
     written = [shape for in_scan, a, b, shape in moves if in_scan and (a, b) == (DEV, H)]
     layer_weights = sorted(x.shape[1:] for x in jax.tree.leaves(eqx.filter(llama.stack, eqx.is_array)))
@@ -233,3 +244,55 @@ def test_the_program_lowered_for_cuda_keeps_weights_and_cache_in_pinned_host(lla
     assert signature.count('mhlo.memory_kind = "pinned_host"') >= n_host
     assert '_xla_buffer_placement = "device"' in text  # each layer's slice fetched
     assert '_xla_buffer_placement = "pinned_host"' in text  # each layer's updated cache sent back
+
+
+# ----------------------------------------------------------------------------- in place
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* (\S+?)\(")
+
+
+def _whole_cache_ops(hlo: str, shape: tuple) -> list[str]:
+    """Instructions of an optimized HLO module that produce an array of ``shape`` other than by
+    passing it through (parameters, tuples, loops) or updating it in place (a fusion whose root
+    is a dynamic-update-slice)."""
+    fusions_updating = set()
+    for block in hlo.split("\n\n"):
+        head, _, body = block.strip().partition("\n")
+        root = [line for line in body.splitlines() if "ROOT " in line]
+        if root and " dynamic-update-slice(" in root[0]:
+            fusions_updating.add(head.split(" ")[0].lstrip("%"))
+    found = []
+    for line in hlo.splitlines():
+        m = _HLO_LINE.match(line)
+        if not m or tuple(int(d) for d in m.group(3).split(",") if d) != shape:
+            continue
+        op = m.group(4)
+        if op in ("parameter", "get-tuple-element", "tuple", "while", "bitcast", "dynamic-update-slice"):
+            continue
+        if op == "fusion" and re.search(r"calls=%?([\w.\-]+)", line).group(1) in fusions_updating:
+            continue
+        found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_decoding_step_writes_one_slot_in_place_and_never_copies_the_cache(family):
+    """The optimized program of one step holds no copy, transpose, scatter or select of a whole
+    stacked cache: each layer writes its new slot into the donated cache in place."""
+    cfg = zoo.config_from_name(f"{family}:tiny", n_layers=4)
+    model = zoo.build_model(cfg, key=jax.random.key(0))
+    step, args = _generate.decode_step(model, batch=3, slots=48, dtype=jnp.float32)
+    compiled = step.lower(*args).compile()
+    hlo = compiled.as_text()
+    shapes = {tuple(c.shape) for c in jax.tree.leaves(args[1]) if c.ndim >= 4}
+    assert shapes and all(s[0] == 3 for s in shapes)  # (batch, layers, kv_heads, slots, head_dim)
+    for shape in shapes:
+        assert _whole_cache_ops(hlo, shape) == [], shape
+    n_cache = len([c for c in jax.tree.leaves(args[1]) if c.ndim >= 2])
+    assert hlo.split("\n", 1)[0].count("may-alias") + hlo.split("\n", 1)[0].count("must-alias") >= n_cache
+    # and the step's answer is the full forward's
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, cfg.vocab_size)
+    _, cache, _, _ = args
+    for t in range(9):
+        logits, cache = step(model, cache, tokens[:, t : t + 1], jnp.full((3, 1), t, jnp.int32))
+    np.testing.assert_allclose(logits[:, 0], jax.vmap(model)(tokens)[:, -1], atol=1e-5, rtol=0)

@@ -34,7 +34,7 @@ def _cache_bytes(cfg, batch, context, itemsize) -> int:
     """The keys and values of the caches zoo.generate allocates for ``context`` positions (shapes only)."""
     dtype = {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
     cache = jax.eval_shape(lambda: zoo.abstract_model(cfg).init_cache(context, dtype))
-    keys_values = [c for c in jax.tree.leaves(cache) if c.ndim == 4]  # (layers, slots, kv_heads, head_dim)
+    keys_values = [c for c in jax.tree.leaves(cache) if c.ndim == 4]  # (layers, kv_heads, slots, head_dim)
     return batch * sum(math.prod(c.shape) for c in keys_values) * itemsize
 
 

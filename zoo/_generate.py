@@ -1,16 +1,18 @@
 """Text generation with a KV cache: :func:`generate`.
 
-Two compiled programs do the work. *Prefill* runs the padded prompts through the model once,
-filling every layer's cache (:meth:`zoo.nn.Stack.decode`: a scan over the layers), and picks the
-first new token. *Decode* is one `lax.while_loop` on the device: each iteration feeds the last
-token of every sequence, one position further, through the same scan, and picks the next; it
-stops when every sequence has met a stop token or the budget is spent. Shapes are rounded up to
-buckets (powers of two), so a new prompt length, batch size or token budget recompiles only when
-it crosses a bucket: prefill once per (batch, prompt, cache) bucket, decode once per (batch,
-cache) bucket.
+Two compiled programs do the work. *Prefill* runs the prompts, padded on the left to one width,
+through the model once, filling every layer's cache (:meth:`zoo.nn.Stack.decode`: a scan over the
+layers), and picks the first new token. *Decode* is one `lax.while_loop` on the device: each
+iteration feeds the last token of every sequence, one position further, through the same scan,
+and picks the next; it stops when every sequence has met a stop token or the budget is spent.
+Left padding makes every sequence write its next key and value to the same cache slot, so a
+step writes that slot of the batch in place (see :class:`zoo.nn.KVCache`). Shapes are rounded up
+to buckets (sixteen per doubling), so a new prompt length, batch size or token budget recompiles
+only when it crosses a bucket: prefill once per (batch, prompt, cache) bucket, decode once per
+(batch, cache) bucket.
 
-The cache holds ``prompt + max_new_tokens`` positions rounded up to a bucket (and at most the
-model's positions), never more; sliding-window layers keep a ring buffer of their window.
+The cache holds the padded prompt plus ``max_new_tokens`` slots, rounded up to a bucket, never
+more; sliding-window layers keep a ring buffer of their window.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .nn import LayeredKVCache
+from .nn._kv_cache import cache_axes, to_host
 
 #: Times each program was traced (one trace per compilation), for tests and diagnostics.
 TRACES: collections.Counter = collections.Counter()
@@ -33,8 +36,12 @@ CACHE_MEMORY_KINDS = (None, "device", "pinned_host")
 
 
 def _bucket(n: int, smallest: int) -> int:
-    """The smallest power of two >= ``n`` (and >= ``smallest``)."""
-    return max(smallest, 1 << max(0, int(n) - 1).bit_length())
+    """``n`` rounded up to a multiple of ``smallest`` or of a sixteenth of the power of two below
+    ``n``, whichever is larger: sixteen buckets per doubling once ``n`` is large, so a bucket
+    holds at most 1/16 more than ``n`` (a cache read whole at every step wastes little)."""
+    n = max(int(n), 1)
+    unit = max(smallest, 1 << max(0, (n - 1).bit_length() - 4))
+    return -(-n // unit) * unit
 
 
 def _as_prompts(prompt_ids) -> tuple[list[np.ndarray], bool]:
@@ -109,33 +116,50 @@ def _split(key):
     return key, sub
 
 
-def _batched_decode(model):
-    """``model.decode`` over a batch: tokens and positions batched on axis 0, the stacked caches
-    on axis 1 (after the layer axis)."""
-    return jax.vmap(model.decode, in_axes=(0, 0, 1), out_axes=(0, 1))
+def _cache_axis(memory_kind) -> int:
+    """Where the batch sits in the stacked caches: first on the device (the caches ride whole in
+    the layer scan's carry, which `jax.vmap` batches on axis 0), after the layer axis in host
+    memory (scanned one layer at a time)."""
+    return 1 if memory_kind == "pinned_host" else 0
 
 
-@eqx.filter_jit
-def _prefill(model, tokens, positions, lengths, key, temperature, top_p, *, slots, dtype, memory_kind, top_k, greedy):
-    """Fill the caches with the padded prompts ``(batch, prompt)``; the first new token of each."""
-    TRACES["prefill"] += 1
+def _batched_decode(model, cache, memory_kind):
+    """``model.decode`` over a batch: tokens and positions batched on axis 0, the caches at
+    :func:`_cache_axis`, their token counts shared."""
+    axes = cache_axes(cache, _cache_axis(memory_kind))
+    return jax.vmap(model.decode, in_axes=(0, 0, axes), out_axes=(0, axes))
+
+
+def _batched_cache(model, batch: int, slots: int, dtype, memory_kind):
+    """Empty caches for ``batch`` sequences, the batch at :func:`_cache_axis`."""
     cache = model.init_cache(slots, dtype)
     if memory_kind == "pinned_host" and isinstance(cache, LayeredKVCache):
         # Host caches stream in one layer at a time as scan slices: one stacked layout for all.
         cache = model.stack.init_cache(slots, dtype)
-    batch = tokens.shape[0]
-    # (layers, batch, ...): the scan over layers slices the leading axis, each slice one layer's batch.
-    cache = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], batch, *a.shape[1:])), cache)
-    if memory_kind == "pinned_host":
-        cache = jax.device_put(cache, jax.memory.Space.Host)
-    logits, cache = _batched_decode(model)(tokens, positions, cache)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    axis = _cache_axis(memory_kind)
+
+    def batched(a, ax):
+        return a if ax is None else jnp.broadcast_to(jnp.expand_dims(a, ax), (*a.shape[:ax], batch, *a.shape[ax:]))
+
+    cache = jax.tree.map(batched, cache, cache_axes(cache, axis), is_leaf=lambda a: a is None)
+    return to_host(cache) if memory_kind == "pinned_host" else cache
+
+
+@eqx.filter_jit
+def _prefill(model, tokens, positions, key, temperature, top_p, *, slots, dtype, memory_kind, top_k, greedy):
+    """Fill the caches with the left-padded prompts ``(batch, prompt)``; the first new token of each."""
+    TRACES["prefill"] += 1
+    cache = _batched_cache(model, tokens.shape[0], slots, dtype, memory_kind)
+    logits, cache = _batched_decode(model, cache, memory_kind)(tokens, positions, cache)
+    last = logits[:, -1]  # left-padded: every prompt ends in the last column
     key, sub = _split(key)
     return _pick(last, sub, temperature, top_k, top_p, greedy), cache, key
 
 
 @eqx.filter_jit
-def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, *, slots, top_k, greedy, stream):
+def _decode(
+    model, cache, first, lengths, n_new, stop, key, temperature, top_p, *, slots, top_k, greedy, stream, memory_kind
+):
     """Generate up to ``n_new`` tokens per sequence after ``first`` (``out[:, 0]``), in one
     `lax.while_loop`; returns the token buffer ``(batch, slots)`` and the number of steps run."""
     TRACES["decode"] += 1
@@ -152,7 +176,7 @@ def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, 
         i, out, cache, done, key = state
         token = out[:, i - 1]
         positions = lengths + i - 1
-        logits, cache = _batched_decode(model)(token[:, None], positions[:, None], cache)
+        logits, cache = _batched_decode(model, cache, memory_kind)(token[:, None], positions[:, None], cache)
         key, sub = _split(key)
         new = _pick(logits[:, 0], sub, temperature, top_k, top_p, greedy)
         if stream:
@@ -161,6 +185,21 @@ def _decode(model, cache, first, lengths, n_new, stop, key, temperature, top_p, 
 
     steps, out, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, cache, done, key))
     return out, steps
+
+
+def decode_step(model, *, batch: int, slots: int, dtype=None, memory_kind: str | None = None):
+    """One decoding step of ``generate``'s loop as its own program, for analysis: ``(step, args)``
+    where ``step`` (jitted, the caches donated) maps ``(model, caches, tokens, positions)`` to
+    ``(logits, caches)`` for ``batch`` sequences and ``slots`` cache slots, and ``args`` are
+    example arguments (empty caches)."""
+    dtype = model.config.compute_jnp_dtype if dtype is None else jnp.dtype(dtype)
+    cache = _batched_cache(model, batch, slots, dtype, memory_kind)
+
+    def step(model, cache, tokens, positions):
+        return _batched_decode(model, cache, memory_kind)(tokens, positions, cache)
+
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    return jax.jit(step, donate_argnums=1), (model, cache, tokens, tokens)
 
 
 def _cut(tokens: np.ndarray, stop: set[int]) -> np.ndarray:
@@ -235,20 +274,20 @@ def generate(
         )
     batch = _bucket(len(prompts), 1)
     width = _bucket(longest, 16)
-    slots = min(_bucket(longest + max_new_tokens, 16), positions_max)
+    slots = _bucket(width + max_new_tokens - 1, 16)  # the last new token is never fed back
     tokens = np.zeros((batch, width), np.int32)
     positions = np.full((batch, width), -1, np.int32)
     lengths = np.ones((batch,), np.int32)
-    for b in range(batch):  # rows past the prompts repeat the first one
+    for b in range(batch):  # padded on the left; rows past the prompts repeat the first one
         p = prompts[b] if b < len(prompts) else prompts[0]
-        tokens[b, : len(p)], positions[b, : len(p)], lengths[b] = p, np.arange(len(p)), len(p)
+        tokens[b, width - len(p) :], positions[b, width - len(p) :], lengths[b] = p, np.arange(len(p)), len(p)
     greedy = temperature == 0
     temp = jnp.float32(temperature if temperature else 1.0)
     p_keep = None if top_p is None else jnp.float32(top_p)
     dtype = model.config.compute_jnp_dtype if cache_dtype is None else jnp.dtype(cache_dtype)
     memory_kind = None if cache_memory_kind == "device" else cache_memory_kind
     first, cache, key = _prefill(
-        model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths), None if greedy else key, temp, p_keep,
+        model, jnp.asarray(tokens), jnp.asarray(positions), None if greedy else key, temp, p_keep,
         slots=slots, dtype=dtype, memory_kind=memory_kind, top_k=top_k, greedy=greedy,
     )  # fmt: skip
     stops = sorted({int(t) for t in stop_tokens})
@@ -258,7 +297,7 @@ def generate(
     try:
         out, steps = _decode(
             model, cache, first, jnp.asarray(lengths), jnp.int32(max_new_tokens), jnp.asarray(stop), key, temp, p_keep,
-            slots=slots, top_k=top_k, greedy=greedy, stream=on_token is not None,
+            slots=slots, top_k=top_k, greedy=greedy, stream=on_token is not None, memory_kind=memory_kind,
         )  # fmt: skip
         out = np.asarray(out)[:, : int(steps)]
         jax.effects_barrier()  # every callback has run

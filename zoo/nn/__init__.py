@@ -19,8 +19,10 @@ from ._frozen import is_frozen as is_frozen
 from ._frozen import trainable_mask as trainable_mask
 from ._frozen import trainable_params as trainable_params
 from ._frozen import unfreeze as unfreeze
+from ._kv_cache import CacheLayer as CacheLayer
 from ._kv_cache import KVCache as KVCache
 from ._kv_cache import LayeredKVCache as LayeredKVCache
+from ._kv_cache import cache_axes as cache_axes
 from ._linear import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._lora import LoRALinear as LoRALinear

@@ -29,10 +29,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._attend import PerToken, attend, check_implementation
 from ._axes import AxisNamed
-from ._kv_cache import KVCache, cache_slots, cached_attention
+from ._kv_cache import CacheLayer, KVCache, LayeredCacheLayer, cache_slots, cached_attention
 from ._linear import Linear
 from ._placement import use_param
 from ._rotary import RotaryEmbedding, rotate
+
+#: What a layer decodes through: its own cache, or its view of the stack's caches.
+_Cache = KVCache | CacheLayer | LayeredCacheLayer
 
 #: A window no query reaches past: a global layer in a model that also has windowed ones.
 NO_WINDOW = int(np.iinfo(np.int32).max)
@@ -237,7 +240,7 @@ class Attention(eqx.Module):
             q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
         return q, k, v, window
 
-    def _forward(self, x, positions, cache: KVCache | None, segment_ids=None):
+    def _forward(self, x, positions, cache: _Cache | None, segment_ids=None):
         """The one body of :meth:`__call__` and :meth:`decode`: ``(output, cache)``."""
         seq = x.shape[0]
         if positions is None:
@@ -272,10 +275,11 @@ class Attention(eqx.Module):
         return self._forward(x, positions, None, segment_ids)[0]
 
     def decode(
-        self, x: Float[Array, "t embed"], cache: KVCache, *, positions: Int[Array, " t"]
-    ) -> tuple[Float[Array, "t embed"], KVCache]:
+        self, x: Float[Array, "t embed"], cache: _Cache, *, positions: Int[Array, " t"]
+    ) -> tuple[Float[Array, "t embed"], _Cache]:
         """Attention of ``t`` new tokens (at ``positions``; ``-1`` for padding) over the cached
-        ones and themselves; returns the output and the cache with the new keys and values."""
+        ones and themselves; returns the output and the cache with the new keys and values
+        (written to the next ``t`` slots: pad a batch on the left, see :class:`zoo.nn.KVCache`)."""
         return self._forward(x, positions, cache)
 
     def init_cache(self, length: int, dtype) -> KVCache:

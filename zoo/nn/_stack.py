@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._axes import AxisNamed, logical_axes
-from ._kv_cache import LayeredKVCache
+from ._kv_cache import CacheLayer, KVCache, LayeredCacheLayer, LayeredKVCache, to_host
 from ._placement import any_on_host, is_arraylike, on_host
 from ._prefetch import prefetch_scan, prefetched_scan
 from ._remat import Remat
@@ -209,36 +209,61 @@ class Stack(AxisNamed):
         layer's cache to the device at a time."""
         one = self.layers.init_cache(length, dtype)
         stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.n_layers, *a.shape)), one)
-        if memory_kind is None:
-            return stacked
-        return jax.tree.map(lambda a: jax.device_put(a, _memory_space(memory_kind)), stacked)
+        _memory_space(memory_kind or "device")  # a ValueError for an unknown kind
+        return to_host(stacked) if memory_kind == "pinned_host" else stacked
 
     def decode(self, x: Float[Array, "t embed"], cache, **kwargs):
         """Run the layers over ``t`` new tokens with their KV caches (from :meth:`init_cache`):
-        one `lax.scan` over the weights and the caches together, each layer's
-        ``decode(x, cache, **kwargs) -> (x, cache)``. Returns ``(x, cache)``.
+        one `lax.scan` over the weights, each layer's ``decode(x, cache, **kwargs) -> (x, cache)``.
+        Returns ``(x, cache)``.
 
-        Host-resident weights (:func:`transforms.offload_params`) are copied to the device one
-        layer at a time, the next layer's copy issued while a layer computes; host-resident caches
-        are copied in per layer too, and each updated layer goes back to host memory."""
+        Caches on the device ride whole in the scan's carry: each layer gets a
+        :class:`zoo.nn.CacheLayer` view and writes its new slot in place (no stacked copy of the
+        cache per step). Host-resident weights (:func:`transforms.offload_params`) are copied to
+        the device one layer at a time, the next layer's copy issued while a layer computes;
+        host-resident caches are scanned per layer instead, each layer's copied in and its
+        updated cache sent back."""
         if isinstance(cache, LayeredKVCache):
             return _decode_layered(self, x, cache, kwargs)
         arrays, static = eqx.partition(self.layers, eqx.is_array)
-        homes = jax.tree.map(on_host, cache)
+        weights_on_host = any_on_host(arrays)
+        if any_on_host(cache):
+            return _decode_host_cache(self, x, cache, kwargs)
 
-        def run(h, layer_arrays, layer_cache):
-            layer = eqx.combine(layer_arrays, static)
-            layer_cache = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, layer_cache, homes)
+        def run(state, layer_arrays, i):
+            h, stacked = state
             with jax.named_scope("layer"):
-                h, layer_cache = layer.decode(h, layer_cache, **kwargs)
-            return h, jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, layer_cache, homes)
+                h, view = eqx.combine(layer_arrays, static).decode(h, CacheLayer(stacked, i), **kwargs)
+            return (h, view.stacked), None
 
-        if any_on_host(arrays):  # each layer's weights fetched while the one before computes
-            return prefetch_scan(run, x, arrays, cache, length=self.n_layers)
-        return prefetch_scan(lambda h, _, xs: run(h, *xs), x, None, (arrays, cache), length=self.n_layers)
+        index = jnp.arange(self.n_layers, dtype=jnp.int32)
+        if weights_on_host:  # each layer's weights fetched while the one before computes
+            (x, cache), _ = prefetch_scan(run, (x, cache), arrays, index, length=self.n_layers)
+        else:
+            (x, cache), _ = prefetch_scan(lambda s, _, xs: run(s, *xs), (x, cache), None, (arrays, index),
+                                          length=self.n_layers)  # fmt: skip
+        return x, cache
 
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
+
+
+def _decode_host_cache(stack: Stack, x, cache: KVCache, kwargs):
+    """:meth:`Stack.decode` with caches in host memory: the caches are scanned with the weights,
+    each layer's brought to the device, decoded through and sent back."""
+    arrays, static = eqx.partition(stack.layers, eqx.is_array)
+    homes = jax.tree.map(on_host, cache)
+
+    def run(h, layer_arrays, layer_cache):
+        layer = eqx.combine(layer_arrays, static)
+        layer_cache = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, layer_cache, homes)
+        with jax.named_scope("layer"):
+            h, layer_cache = layer.decode(h, layer_cache, **kwargs)
+        return h, jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, layer_cache, homes)
+
+    if any_on_host(arrays):
+        return prefetch_scan(run, x, arrays, cache, length=stack.n_layers)
+    return prefetch_scan(lambda h, _, xs: run(h, *xs), x, None, (arrays, cache), length=stack.n_layers)
 
 
 def _decode_layered(stack: Stack, x, cache: LayeredKVCache, kwargs):
@@ -247,17 +272,35 @@ def _decode_layered(stack: Stack, x, cache: LayeredKVCache, kwargs):
     layer's group: only that branch runs)."""
     arrays, static = eqx.partition(stack.layers, eqx.is_array)
     flags, index = cache.layer_index()
+    on_host_groups = any_on_host((cache.windowed, cache.full))
+    if x.shape[0] == 1 and not on_host_groups:  # a decoding step: in place, no branch around the writes
+
+        def step(carry, xs):
+            h, groups = carry
+            layer_arrays, flag, i = xs
+            with jax.named_scope("layer"):
+                h, view = eqx.combine(layer_arrays, static).decode(h, LayeredCacheLayer(*groups, flag, i), **kwargs)
+            return (h, (view.windowed, view.full)), None
+
+        (x, (windowed, full)), _ = jax.lax.scan(step, (x, (cache.windowed, cache.full)), (arrays, flags, index))
+        return x, LayeredKVCache(windowed, full, cache.is_windowed)
 
     def branch(windowed: bool):
         def run(h, groups, layer_arrays, i):
             group = groups[0] if windowed else groups[1]
-            home = jax.tree.map(on_host, group)
-            mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), group)
-            mine = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, mine, home)
-            with jax.named_scope("layer"):
-                h, mine = eqx.combine(layer_arrays, static).decode(h, mine, **kwargs)
-            mine = jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, mine, home)
-            group = jax.tree.map(lambda a, m: jax.lax.dynamic_update_index_in_dim(a, m, i, 0), group, mine)
+            layer = eqx.combine(layer_arrays, static)
+            if on_host_groups:  # move this layer's slice in and back out
+                home = jax.tree.map(on_host, group)
+                mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), group)
+                mine = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, mine, home)
+                with jax.named_scope("layer"):
+                    h, mine = layer.decode(h, mine, **kwargs)
+                mine = jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, mine, home)
+                group = jax.tree.map(lambda a, m: jax.lax.dynamic_update_index_in_dim(a, m, i, 0), group, mine)
+            else:
+                with jax.named_scope("layer"):
+                    h, view = layer.decode(h, CacheLayer(group, i), **kwargs)
+                group = view.stacked
             return h, ((group, groups[1]) if windowed else (groups[0], group))
 
         return run
