@@ -154,3 +154,19 @@ def test_a_scan_over_layers_keeps_no_queries_by_keys_array(layers):
     step = lambda a, t: eqx.filter_value_and_grad(zoo.lm_loss)(eqx.combine(a, static), t)
     jaxpr = jax.make_jaxpr(step)(arrays, jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)).jaxpr
     assert _largest_value(jaxpr) < seq * seq // 4
+
+
+def test_ordered_skips_later_key_blocks_without_changing_the_answer():
+    """A left-padded prompt's prefill: skipping the key blocks after each query block (ordered)
+    gives what the full sweep and the explicit form give."""
+    n, heads, kv_heads, dim = 40, 4, 2, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), (n, h, dim)) for i, h in enumerate((heads, kv_heads, kv_heads)))
+    pos = jnp.concatenate([jnp.full(5, -1), jnp.arange(n - 5)]).astype(jnp.int32)
+    common = dict(q_pos=pos, k_pos=pos, window=None)
+    ordered = zoo.nn.attend(q, k, v, implementation="blockwise", block=8, ordered=True, **common)
+    swept = zoo.nn.attend(q, k, v, implementation="blockwise", block=8, **common)
+    explicit = zoo.nn.attend(q, k, v, implementation="xla", **common)
+    np.testing.assert_allclose(ordered[5:], explicit[5:], atol=1e-5)
+    np.testing.assert_allclose(ordered, swept, atol=1e-6)
+    jaxpr = jax.make_jaxpr(lambda q: zoo.nn.attend(q, k, v, implementation="blockwise", block=8, ordered=True, **common))
+    assert "cond" in str(jaxpr(q))  # the skip is a branch, not a select

@@ -97,7 +97,9 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(window, pad):
     prompt, positions = jnp.concatenate(pieces), jnp.concatenate(places).astype(jnp.int32)
     logits, cache = model.decode(prompt, positions, cache)
     steps = [logits[3:] if pad == "left" else logits[:7]]
-    for i in range(7, 14):
+    logits, cache = model.decode(tokens[7:10], jnp.arange(7, 10, dtype=jnp.int32), cache)  # a second chunk
+    steps.append(logits)
+    for i in range(10, 14):
         logits, cache = model.decode(tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=1e-5, rtol=0)

@@ -339,12 +339,14 @@ class RotaryDecoder(StackModel):
             raise ValueError(f"unknown memory kind {memory_kind!r}; choose one of ['device', 'pinned_host']")
         return nn.LayeredKVCache.empty(is_windowed, window, length, c.n_kv_heads, c.head_size, dtype)
 
-    def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
+    def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache, *, last_only: bool = False):
         """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``
-        of the tokens before them; returns ``(logits, cache)`` with the new tokens cached."""
+        of the tokens before them; returns ``(logits, cache)`` with the new tokens cached. With
+        ``last_only``, the logits of the last token only (``(1, vocab)``: what a prompt's
+        prefill needs)."""
         batched = innermost_transform_is_vmap()
         x, cache = self.stack.decode(self._embed(tokens), cache, positions=positions, batched=batched)
-        return self.head(self.norm(x)), cache
+        return self.head(self.norm(x[-1:] if last_only else x)), cache
 
     def _run(self, tokens, positions, segment_ids=None):
         """``(hidden, carry)``: the final hidden states and what the layers accumulated beside

@@ -18,6 +18,7 @@ more; sliding-window layers keep a ring buffer of their window.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,11 +124,12 @@ def _cache_axis(memory_kind) -> int:
     return 1 if memory_kind == "pinned_host" else 0
 
 
-def _batched_decode(model, cache, memory_kind):
+def _batched_decode(model, cache, memory_kind, last_only: bool = False):
     """``model.decode`` over a batch: tokens and positions batched on axis 0, the caches at
     :func:`_cache_axis`, their token counts shared."""
     axes = cache_axes(cache, _cache_axis(memory_kind))
-    return jax.vmap(model.decode, in_axes=(0, 0, axes), out_axes=(0, axes))
+    decode = functools.partial(model.decode, last_only=last_only)
+    return jax.vmap(decode, in_axes=(0, 0, axes), out_axes=(0, axes))
 
 
 def _batched_cache(model, batch: int, slots: int, dtype, memory_kind):
@@ -150,8 +152,9 @@ def _prefill(model, tokens, positions, key, temperature, top_p, *, slots, dtype,
     """Fill the caches with the left-padded prompts ``(batch, prompt)``; the first new token of each."""
     TRACES["prefill"] += 1
     cache = _batched_cache(model, tokens.shape[0], slots, dtype, memory_kind)
-    logits, cache = _batched_decode(model, cache, memory_kind)(tokens, positions, cache)
-    last = logits[:, -1]  # left-padded: every prompt ends in the last column
+    # left-padded: every prompt ends in the last column, the only one whose logits are needed
+    logits, cache = _batched_decode(model, cache, memory_kind, last_only=True)(tokens, positions, cache)
+    last = logits[:, -1]
     key, sub = _split(key)
     return _pick(last, sub, temperature, top_k, top_p, greedy), cache, key
 

@@ -90,9 +90,11 @@ class GPT2(StackModel):
         with jax.named_scope("lm_head"):
             return self.wte.attend(x)
 
-    def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache):
+    def decode(self, tokens: Int[Array, " t"], positions: Int[Array, " t"], cache, *, last_only: bool = False):
         """Logits of ``t`` new tokens at ``positions`` (``-1``: padding) given the KV ``cache``
-        of the tokens before them; returns ``(logits, cache)`` with the new tokens cached."""
+        of the tokens before them; returns ``(logits, cache)`` with the new tokens cached. With
+        ``last_only``, the logits of the last token only (``(1, vocab)``: what a prompt's
+        prefill needs)."""
         x = (self.wte(tokens) + self.wpe(jnp.maximum(positions, 0))).astype(self.config.compute_jnp_dtype)
         x, cache = self.stack.decode(x, cache, positions=positions)
-        return self.head(self.ln_f(x)), cache
+        return self.head(self.ln_f(x[-1:] if last_only else x)), cache

@@ -175,6 +175,7 @@ def attend(
     scale: float | None = None,
     implementation: str = "xla",
     block: int = DEFAULT_BLOCK,
+    ordered: bool = False,
 ) -> Float[Array, "q heads dim"]:
     """Causal grouped-query attention of ``q`` over ``k``, ``v``.
 
@@ -199,6 +200,11 @@ def attend(
       cache) the ``"xla"`` form is used. Segments reach it as a boolean mask (which it turns
       into a bias).
     - `block`: keys per block of the ``"blockwise"`` implementation.
+    - `ordered`: the queries and keys are one sequence whose positions increase along it
+      (padding aside), so that no query sees a key after its own index: the ``"blockwise"``
+      form's forward pass then skips the key blocks after each query block (a `lax.cond` per
+      block pair). For inference (a prompt's prefill); under differentiation of a scan over
+      layers the branch makes JAX keep a (queries x keys) mask, so training leaves it off.
 
     **Returns:** ``(q, heads, dim)`` in the dtype of ``q``.
 
@@ -238,8 +244,9 @@ def attend(
         if q_pos is None:
             q_pos = k_pos = jnp.arange(q.shape[0], dtype=jnp.int32)
         return blockwise_attend(
-            q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale, block=block, segment_ids=segment_ids
-        )
+            q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale, block=block, segment_ids=segment_ids,
+            ordered=ordered,
+        )  # fmt: skip
     local = None if window is None else (window - 1, 0)
     # Same segment: a (1, 1, q, k) boolean mask, as jax.nn.dot_product_attention takes one.
     same = None if segment_ids is None else (segment_ids[:, None] == segment_ids[None, :])[None, None]

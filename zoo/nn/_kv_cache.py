@@ -67,6 +67,10 @@ class KVCache(eqx.Module):
         """``(k, v, pos)``."""
         return self.k, self.v, self.pos
 
+    def written(self) -> jax.Array:
+        """Tokens written so far (``length``)."""
+        return self.length
+
     def attend(self, q, q_pos, **options):
         """One query's attention over this cache (see :func:`cached_attention`)."""
         return _attend_step(q, *self.read(), q_pos, **options)
@@ -216,6 +220,9 @@ class CacheLayer(eqx.Module):
         take = lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False)
         return take(self.stacked.k), take(self.stacked.v), take(self.stacked.pos)
 
+    def written(self) -> jax.Array:
+        return self.stacked.length[self.index]
+
     def attend(self, q, q_pos, **options):
         return _attend_step(q, *self.read(), q_pos, **options)
 
@@ -285,19 +292,28 @@ def cached_attention(
     the new keys and values written.
 
     One new token (a decoding step) is written first, in place, and attends over the cache alone,
-    read in its stored layout. Several (a prompt) attend over the cache as it was plus themselves,
-    then are written: a prompt longer than a ring buffer still sees, for each query, every key
-    its window reaches. ``implementation`` is that of :func:`zoo.nn.attend`.
+    read in its stored layout. Several (a prompt) attend over the cache as it was plus themselves
+    (over themselves alone when the cache is empty: a `lax.cond` on its token count), then are
+    written: a prompt longer than a ring buffer still sees, for each query, every key its window
+    reaches. A prompt's positions increase along it (padding, ``-1``, aside). ``implementation``
+    is that of :func:`zoo.nn.attend`.
     """
     common = dict(window=window, softcap=softcap, scale=scale)
     if positions.shape[0] == 1:
         cache = cache.write(k, v, positions)
         return cache.attend(q, positions, implementation=implementation, **common).astype(q.dtype), cache
-    keys, values, k_pos = cache.read()
-    keys = jnp.concatenate([jnp.swapaxes(keys, 0, 1), k.astype(keys.dtype)])
-    values = jnp.concatenate([jnp.swapaxes(values, 0, 1), v.astype(values.dtype)])
-    k_pos = jnp.concatenate([k_pos, positions])
-    ctx = attend(q, keys, values, q_pos=positions, k_pos=k_pos, implementation=implementation, **common)
+
+    def alone(q, k, v):  # an empty cache (a prompt's prefill): the new tokens attend among themselves
+        return attend(q, k, v, q_pos=positions, k_pos=positions, implementation=implementation, ordered=True, **common)
+
+    def after(q, k, v):  # over the cache as it was plus the new tokens
+        keys, values, k_pos = cache.read()
+        keys = jnp.concatenate([jnp.swapaxes(keys, 0, 1), k.astype(keys.dtype)])
+        values = jnp.concatenate([jnp.swapaxes(values, 0, 1), v.astype(values.dtype)])
+        k_pos = jnp.concatenate([k_pos, positions])
+        return attend(q, keys, values, q_pos=positions, k_pos=k_pos, implementation=implementation, **common)
+
+    ctx = jax.lax.cond(cache.written() == 0, alone, after, q, k, v)
     return ctx.astype(q.dtype), cache.write(k, v, positions)
 
 
