@@ -3,8 +3,10 @@
 One Llama-shaped model (default: d_model 512, 4 layers, 8 heads (4 key/value heads), d_ff 1536,
 vocab 8192, float32), made by ``transformers`` with its random initialisation, saved and loaded
 into the zoo (:func:`zoo.load_hf`), so that all three generators run the same weights. Greedy
-decoding of ``--new`` tokens after prompts of ``--prompt`` tokens, at each batch size of
-``--batches``, three ways:
+decoding at each batch size of ``--batches``, in two kinds of rows: *short* (``--new`` tokens
+after prompts of ``--prompt`` tokens) and *long* (``--long-new`` after ``--long-prompt``; 0
+leaves them out), three ways (the cache-less loop in the short rows only: over a long window
+each of its tokens is a whole prefill):
 
 1. **zoo** -- :func:`zoo.generate`: one prefill program, then one ``lax.while_loop`` over the
    new tokens with a KV cache.
@@ -25,6 +27,15 @@ zoo, ...) so that other load on the machine slows all alike; the median round is
 greedy tokens of the zoo and of ``transformers`` are compared too (how many agree before the
 first difference: random weights make near-ties, and float32 sums in another order may flip one).
 
+Each row also records the bytes one decoding step accesses, from XLA's cost analysis of the
+step program of :func:`zoo.generate` (its layer loop unrolled: the analysis counts a loop's body
+once), next to the ideal: every weight read once (the embedding table: one row per sequence),
+the cache filled halfway through the new tokens read once, the new slot written.
+
+Goals (the *goals* table): decode bytes at most 1.3x the ideal; decode tokens/s at least 2x
+transformers' (the faster of its two thread settings) at batch 8 in the long rows and 1.5x in
+the short rows; time to first token no slower than transformers'; the same greedy tokens.
+
 Results are printed as a table and written to ``benchmarks/results/generate_cpu.json`` and
 ``benchmarks/results/generate_cpu.md`` (``generate_cpu_quick.*`` with ``--quick``).
 
@@ -32,7 +43,7 @@ Requirements (beyond the zoo's own): ``torch`` (a CPU build) and ``transformers`
 
 Usage::
 
-    .venv/bin/python -m benchmarks.generate_cpu            # batch 1 and 8 (~3 min on 2 cores)
+    .venv/bin/python -m benchmarks.generate_cpu            # batch 1 and 8, short and long (~15 min)
     .venv/bin/python -m benchmarks.generate_cpu --quick    # tiny sizes, a smoke test
 """
 
@@ -45,6 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +90,7 @@ def make_models(args):
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,
-        max_position_embeddings=args.prompt + args.new,
+        max_position_embeddings=max(args.prompt + args.new, args.long_prompt + args.long_new),
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
@@ -157,10 +169,10 @@ def timed(run, prompts, new) -> tuple[float, np.ndarray]:
     return time.perf_counter() - start, tokens
 
 
-def measure_batch(generators: dict, prompts: np.ndarray, args) -> dict:
+def measure_batch(generators: dict, prompts: np.ndarray, args, new: int) -> dict:
     """Median time to first token and decode tokens/s of each generator at one batch size."""
     batch = prompts.shape[0]
-    new_of = {name: (args.naive_new if name == "zoo, no cache" else args.new) for name in generators}
+    new_of = {name: (args.naive_new if name == "zoo, no cache" else new) for name in generators}
     warm = {}
     for name, run in generators.items():  # compile / warm up: one-token and full calls
         warm[name] = timed(run, prompts, 1)[0]
@@ -197,30 +209,66 @@ def agreement(a: np.ndarray, b: np.ndarray) -> dict:
     return {"rows_identical": sum(s == a.shape[1] for s in same), "rows": len(same), "leading_equal": same}
 
 
+def step_bytes(model, batch: int, prompt: int, new: int) -> dict:
+    """Bytes one decoding step of ``zoo.generate`` accesses (XLA's cost analysis of the step with
+    its layer loop unrolled) and the ideal: weights once (one embedding row per sequence), the
+    cache as filled halfway through the new tokens once, the new slot written."""
+    from zoo import _generate
+
+    slots = _generate._bucket(_generate._bucket(prompt, 16) + new - 1, 16)  # as generate sizes it
+    step, args = _generate.decode_step(zoo.nn.with_scan(model, False), batch=batch, slots=slots)
+    cost = step.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    weights = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    table = model.embed.weight
+    weights += batch * table.nbytes // table.shape[0] - table.nbytes
+    keys_values = [c for c in jax.tree.leaves(args[1]) if c.ndim == 5]  # (batch, layers, kv, slots, dim)
+    per_position = sum(c.nbytes // c.shape[3] for c in keys_values)
+    filled = per_position * (prompt + new // 2)
+    ideal = weights + filled + per_position
+    return {
+        "slots": slots,
+        "bytes_accessed": float(cost["bytes accessed"]),
+        "ideal_bytes": ideal,
+        "ideal_weights_bytes": weights,
+        "ideal_cache_bytes": filled,
+        "ratio": float(cost["bytes accessed"]) / ideal,
+    }
+
+
 def run_benchmark(args) -> dict:
     import torch
 
     threads = env.usable_cores()  # XLA's CPU thread pool uses every usable core
     model, hf = make_models(args)
-    generators = {
-        "zoo": zoo_generator(model),
-        "transformers": transformers_generator(hf, threads),
-        "transformers, 1 thread": transformers_generator(hf, 1),
-        "zoo, no cache": no_cache_generator(model, args.prompt + args.new),
-    }
     load_before = os.getloadavg()[0]
     rng = np.random.default_rng(0)
     results = {}
-    for batch in args.batches:
-        prompts = rng.integers(1, args.vocab, (batch, args.prompt)).astype(np.int32)
-        results[str(batch)] = measure_batch(generators, prompts, args)
-        print(f"batch {batch}: done", flush=True)
+    kinds = [("short", args.prompt, args.new)]
+    if args.long_prompt:
+        kinds.append(("long", args.long_prompt, args.long_new))
+    for kind, prompt, new in kinds:
+        generators = {
+            "zoo": zoo_generator(model),
+            "transformers": transformers_generator(hf, threads),
+            "transformers, 1 thread": transformers_generator(hf, 1),
+        }
+        if kind == "short":
+            generators["zoo, no cache"] = no_cache_generator(model, prompt + new)
+        for batch in args.batches:
+            prompts = rng.integers(1, args.vocab, (batch, prompt)).astype(np.int32)
+            row = measure_batch(generators, prompts, args, new)
+            row["step_bytes"] = step_bytes(model, batch, prompt, new)
+            results[f"{kind} {batch}"] = {"kind": kind, "batch": batch, "prompt": prompt, "new": new, **row}
+            print(f"{kind} prompts, batch {batch}: done", flush=True)
     return {
         "software": env.software() | {"torch": torch.__version__, "torch_threads": threads},
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "config": {k: getattr(args, k) for k in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
         "prompt": args.prompt,
         "new": args.new,
+        "long_prompt": args.long_prompt,
+        "long_new": args.long_new,
         "naive_new": args.naive_new,
         "rounds": args.rounds,
         "dtype": "float32",
@@ -234,6 +282,26 @@ def run_benchmark(args) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def goals(report: dict) -> list[tuple[str, str, str, bool]]:
+    """``(row, goal, measured, met)`` for each goal of the module docstring."""
+    out = []
+    for label, row in report["results"].items():
+        best = max(row[n]["decode_tokens_per_s"] or 0 for n in GENERATORS if n.startswith("transformers") and n in row)
+        first = min(row[n]["time_to_first_token_s"] for n in GENERATORS if n.startswith("transformers") and n in row)
+        b = row["step_bytes"]
+        out.append((label, "decode bytes <= 1.3x ideal", f"{b['ratio']:.2f}x", b["ratio"] <= 1.3))
+        if row["batch"] == 8:
+            want = 2.0 if row["kind"] == "long" else 1.5
+            rate = (row["zoo"]["decode_tokens_per_s"] or 0) / best if best else 0.0
+            out.append((label, f"decode tok/s >= {want}x transformers", f"{rate:.2f}x", rate >= want))
+        ratio = row["zoo"]["time_to_first_token_s"] / first
+        out.append((label, "time to first token <= transformers'", f"{ratio:.2f}x", ratio <= 1.0))
+        g = row["greedy_agreement"]
+        same = g["rows_identical"] == g["rows"]
+        out.append((label, "same greedy tokens", f"{g['rows_identical']}/{g['rows']} rows", same))
+    return out
+
+
 def table(report: dict) -> str:
     c = report["config"]
     sw = report["software"]
@@ -245,27 +313,43 @@ def table(report: dict) -> str:
         f"{report['load_average_1min']['before']:.1f} before, {report['load_average_1min']['after']:.1f} after.",
         "",
         f"### Llama d_model {c['d_model']}, {c['n_layers']} layers, {c['n_heads']} heads ({c['n_kv_heads']} kv), "
-        f"d_ff {c['d_ff']}, vocab {c['vocab']}; float32, greedy, prompt {report['prompt']} tokens, "
-        f"{report['new']} new; median of {report['rounds']} rounds",
+        f"d_ff {c['d_ff']}, vocab {c['vocab']}; float32, greedy; median of {report['rounds']} rounds",
         "",
-        "| batch | generator | time to first token (s) | decode tok/s | total tok/s | vs best transformers (decode) |",
-        "|---:|:---|---:|---:|---:|---:|",
+        "| row | prompt + new | generator | time to first token (s) | decode tok/s | total tok/s | "
+        "vs best transformers (decode) |",
+        "|:---|---:|:---|---:|---:|---:|---:|",
     ]
-    for batch, rows in report["results"].items():
-        base = max(rows[n]["decode_tokens_per_s"] or 0 for n in GENERATORS if n.startswith("transformers"))
-        for name in GENERATORS:
-            r = rows[name]
+    for label, row in report["results"].items():
+        names = [n for n in GENERATORS if n in row]
+        base = max(row[n]["decode_tokens_per_s"] or 0 for n in names if n.startswith("transformers"))
+        for name in names:
+            r = row[name]
             rate = r["decode_tokens_per_s"]
             ratio = f"{rate / base:.2f}x" if rate and base else "n/a"
             lines.append(
-                f"| {batch} | {name} | {r['time_to_first_token_s']:.3f} | "
+                f"| {label} | {row['prompt']} + {row['new']} | {name} | {r['time_to_first_token_s']:.3f} | "
                 f"{'n/a (noise)' if rate is None else f'{rate:.0f}'} | {r['total_tokens_per_s']:.0f} | {ratio} |"
             )
-    lines.append("")
-    for batch, rows in report["results"].items():
-        g = rows["greedy_agreement"]
+    lines += [
+        "",
+        "### Bytes one decoding step accesses (XLA cost analysis, layer loop unrolled) against the ideal",
+        "",
+        "| row | cache slots | accessed (MB) | ideal (MB): weights + filled cache | ratio |",
+        "|:---|---:|---:|---:|---:|",
+    ]
+    for label, row in report["results"].items():
+        b = row["step_bytes"]
         lines.append(
-            f"Batch {batch}: zoo and transformers greedy tokens identical in {g['rows_identical']} of {g['rows']} "
+            f"| {label} | {b['slots']} | {b['bytes_accessed'] / 1e6:.1f} | {b['ideal_bytes'] / 1e6:.1f}: "
+            f"{b['ideal_weights_bytes'] / 1e6:.1f} + {b['ideal_cache_bytes'] / 1e6:.1f} | {b['ratio']:.2f}x |"
+        )
+    lines += ["", "### Goals", "", "| row | goal | measured | met |", "|:---|:---|---:|:---:|"]
+    lines += [f"| {r} | {g} | {m} | {'yes' if ok else 'no'} |" for r, g, m, ok in goals(report)]
+    lines.append("")
+    for label, row in report["results"].items():
+        g = row["greedy_agreement"]
+        lines.append(
+            f"{label}: zoo and transformers greedy tokens identical in {g['rows_identical']} of {g['rows']} "
             f"rows (leading equal tokens per row: {g['leading_equal']})."
         )
     lines.append(
@@ -283,6 +367,8 @@ def parse_args(argv=None):
     a("--batches", type=int, nargs="+", default=[1, 8])
     a("--prompt", type=int, default=128, help="prompt tokens")
     a("--new", type=int, default=64, help="new tokens per prompt")
+    a("--long-prompt", type=int, default=2000, help="prompt tokens of the long rows (0: no long rows)")
+    a("--long-new", type=int, default=128, help="new tokens per prompt in the long rows")
     a("--naive-new", type=int, default=8, help="new tokens timed for the cache-less loop")
     a("--rounds", type=int, default=3)
     a("--vocab", type=int, default=8192)
@@ -294,8 +380,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.prompt, args.new, args.naive_new, args.rounds = 16, 8, 4, 1
+        args.long_prompt, args.long_new = 40, 8
         args.vocab, args.d_model, args.n_layers, args.d_ff = 512, 64, 2, 128
         args.n_heads, args.n_kv_heads = 4, 2
+    if args.long_prompt and args.long_new < 2:
+        p.error(f"--long-new must be >= 2, got {args.long_new}")
     for name in ("prompt", "new", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -11,7 +11,9 @@ from benchmarks import generate_cpu
 
 @pytest.fixture(scope="module")
 def models():
-    args = argparse.Namespace(vocab=96, d_model=32, d_ff=64, n_layers=2, n_heads=4, n_kv_heads=2, prompt=9, new=5)
+    args = argparse.Namespace(
+        vocab=96, d_model=32, d_ff=64, n_layers=2, n_heads=4, n_kv_heads=2, prompt=9, new=5, long_prompt=0, long_new=0
+    )
     return generate_cpu.make_models(args)
 
 
@@ -33,3 +35,22 @@ def test_agreement_counts_leading_equal_tokens():
 def test_bad_options_are_refused():
     with pytest.raises(SystemExit):
         generate_cpu.parse_args(["--naive-new", "1"])
+
+
+def test_step_bytes_counts_every_weight_at_least_once_and_the_ideal_from_the_shapes(models):
+    model, _ = models
+    got = generate_cpu.step_bytes(model, batch=2, prompt=9, new=5)
+    c = model.config
+    per_position = 2 * 2 * c.n_layers * c.n_kv_heads * (c.d_model // c.n_heads) * 4  # k and v, batch 2, float32
+    assert got["ideal_cache_bytes"] == per_position * (9 + 5 // 2)
+    embedding = c.vocab_size * c.d_model * 4
+    assert got["ideal_weights_bytes"] == 4 * model_parameters(model) - embedding + 2 * c.d_model * 4
+    assert got["bytes_accessed"] >= got["ideal_weights_bytes"]
+    assert got["slots"] >= 16 + 5 - 1  # the left-padded prompt bucket plus the new tokens
+
+
+def model_parameters(model) -> int:
+    import equinox as eqx
+    import jax
+
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))

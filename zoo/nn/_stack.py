@@ -217,7 +217,8 @@ class Stack(AxisNamed):
         one `lax.scan` over the weights, each layer's ``decode(x, cache, **kwargs) -> (x, cache)``.
         Returns ``(x, cache)``.
 
-        Caches on the device ride whole in the scan's carry: each layer gets a
+        Caches on the device ride whole in the scan's carry (a Python loop with ``scan=False``,
+        which XLA's cost analysis counts whole; it counts a loop's body once): each layer gets a
         :class:`zoo.nn.CacheLayer` view and writes its new slot in place (no stacked copy of the
         cache per step). Host-resident weights (:func:`transforms.offload_params`) are copied to
         the device one layer at a time, the next layer's copy issued while a layer computes;
@@ -237,6 +238,12 @@ class Stack(AxisNamed):
             return (h, view.stacked), None
 
         index = jnp.arange(self.n_layers, dtype=jnp.int32)
+        if not self.scan:  # a Python loop: each layer's slices at static indices
+            state = (x, cache)
+            for i in range(self.n_layers):
+                layer = jax.tree.map(lambda a, i=i: a[i], arrays)
+                state, _ = run(state, layer, jnp.int32(i))
+            return state
         if weights_on_host:  # each layer's weights fetched while the one before computes
             (x, cache), _ = prefetch_scan(run, (x, cache), arrays, index, length=self.n_layers)
         else:
