@@ -218,6 +218,7 @@ class Geometry:
     attention_block: int = DEFAULT_BLOCK  # keys per block of the "blockwise" implementation
     loss_chunk: int | str = 0  # tokens per loss chunk (0: the whole logits; "auto": zoo.loss_chunk_for)
     frozen_matmuls: bool = False  # every matmul weight of the layers is quantized: no weight gradient
+    compute_capability: float | None = None  # the planned GPU's generation (cuDNN's widest head); None: unknown
 
     @property
     def q(self) -> int:
@@ -251,7 +252,8 @@ class Geometry:
     def attention_at(self, queries: int, keys: int | None = None, *, positions: bool | None = None) -> str:
         """The implementation the byte model counts for ``queries`` attending to ``keys`` (default:
         the same sequence): the config's, ``"auto"`` resolved by :func:`zoo.nn.resolve_attention`
-        for :data:`PLATFORM`, as ``zoo.nn.attend`` resolves it at trace time. ``positions``
+        for :data:`PLATFORM` of :attr:`compute_capability` (the device profile's), as ``zoo.nn.attend``
+        resolves it at trace time on that GPU. ``positions``
         (default: several layer kinds, whose window the scan selects through positions) marks
         queries and keys with explicit positions (a KV cache).
 
@@ -269,6 +271,7 @@ class Geometry:
             softcap=True if self.softcap else None,
             positions=self.layer_kinds > 1 if positions is None else positions,
             platform=PLATFORM,
+            compute_capability=self.compute_capability,
         )
         return "blockwise" if name == "cudnn" else name
 
@@ -334,9 +337,11 @@ def layer_windows(spec, config=None) -> tuple[int | None, ...]:
     return (spec.layer.sliding_window,) * spec.n_layers
 
 
-def geometry(spec, model, config=None) -> Geometry:
+def geometry(spec, model, config=None, *, compute_capability: float | None = None) -> Geometry:
     """Build a :class:`Geometry` from a :class:`zoo.ModelSpec` and the matching (abstract) model;
-    ``config`` (optional) adds per-layer windows, the attention implementation and the loss chunk."""
+    ``config`` (optional) adds per-layer windows, the attention implementation and the loss chunk;
+    ``compute_capability``, the planned GPU's (its :class:`transforms.DeviceProfile`'s), decides
+    which head widths ``attention="auto"`` resolves to cuDNN for."""
     stored = _stored_bytes(eqx.filter(model, is_arraylike))
     tree = eqx.filter(_dense_view(model), is_arraylike)
     units, _ = stack_units(tree)
@@ -382,6 +387,7 @@ def geometry(spec, model, config=None) -> Geometry:
         attention=getattr(settings, "attention", None) or "xla",
         attention_block=block,
         loss_chunk=getattr(settings, "loss_chunk", None) or 0,
+        compute_capability=compute_capability,
         **stored,
     )
 
