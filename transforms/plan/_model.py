@@ -290,10 +290,16 @@ class Geometry:
         blockwise = self.attention_at(keys if queries is None else queries, keys, positions=positions) == "blockwise"
         return min(keys, self.attention_block) if blockwise else keys
 
-    def logit_rows(self, tokens: int, devices: int = 1) -> int:
-        """Positions whose logits exist at once when the loss runs over ``tokens`` positions (of
-        one device, one of ``devices``)."""
-        chunk = loss_chunk_for(self.loss_chunk, tokens, self.vocab, devices=devices)
+    def logit_rows(self, tokens: int) -> int:
+        """Positions whose logits exist at once on one device when its loss runs over its own
+        ``tokens`` positions (its rows of the batch: the global tokens over the devices the batch
+        is split across).
+
+        On several devices the step runs with the mesh set (``jax.set_mesh``), where
+        :func:`zoo.chunked_cross_entropy` chunks each device's own rows under `jax.shard_map`: a
+        loss chunk (``"auto"`` resolved by :func:`zoo.loss_chunk_for` for one device's tokens, as
+        ``zoo.lm_loss`` resolves it there) holds one chunk of those rows, never the whole batch."""
+        chunk = loss_chunk_for(self.loss_chunk, tokens, self.vocab, devices=1)
         return min(tokens, chunk) if chunk else tokens
 
     def width(self, name: str) -> int:

@@ -222,7 +222,18 @@ def plan(
     rows = ctx.rows(batch, seq)
     chosen = best(rows)
     shown = chosen if chosen is not None else closest(rows)
-    more_notes, env = plan_notes(profile, budgets, shown, clip=clip, global_parts=parts, fsdp=fsdp, batch=batch)
+    tokens = batch // fsdp // accum_steps * seq  # one device's positions in one micro-batch's loss
+    chunk = ctx.geometry.logit_rows(tokens)
+    more_notes, env = plan_notes(
+        profile,
+        budgets,
+        shown,
+        clip=clip,
+        global_parts=parts,
+        fsdp=fsdp,
+        batch=batch,
+        loss_chunk=chunk if chunk < tokens else 0,
+    )
     return Plan(
         model=model.label,
         config=model.config,
