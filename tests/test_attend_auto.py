@@ -49,6 +49,40 @@ def test_auto_resolves_to_cudnn_on_a_gpu_only_where_the_kernel_applies():
     assert nn.resolve_attention("auto", queries=long, keys=long, platform="gpu", softcap=50.0, **SHAPE) == "blockwise"
 
 
+def test_cudnn_head_width_limit_follows_the_gpu_generation():
+    gpu = dict(queries=64, keys=64, platform="gpu", heads=4, dtype=jnp.bfloat16)
+    # Before Hopper (an A100 is 8.0) JAX's cuDNN attention takes heads up to 128 only.
+    assert nn.resolve_attention("auto", head_dim=256, compute_capability=8.0, **gpu) == "xla"
+    assert nn.resolve_attention("auto", head_dim=128, compute_capability=8.0, **gpu) == "cudnn"
+    assert nn.resolve_attention("auto", head_dim=136, compute_capability=8.6, **gpu) == "xla"
+    # From Hopper (H100, H200: 9.0) on, up to 256; never wider.
+    for cc in (9.0, 10.0):
+        assert nn.resolve_attention("auto", head_dim=256, compute_capability=cc, **gpu) == "cudnn"
+        assert nn.resolve_attention("auto", head_dim=264, compute_capability=cc, **gpu) == "xla"
+    # Long sequences that miss cuDNN go blockwise, as for any other reason.
+    long = side(_attend.AUTO_BLOCKWISE_SCORE_BYTES) * 2
+    wide = {**gpu, "queries": long, "keys": long, "head_dim": 256}
+    assert nn.resolve_attention("auto", compute_capability=8.0, **wide) == "blockwise"
+    # An unknown generation allows what every generation takes: 128.
+    assert [_attend.cudnn_max_head_dim(cc) for cc in (None, 7.5, 8.0, 8.9, 9.0, 12.1)] == [128] * 4 + [256] * 2
+    assert _attend._cudnn_problems("gpu", "bfloat16", 128, None, None) == []
+    assert "up to 128 on an unknown GPU" in _attend._cudnn_problems("gpu", "bfloat16", 256, None, None)[0]
+
+
+def test_unknown_capability_defaults_to_the_local_gpus(monkeypatch):
+    gpu = dict(queries=64, keys=64, platform="gpu", heads=4, head_dim=256, dtype=jnp.bfloat16)
+    for local, expected in ((None, "xla"), (8.0, "xla"), (9.0, "cudnn")):
+        monkeypatch.setattr(_attend, "local_compute_capability", lambda local=local: local)
+        assert nn.resolve_attention("auto", **gpu) == expected
+    # Another platform never asks the local GPUs; on this (CPU) backend there are none to ask.
+    assert nn.resolve_attention("auto", **{**gpu, "platform": "cpu"}) == "xla"
+    monkeypatch.undo()
+    if jax.default_backend() != "gpu":
+        assert _attend.local_compute_capability() is None
+    assert _attend._lowest_capability(("9.0", "8.0")) == 8.0
+    assert _attend._lowest_capability(("gfx90a",)) is None
+
+
 def test_auto_with_positions_decoding_over_a_cache_never_picks_cudnn():
     decode = dict(queries=1, keys=4096, positions=True, platform="gpu", **SHAPE)
     assert nn.resolve_attention("auto", **decode) == "xla"
@@ -106,3 +140,37 @@ def test_the_planner_resolves_auto_as_attend_does():
     # bfloat16 on the planner's GPU: cuDNN's fused kernel, counted like blockwise (no score matrix).
     bf16 = cfg.replace(compute_dtype="bfloat16")
     assert _bytes(bf16, 128) == _bytes(bf16.replace(attention="blockwise"), 128)
+
+
+def test_the_planner_resolves_cudnn_by_the_profiles_gpu_generation():
+    # Heads of 256 in bfloat16, full attention, no soft-capping: cuDNN on a Hopper GPU only. (The
+    # Gemma presets with heads of 256 never resolve to cuDNN: soft-capping, or windows per layer.)
+    cfg = zoo.config_from_name("llama:tiny", head_dim=256, compute_dtype="bfloat16", max_seq_len=1024)
+    seq = 512  # short enough for auto to pick xla when cuDNN does not apply
+
+    def planned(cfg, device):
+        plan = transforms.plan(cfg, batch=1, seq=seq, device=device)
+        return next(r for r in plan.rows if r.estimate.candidate == Candidate()).estimate.device_bytes
+
+    blockwise, xla = cfg.replace(attention="blockwise"), cfg.replace(attention="xla")
+    assert planned(xla, "h200") != planned(blockwise, "h200")
+    for device in ("h200", "h100", "gb200"):  # cuDNN, counted like blockwise (no score matrix)
+        assert planned(cfg, device) == planned(blockwise, device)
+    # A100 (8.0): cuDNN refuses heads of 256; auto resolves by length, here to xla.
+    assert planned(cfg, "a100") == planned(xla, "a100") != planned(blockwise, "a100")
+    assert geometry_for(cfg, "a100").attention_at(seq) == "xla"
+    # Heads of 128 still get cuDNN on it; an unknown custom GPU is planned for heads up to 128.
+    assert geometry_for(cfg.replace(head_dim=128), "a100").attention_at(seq) == "blockwise"
+    custom = transforms.custom_device(memory_gb=80, link_gb_s=25, tflops=300)
+    assert geometry_for(cfg, custom).attention_at(seq) == "xla"
+    hopper = transforms.custom_device(memory_gb=80, link_gb_s=25, tflops=300, compute_capability=9.0)
+    assert geometry_for(cfg, hopper).attention_at(seq) == "blockwise"
+
+
+def geometry_for(cfg, device):
+    """The planner's view of ``cfg`` on ``device``, as :func:`transforms.plan` builds it."""
+    from transforms.plan._devices import get_device
+    from transforms.plan._model import geometry, resolve_model
+
+    model = resolve_model(cfg)
+    return geometry(model.spec, model.tree, model.config, compute_capability=get_device(device).compute_capability)

@@ -60,6 +60,8 @@ PUBLIC = [
     zoo.generate,
     zoo.nn.attend,
     zoo.nn.segment_positions,
+    zoo.nn.resolve_attention,
+    zoo.nn.cudnn_max_head_dim,
     zoo.chunked_cross_entropy,
     zoo.loss_chunk_for,
     zoo.nn.SwiGLU,

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=None, help="with --generate: prompt length (default: the context)")
     p.add_argument("--cache-dtype", default=None, help="with --generate: KV cache dtype (default: compute dtype)")
     p.add_argument("--memory-bw-gb-s", type=float, default=None, help="custom device: memory bandwidth GB/s")
+    p.add_argument(
+        "--compute-capability", type=float, default=None, help="custom device: GPU compute capability (e.g. 8.6)"
+    )
     p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)} or 'custom'")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     p.add_argument("--fsdp", type=int, default=1, help="devices along the fsdp mesh axis")
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
                 host_memory_gb=args.host_memory_gb,
                 unified=args.unified,
                 memory_bw_gb_s=args.memory_bw_gb_s,
+                compute_capability=args.compute_capability,
             )
         else:
             device = args.device

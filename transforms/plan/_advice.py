@@ -96,9 +96,18 @@ def candidate_notes(shown: Row, clip: bool) -> list[str]:
 
 
 def plan_notes(
-    profile: DeviceProfile, b: Budgets, shown: Row, *, clip: bool, global_parts: list[str], fsdp: int, batch: int
+    profile: DeviceProfile,
+    b: Budgets,
+    shown: Row,
+    *,
+    clip: bool,
+    global_parts: list[str],
+    fsdp: int,
+    batch: int,
+    loss_chunk: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
-    """Every note of a plan, in the order shown, and the environment it needs."""
+    """Every note of a plan, in the order shown, and the environment it needs (``loss_chunk``: the
+    tokens per loss chunk on one device, 0 when its logits are whole)."""
     notes = budget_notes(profile, b)
     env: dict[str, str] = {}
     if not profile.unified:
@@ -116,6 +125,13 @@ def plan_notes(
             f"fsdp={fsdp}: bytes are per device (weights, gradients and state split {fsdp} ways, "
             f"{batch // fsdp} examples per device); all-gather buffers are counted, collective time is not"
         )
+        if loss_chunk:
+            notes.append(
+                f"the loss is counted {loss_chunk} tokens of each device's own rows at a time: run the step with "
+                "the mesh set (with jax.set_mesh(mesh): ...), where each device chunks its own rows; without it "
+                "the chunks are cut from the whole batch, gathered onto every device, and loss_chunk='auto' keeps "
+                "the logits whole"
+            )
     return notes, env
 
 

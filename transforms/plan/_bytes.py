@@ -87,11 +87,16 @@ float32 log-normaliser per query and head instead of the probabilities (no causa
 the recomputed forward keeps nothing of its blocks, and the backward pass holds one float32 block
 of scores, ``H*S*block*4`` (``block`` = ``config.attention_block`` or the implementation's
 default, 512; on XLA:CPU the gradient of blockwise attention alone needs 0.8x that). With
-``config.loss_chunk`` the loss holds the logits of one chunk of tokens (of the flattened batch;
-``"auto"`` resolved by :func:`zoo.loss_chunk_for`, as ``zoo.lm_loss`` does) instead of all
-``batch * S``. ``"xla"`` is counted as materialising the full score matrix; ``"cudnn"`` (what
-``"auto"`` resolves to on a GPU where the kernel applies) is counted like ``"blockwise"``: the
-planner has no model of the fused kernel, which like blockwise writes no score matrix.
+``config.loss_chunk`` the loss holds the logits of one chunk of tokens instead of all ``batch * S``
+of a device. With ``fsdp`` devices the step is taken to run with the mesh set (``jax.set_mesh``),
+where each device chunks its own ``batch / fsdp`` rows under `jax.shard_map`
+(:func:`zoo.chunked_cross_entropy`): ``"auto"`` is resolved by :func:`zoo.loss_chunk_for` for one
+device's ``(batch / fsdp) * S`` tokens, as ``zoo.lm_loss`` resolves it there, and a device holds
+one chunk of its own rows (without a mesh set the chunks would be cut from the whole batch and
+``"auto"`` would keep the logits whole; the plan's notes say to set it). ``"xla"`` is counted as
+materialising the full score matrix; ``"cudnn"`` (what ``"auto"`` resolves to on a GPU where the
+kernel applies) is counted like ``"blockwise"``: the planner has no model of the fused kernel,
+which like blockwise writes no score matrix.
 
 **Working buffers** (the transient part of each phase's peak):
 
@@ -696,7 +701,7 @@ def device_phases(
     loss["gradients"] = accum_buf + head_grad
     loss["saved activations"] = saved_dev
     loss["other residuals"] = other
-    rows = g.logit_rows(sh.mb * sh.S, sh.fsdp)  # a chunked loss holds one chunk's logits at a time
+    rows = g.logit_rows(sh.mb * sh.S)  # a chunked loss holds one chunk of this device's rows at a time
     loss["logits"] = rows * g.vocab * 4 + rows * g.vocab * (4 + (g.c if g.c != 4 else 0))
     # With weights in host memory the head's weight is fetched again for its gradient.
     loss["working buffers"] = int(gather + (head_grad if cand.params else 0))

@@ -21,6 +21,12 @@ Profiles (per GPU; "link" is per direction, theoretical / typical sustained):
 - ``dgx-spark``: DGX Spark (GB10). 128 GB unified LPDDR5x at 273 GB/s, shared by CPU and GPU: no
   host link, offloading gains no capacity; ~125 BF16, ~62 TF32 (assumption, below).
 
+Compute capability (the GPU generation; it bounds the head width cuDNN's fused attention takes,
+256 from Hopper, 9.0, on and 128 before, see :func:`zoo.nn.cudnn_max_head_dim`): A100 8.0 (Ampere);
+H100, H200 and GH200 9.0 (Hopper); GB200 10.0 (Blackwell); DGX Spark's GB10 12.1 (NVIDIA CUDA GPUs
+compute-capability table). A custom device has none unless given (then cuDNN is planned for heads up
+to 128 only).
+
 Memory bandwidth (device memory, peak, from the same datasheets; it bounds decode speed, see
 ``transforms/plan/_decode.py``): A100 80GB PCIe 1,935 GB/s (HBM2e); H100 SXM 3.35 TB/s (HBM3);
 H200 4.8 TB/s (HBM3e); GH200 96 GB 4 TB/s (HBM3), 144 GB 4.9 TB/s (HBM3e); GB200 8 TB/s per GPU
@@ -91,6 +97,9 @@ class DeviceProfile:
     - `sources`: where the numbers come from.
     - `memory_bytes_per_s`: peak device-memory bandwidth (``None``: unknown; needed to bound
       decode speed in :func:`transforms.plan.plan_generate`).
+    - `compute_capability`: the GPU generation, e.g. ``8.0`` (A100) or ``9.0`` (H100); it decides
+      which head widths ``attention="auto"`` is planned with cuDNN's kernel for (``None``: unknown,
+      heads up to 128; see :func:`zoo.nn.resolve_attention`).
 
     Make a custom one with :func:`custom_device`.
     """
@@ -107,6 +116,7 @@ class DeviceProfile:
     link: str = ""
     sources: tuple[str, ...] = ()
     memory_bytes_per_s: float | int | None = None
+    compute_capability: float | None = None
 
     def __post_init__(self):
         for field in ("memory_bytes", "link_bytes_per_s", "link_peak_bytes_per_s", "flops_bf16", "flops_tf32"):
@@ -120,6 +130,9 @@ class DeviceProfile:
         bw = self.memory_bytes_per_s
         if bw is not None and (not isinstance(bw, int | float) or isinstance(bw, bool) or not bw > 0):
             raise ValueError(f"DeviceProfile.memory_bytes_per_s must be a positive number or None, got {bw!r}")
+        cc = self.compute_capability
+        if cc is not None and (not isinstance(cc, int | float) or isinstance(cc, bool) or not cc > 0):
+            raise ValueError(f"DeviceProfile.compute_capability must be a positive number or None, got {cc!r}")
 
     def flops(self, compute_dtype: str) -> float:
         """Peak dense matmul FLOP/s for activations in ``compute_dtype``."""
@@ -132,7 +145,7 @@ class DeviceProfile:
 _PCIE4 = dict(link="PCIe Gen4 x16", link_bytes_per_s=25 * GB, link_peak_bytes_per_s=32 * GB)
 _PCIE5 = dict(link="PCIe Gen5 x16", link_bytes_per_s=50 * GB, link_peak_bytes_per_s=64 * GB)
 _C2C = dict(link="NVLink-C2C", link_bytes_per_s=380 * GB, link_peak_bytes_per_s=450 * GB)
-_HOPPER = dict(flops_bf16=989e12, flops_tf32=494e12)
+_HOPPER = dict(flops_bf16=989e12, flops_tf32=494e12, compute_capability=9.0)
 
 
 def _dgx(chip: str, description: str, memory_gib: int, memory_gb_s: int, **more) -> DeviceProfile:
@@ -163,7 +176,16 @@ def _grace_hopper(name: str, memory: str, memory_gib: int, memory_gb_s: int) -> 
 
 
 DEVICES: dict[str, DeviceProfile] = {
-    "a100": _dgx("A100", "NVIDIA A100 80GB PCIe", 80, 1935, flops_bf16=312e12, flops_tf32=156e12, **_PCIE4),
+    "a100": _dgx(
+        "A100",
+        "NVIDIA A100 80GB PCIe",
+        80,
+        1935,
+        flops_bf16=312e12,
+        flops_tf32=156e12,
+        compute_capability=8.0,
+        **_PCIE4,
+    ),
     "h100": _dgx("H100", "NVIDIA H100 80GB SXM", 80, 3350, **_HOPPER, **_PCIE5),
     "h200": _dgx("H200", "NVIDIA H200 141GB SXM", 141, 4800, **_HOPPER, **_PCIE5),
     "gh200": _grace_hopper("gh200", "96 GB HBM3", 96, 4000),
@@ -176,6 +198,7 @@ DEVICES: dict[str, DeviceProfile] = {
         flops_bf16=2500e12,
         flops_tf32=1250e12,
         host_memory_bytes=240 * GiB,
+        compute_capability=10.0,
         sources=("NVIDIA GB200 NVL72 datasheet (per GPU: 186 GB HBM3e; 5 PF dense BF16 per 2-GPU superchip)",),
         **_C2C,
     ),
@@ -191,6 +214,7 @@ DEVICES: dict[str, DeviceProfile] = {
         flops_tf32=62.5e12,
         host_memory_bytes=128 * GiB,
         unified=True,
+        compute_capability=12.1,
         sources=("NVIDIA DGX Spark datasheet (1 PFLOP sparse FP4; BF16 rate is an assumption)",),
     ),
 }
@@ -215,6 +239,7 @@ def custom_device(
     unified: bool = False,
     name: str = "custom",
     memory_bw_gb_s: float | int | None = None,
+    compute_capability: float | None = None,
 ) -> DeviceProfile:
     """A device profile from three numbers: memory (GiB), host link per direction (GB/s), peak TFLOP/s.
 
@@ -222,6 +247,8 @@ def custom_device(
     `host_memory_gb` (GiB) bounds what may be offloaded; `unified=True` marks host and device as
     one memory (then the planner recommends no host offload). `memory_bw_gb_s` (GB/s) is the
     device-memory bandwidth, which bounds decode speed (:func:`transforms.plan.plan_generate`).
+    `compute_capability` (e.g. ``8.6``) is the GPU generation, which bounds the head width planned
+    with cuDNN's attention kernel (``None``: unknown, heads up to 128).
 
     **Example:**
 
@@ -250,6 +277,7 @@ def custom_device(
         link="custom link",
         sources=("given by the user",),
         memory_bytes_per_s=None if memory_bw_gb_s is None else memory_bw_gb_s * GB,
+        compute_capability=compute_capability,
     )
 
 

@@ -295,7 +295,7 @@ def plan_generate(
             f"plan_generate: device {profile.name!r} has no memory bandwidth; pass "
             "transforms.custom_device(..., memory_bw_gb_s=...) (or --memory-bw-gb-s)"
         )
-    g = geometry(model.spec, model.tree, model.config)
+    g = geometry(model.spec, model.tree, model.config, compute_capability=profile.compute_capability)
     cache_dtype = cache_dtype or g.compute_dtype
     try:
         cache_itemsize = itemsize(cache_dtype)

@@ -218,6 +218,7 @@ class Geometry:
     attention_block: int = DEFAULT_BLOCK  # keys per block of the "blockwise" implementation
     loss_chunk: int | str = 0  # tokens per loss chunk (0: the whole logits; "auto": zoo.loss_chunk_for)
     frozen_matmuls: bool = False  # every matmul weight of the layers is quantized: no weight gradient
+    compute_capability: float | None = None  # the planned GPU's generation (cuDNN's widest head); None: unknown
 
     @property
     def q(self) -> int:
@@ -251,7 +252,8 @@ class Geometry:
     def attention_at(self, queries: int, keys: int | None = None, *, positions: bool | None = None) -> str:
         """The implementation the byte model counts for ``queries`` attending to ``keys`` (default:
         the same sequence): the config's, ``"auto"`` resolved by :func:`zoo.nn.resolve_attention`
-        for :data:`PLATFORM`, as ``zoo.nn.attend`` resolves it at trace time. ``positions``
+        for :data:`PLATFORM` of :attr:`compute_capability` (the device profile's), as ``zoo.nn.attend``
+        resolves it at trace time on that GPU. ``positions``
         (default: several layer kinds, whose window the scan selects through positions) marks
         queries and keys with explicit positions (a KV cache).
 
@@ -269,6 +271,7 @@ class Geometry:
             softcap=True if self.softcap else None,
             positions=self.layer_kinds > 1 if positions is None else positions,
             platform=PLATFORM,
+            compute_capability=self.compute_capability,
         )
         return "blockwise" if name == "cudnn" else name
 
@@ -287,10 +290,16 @@ class Geometry:
         blockwise = self.attention_at(keys if queries is None else queries, keys, positions=positions) == "blockwise"
         return min(keys, self.attention_block) if blockwise else keys
 
-    def logit_rows(self, tokens: int, devices: int = 1) -> int:
-        """Positions whose logits exist at once when the loss runs over ``tokens`` positions (of
-        one device, one of ``devices``)."""
-        chunk = loss_chunk_for(self.loss_chunk, tokens, self.vocab, devices=devices)
+    def logit_rows(self, tokens: int) -> int:
+        """Positions whose logits exist at once on one device when its loss runs over its own
+        ``tokens`` positions (its rows of the batch: the global tokens over the devices the batch
+        is split across).
+
+        On several devices the step runs with the mesh set (``jax.set_mesh``), where
+        :func:`zoo.chunked_cross_entropy` chunks each device's own rows under `jax.shard_map`: a
+        loss chunk (``"auto"`` resolved by :func:`zoo.loss_chunk_for` for one device's tokens, as
+        ``zoo.lm_loss`` resolves it there) holds one chunk of those rows, never the whole batch."""
+        chunk = loss_chunk_for(self.loss_chunk, tokens, self.vocab, devices=1)
         return min(tokens, chunk) if chunk else tokens
 
     def width(self, name: str) -> int:
@@ -334,9 +343,11 @@ def layer_windows(spec, config=None) -> tuple[int | None, ...]:
     return (spec.layer.sliding_window,) * spec.n_layers
 
 
-def geometry(spec, model, config=None) -> Geometry:
+def geometry(spec, model, config=None, *, compute_capability: float | None = None) -> Geometry:
     """Build a :class:`Geometry` from a :class:`zoo.ModelSpec` and the matching (abstract) model;
-    ``config`` (optional) adds per-layer windows, the attention implementation and the loss chunk."""
+    ``config`` (optional) adds per-layer windows, the attention implementation and the loss chunk;
+    ``compute_capability``, the planned GPU's (its :class:`transforms.DeviceProfile`'s), decides
+    which head widths ``attention="auto"`` resolves to cuDNN for."""
     stored = _stored_bytes(eqx.filter(model, is_arraylike))
     tree = eqx.filter(_dense_view(model), is_arraylike)
     units, _ = stack_units(tree)
@@ -382,6 +393,7 @@ def geometry(spec, model, config=None) -> Geometry:
         attention=getattr(settings, "attention", None) or "xla",
         attention_block=block,
         loss_chunk=getattr(settings, "loss_chunk", None) or 0,
+        compute_capability=compute_capability,
         **stored,
     )
 

@@ -65,7 +65,8 @@ class _Context:
     def with_model(self, model: PlannedModel) -> _Context:
         """The same context for another model (e.g. other dtypes)."""
         opt = optimizer_info(self.optimizer, float_params(model.tree), self.opt.name)
-        return dataclasses.replace(self, model=model, geometry=geometry(model.spec, model.tree, model.config), opt=opt)
+        g = geometry(model.spec, model.tree, model.config, compute_capability=self.device.compute_capability)
+        return dataclasses.replace(self, model=model, geometry=g, opt=opt)
 
     def rows(self, batch: int, seq: int, fsdp: int | None = None) -> list[Row]:
         fsdp = self.fsdp if fsdp is None else fsdp
@@ -205,7 +206,7 @@ def plan(
 
     ctx = _Context(
         model=model,
-        geometry=geometry(model.spec, model.tree, model.config),
+        geometry=geometry(model.spec, model.tree, model.config, compute_capability=profile.compute_capability),
         opt=optimizer_info(optimizer, float_params(model.tree), opt_name),
         optimizer=optimizer,
         device=profile,
@@ -221,7 +222,18 @@ def plan(
     rows = ctx.rows(batch, seq)
     chosen = best(rows)
     shown = chosen if chosen is not None else closest(rows)
-    more_notes, env = plan_notes(profile, budgets, shown, clip=clip, global_parts=parts, fsdp=fsdp, batch=batch)
+    tokens = batch // fsdp // accum_steps * seq  # one device's positions in one micro-batch's loss
+    chunk = ctx.geometry.logit_rows(tokens)
+    more_notes, env = plan_notes(
+        profile,
+        budgets,
+        shown,
+        clip=clip,
+        global_parts=parts,
+        fsdp=fsdp,
+        batch=batch,
+        loss_chunk=chunk if chunk < tokens else 0,
+    )
     return Plan(
         model=model.label,
         config=model.config,

@@ -6,6 +6,8 @@ from ._attend import AUTO_BLOCKWISE_SCORE_BYTES as AUTO_BLOCKWISE_SCORE_BYTES
 from ._attend import DEFAULT_BLOCK as DEFAULT_ATTENTION_BLOCK
 from ._attend import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from ._attend import attend as attend
+from ._attend import cudnn_max_head_dim as cudnn_max_head_dim
+from ._attend import local_compute_capability as local_compute_capability
 from ._attend import resolve_attention as resolve_attention
 from ._attend import segment_positions as segment_positions
 from ._attention import Attention as Attention

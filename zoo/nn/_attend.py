@@ -15,19 +15,23 @@ them (:data:`IMPLEMENTATIONS`):
   `jax.nn.dot_product_attention` (or an explicit softmax where it cannot express the mask).
 - ``"cudnn"``: NVIDIA's fused attention kernel, through ``jax.nn.dot_product_attention(...,
   implementation="cudnn")``: GPU only, bfloat16 or float16, head widths a multiple of 8 up to
-  128 (256 from Hopper on), no soft-capping.
+  128, or up to 256 from Hopper on (compute capability 9.0; JAX refuses more than 128 before),
+  no soft-capping.
 - ``"blockwise"``: the keys ``block`` at a time with an online softmax, in plain JAX on every
   backend, forward and backward in memory that grows with ``queries x block``, not with
   ``queries x keys`` (``zoo/nn/_attend_blockwise.py``).
 - ``"auto"``: resolved at trace time, from static shapes, by :func:`resolve_attention`:
   ``"cudnn"`` on a GPU where the kernel applies (bfloat16/float16, head width a multiple of 8 up
-  to 256, no soft-capping) and queries and keys are one sequence without explicit positions
-  (training; not decoding over a cache, nor a window chosen per layer inside a scan); else
+  to the GPU generation's limit, :func:`cudnn_max_head_dim`, no soft-capping) and queries and keys
+  are one sequence without explicit positions (training; not decoding over a cache, nor a window
+  chosen per layer inside a scan); else
   ``"blockwise"`` when one sequence's float32 scores (``heads x queries x keys x 4`` bytes) exceed
   :data:`AUTO_BLOCKWISE_SCORE_BYTES`; else ``"xla"``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +56,47 @@ AUTO_BLOCKWISE_SCORE_BYTES = 16 * 2**20
 DEFAULT_BLOCK = 512
 
 _CUDNN_DTYPES = ("bfloat16", "float16")
-_CUDNN_MAX_HEAD_DIM = 256  # on Hopper and later; JAX itself refuses more than 128 before them
+#: Widest head the cuDNN kernel takes through JAX: 256 on Hopper (compute capability 9.0) and
+#: later, 128 before (JAX refuses wider heads there, e.g. on an A100, 8.0).
+_CUDNN_MAX_HEAD_DIM = 256
+_CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER = 128
+_HOPPER = 9.0
+
+
+def cudnn_max_head_dim(compute_capability: float | None) -> int:
+    """The widest attention head cuDNN's fused kernel takes on a GPU of ``compute_capability``.
+
+    256 from Hopper on (``compute_capability >= 9.0``: H100, H200, GH200, Blackwell), 128 before
+    (an A100 is 8.0). An unknown capability (``None``) gets 128: it holds on every generation, so a
+    head width the kernel might refuse is never sent to it (wider heads then use ``"xla"`` or
+    ``"blockwise"``, which run everywhere).
+
+    **Example:**
+
+    ```python
+    from zoo.nn import cudnn_max_head_dim
+    cudnn_max_head_dim(8.0), cudnn_max_head_dim(9.0), cudnn_max_head_dim(None)   # (128, 256, 128)
+    ```
+    """
+    if compute_capability is not None and compute_capability >= _HOPPER:
+        return _CUDNN_MAX_HEAD_DIM
+    return _CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER
+
+
+def local_compute_capability() -> float | None:
+    """The compute capability of this process's GPUs, the lowest where they differ (``9.0`` for an
+    H100); ``None`` when JAX's default backend is not a GPU or a device does not say (a ROCm GPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    return _lowest_capability(tuple(str(getattr(d, "compute_capability", "")) for d in jax.local_devices()))
+
+
+@functools.cache
+def _lowest_capability(reported: tuple[str, ...]) -> float | None:
+    try:
+        return min(float(c) for c in reported) if reported else None
+    except ValueError:  # "" or a non-NVIDIA architecture name
+        return None
 
 
 def check_implementation(name: str) -> str:
@@ -73,6 +117,7 @@ def resolve_attention(
     softcap: float | bool | None = None,
     positions: bool = False,
     platform: str | None = None,
+    compute_capability: float | None = None,
 ) -> str:
     """The concrete implementation ``implementation`` stands for: ``"auto"`` resolved, others as given.
 
@@ -81,7 +126,8 @@ def resolve_attention(
 
     1. ``"cudnn"`` when ``platform`` is a GPU, the queries and keys are one sequence without
        explicit ``positions`` and the kernel takes ``dtype``, ``head_dim`` and ``softcap``
-       (bfloat16/float16, a multiple of 8 up to 256, no soft-capping);
+       (bfloat16/float16, a multiple of 8 up to :func:`cudnn_max_head_dim` of the GPU's
+       ``compute_capability``: 256 from Hopper on, 128 before or when unknown; no soft-capping);
     2. else ``"blockwise"`` when the float32 scores, ``heads x queries x keys x 4`` bytes, exceed
        :data:`AUTO_BLOCKWISE_SCORE_BYTES`;
     3. else ``"xla"``.
@@ -97,6 +143,10 @@ def resolve_attention(
       :func:`attend`: decoding or prefilling over a KV cache, or a window chosen per layer
       inside a scan), which the cuDNN kernel does not take.
     - `platform`: ``"cpu"``, ``"gpu"``, ``"tpu"``...; default ``jax.default_backend()``.
+    - `compute_capability`: the GPU's compute capability (``8.0`` for an A100, ``9.0`` for an
+      H100), which bounds the head width cuDNN takes. Default: when `platform` is a GPU and so is
+      JAX's default backend, the local GPUs' (:func:`local_compute_capability`); else unknown,
+      which allows heads up to 128 only. The planner passes its device profile's.
 
     **Example:**
 
@@ -108,6 +158,9 @@ def resolve_attention(
     resolve_attention("auto", queries=32768, keys=32768, platform="cpu", **shape)    # 'blockwise'
     resolve_attention("auto", queries=4096, keys=4096, platform="gpu", **shape)      # 'cudnn'
     resolve_attention("auto", queries=1, keys=4096, positions=True, platform="gpu", **shape)  # 'xla'
+    wide = dict(shape, head_dim=256)   # heads of 256: cuDNN from Hopper (9.0) on, not on an A100 (8.0)
+    resolve_attention("auto", queries=4096, keys=4096, platform="gpu", compute_capability=9.0, **wide)  # 'cudnn'
+    resolve_attention("auto", queries=4096, keys=4096, platform="gpu", compute_capability=8.0, **wide)  # 'blockwise'
     resolve_attention("blockwise", queries=8, keys=8, **shape)                       # 'blockwise'
     ```
     """
@@ -115,7 +168,9 @@ def resolve_attention(
     if implementation != "auto":
         return implementation
     platform = jax.default_backend() if platform is None else platform
-    if not positions and not _cudnn_problems(platform, jnp.dtype(dtype).name, head_dim, softcap):
+    if compute_capability is None and _is_gpu(platform):
+        compute_capability = local_compute_capability()
+    if not positions and not _cudnn_problems(platform, jnp.dtype(dtype).name, head_dim, softcap, compute_capability):
         return "cudnn"
     if heads * queries * keys * 4 > AUTO_BLOCKWISE_SCORE_BYTES:
         return "blockwise"
@@ -282,15 +337,24 @@ def _check_segments(segment_ids, n_q: int, n_k: int) -> None:
         )
 
 
-def _cudnn_problems(platform: str, dtype: str, head_dim: int, softcap) -> list[str]:
-    """What the cuDNN kernel cannot do with these inputs on ``platform`` (empty: it applies)."""
+def _is_gpu(platform: str) -> bool:
+    return platform in ("gpu", "cuda")
+
+
+def _cudnn_problems(
+    platform: str, dtype: str, head_dim: int, softcap, compute_capability: float | None = None
+) -> list[str]:
+    """What the cuDNN kernel cannot do with these inputs on ``platform`` (empty: it applies), on a
+    GPU of ``compute_capability`` (``None``: unknown, see :func:`cudnn_max_head_dim`)."""
     problems = []
-    if platform not in ("gpu", "cuda"):
+    if not _is_gpu(platform):
         problems.append(f"it runs on NVIDIA GPUs, and this platform is {platform!r}")
     if dtype not in _CUDNN_DTYPES:
         problems.append(f"it takes {' or '.join(_CUDNN_DTYPES)}, and the queries are {dtype}")
-    if head_dim > _CUDNN_MAX_HEAD_DIM or head_dim % 8:
-        problems.append(f"it takes head widths that are multiples of 8 up to {_CUDNN_MAX_HEAD_DIM}, got {head_dim}")
+    widest = cudnn_max_head_dim(compute_capability)
+    if head_dim > widest or head_dim % 8:
+        on = "an unknown GPU" if compute_capability is None else f"compute capability {compute_capability:g}"
+        problems.append(f"it takes head widths that are multiples of 8 up to {widest} on {on}, got {head_dim}")
     if softcap is not None:
         problems.append("it has no score soft-capping (softcap)")
     return problems
@@ -298,7 +362,7 @@ def _cudnn_problems(platform: str, dtype: str, head_dim: int, softcap) -> list[s
 
 def _check_cudnn(q, softcap) -> None:
     """A `ValueError` naming what the cuDNN kernel cannot do with these inputs on this platform."""
-    problems = _cudnn_problems(jax.default_backend(), q.dtype.name, q.shape[-1], softcap)
+    problems = _cudnn_problems(jax.default_backend(), q.dtype.name, q.shape[-1], softcap, local_compute_capability())
     if problems:
         raise ValueError(
             "attention implementation 'cudnn' cannot be used here: "
