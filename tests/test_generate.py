@@ -277,7 +277,7 @@ def _whole_cache_ops(hlo: str, shape: tuple) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma2", "mixtral"])
 def test_a_decoding_step_writes_one_slot_in_place_and_never_copies_the_cache(family):
     """The optimized program of one step holds no copy, transpose, scatter or select of a whole
     stacked cache: each layer writes its new slot into the donated cache in place."""
