@@ -62,6 +62,7 @@ PUBLIC = [
     zoo.nn.segment_positions,
     zoo.nn.resolve_attention,
     zoo.nn.cudnn_max_head_dim,
+    zoo.nn.cache_axes,
     zoo.chunked_cross_entropy,
     zoo.loss_chunk_for,
     zoo.nn.SwiGLU,
