@@ -76,6 +76,9 @@ def test_greedy_equals_rerunning_the_whole_sequence_and_a_batch_equals_each_prom
     prompts = [jnp.arange(3, 10), jnp.array([5]), jnp.arange(40, 60)]
     batch = zoo.generate(llama, prompts, max_new_tokens=5)
     assert isinstance(batch, list) and len(batch) == 3
+    unrolled = zoo.generate(zoo.nn.with_scan(llama, False), prompts, max_new_tokens=5)  # one cache per layer
+    for a, b in zip(unrolled, batch, strict=True):
+        np.testing.assert_array_equal(a, b)
     for prompt, got in zip(prompts, batch, strict=True):
         alone = zoo.generate(llama, prompt, max_new_tokens=5)
         np.testing.assert_array_equal(got, alone)
@@ -277,17 +280,22 @@ def _whole_cache_ops(hlo: str, shape: tuple) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma2", "mixtral"])
-def test_a_decoding_step_writes_one_slot_in_place_and_never_copies_the_cache(family):
+@pytest.mark.parametrize(
+    "family, scan",
+    [("llama", True), ("gemma3", True), ("gemma2", True), ("mixtral", True), ("llama", False), ("gemma3", False)],
+)
+def test_a_decoding_step_writes_one_slot_in_place_and_never_copies_the_cache(family, scan):
     """The optimized program of one step holds no copy, transpose, scatter or select of a whole
-    stacked cache: each layer writes its new slot into the donated cache in place."""
-    cfg = zoo.config_from_name(f"{family}:tiny", n_layers=4)
+    cache (stacked, or one per layer when the layers run as a Python loop): each layer writes its
+    new slot into the donated cache in place."""
+    cfg = zoo.config_from_name(f"{family}:tiny", n_layers=4, scan_layers=scan)
     model = zoo.build_model(cfg, key=jax.random.key(0))
     step, args = _generate.decode_step(model, batch=3, slots=48, dtype=jnp.float32)
     compiled = step.lower(*args).compile()
     hlo = compiled.as_text()
     shapes = {tuple(c.shape) for c in jax.tree.leaves(args[1]) if c.ndim >= 4}
-    assert shapes and all(s[0] == 3 for s in shapes)  # (batch, layers, kv_heads, slots, head_dim)
+    assert shapes and all(s[0] == 3 for s in shapes)  # (batch, [layers,] kv_heads, slots, head_dim)
+    assert isinstance(args[1], tuple) != scan  # one cache per layer when the layers are a Python loop
     for shape in shapes:
         assert _whole_cache_ops(hlo, shape) == [], shape
     n_cache = len([c for c in jax.tree.leaves(args[1]) if c.ndim >= 2])

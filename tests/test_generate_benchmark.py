@@ -39,7 +39,9 @@ def test_bad_options_are_refused():
 
 def test_step_bytes_counts_every_weight_at_least_once_and_the_ideal_from_the_shapes(models):
     model, _ = models
-    got = generate_cpu.step_bytes(model, batch=2, prompt=9, new=5)
+    got = generate_cpu.step_bytes(model, batch=2, prompt=9, new=5, layer_by_layer=False)
+    unrolled = generate_cpu.step_bytes(model, batch=2, prompt=9, new=5, layer_by_layer=True)
+    assert unrolled["ideal_bytes"] == got["ideal_bytes"] and unrolled["bytes_accessed"] < got["bytes_accessed"]
     c = model.config
     per_position = 2 * 2 * c.n_layers * c.n_kv_heads * (c.d_model // c.n_heads) * 4  # k and v, batch 2, float32
     assert got["ideal_cache_bytes"] == per_position * (9 + 5 // 2)

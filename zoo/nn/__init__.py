@@ -25,6 +25,7 @@ from ._kv_cache import CacheLayer as CacheLayer
 from ._kv_cache import KVCache as KVCache
 from ._kv_cache import LayeredKVCache as LayeredKVCache
 from ._kv_cache import cache_axes as cache_axes
+from ._kv_cache import per_layer as per_layer
 from ._linear import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._lora import LoRALinear as LoRALinear

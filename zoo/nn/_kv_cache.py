@@ -106,6 +106,19 @@ def cache_axes(cache, axis: int):
     )
 
 
+def per_layer(cache) -> tuple[KVCache, ...]:
+    """The stacked caches of a :class:`zoo.nn.Stack` (a :class:`KVCache` with a layer axis, or a
+    :class:`LayeredKVCache`) as one :class:`KVCache` per layer, in layer order: what
+    :meth:`zoo.nn.Stack.decode` runs with a Python loop, each layer reading and writing its own
+    buffers (no slice of a stacked cache is copied out before the attention's matmuls)."""
+    if isinstance(cache, LayeredKVCache):
+        flags, index = (np.asarray(a) for a in cache.layer_index())
+        groups = (cache.full, cache.windowed)
+        return tuple(jax.tree.map(lambda a, i=int(i): a[i], groups[int(f)]) for f, i in zip(flags, index, strict=True))
+    n = cache.pos.shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], cache) for i in range(n))
+
+
 def to_host(cache):
     """``cache`` (any pytree of caches) with its keys, values and positions in host memory
     (``pinned_host``); the token counts, read by every step, stay on the device."""

@@ -227,6 +227,13 @@ class Stack(AxisNamed):
         if isinstance(cache, LayeredKVCache):
             return _decode_layered(self, x, cache, kwargs)
         arrays, static = eqx.partition(self.layers, eqx.is_array)
+        if isinstance(cache, tuple):  # one cache per layer: a Python loop, each layer its own buffers
+            out = []
+            for i, mine in enumerate(cache):
+                with jax.named_scope("layer"):
+                    x, mine = eqx.combine(jax.tree.map(lambda a, i=i: a[i], arrays), static).decode(x, mine, **kwargs)
+                out.append(mine)
+            return x, tuple(out)
         weights_on_host = any_on_host(arrays)
         if any_on_host(cache):
             return _decode_host_cache(self, x, cache, kwargs)
