@@ -63,6 +63,7 @@ PUBLIC = [
     zoo.nn.resolve_attention,
     zoo.nn.cudnn_max_head_dim,
     zoo.nn.cache_axes,
+    zoo.nn.per_layer,
     zoo.chunked_cross_entropy,
     zoo.loss_chunk_for,
     zoo.nn.SwiGLU,

@@ -208,6 +208,18 @@ def test_offloaded_weights_and_a_host_cache_give_the_same_tokens(llama):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "qwen3-moe", "mixtral", "gemma2", "olmo2", "phi3"])
+def test_every_family_generates_the_same_tokens_from_host_weights_and_a_host_cache(family):
+    """(Llama and Gemma 3 are covered above.) Prompts of two lengths, past Gemma 2's window."""
+    cfg = zoo.config_from_name(f"{family}:tiny", n_layers=2)
+    model = zoo.build_model(cfg, key=jax.random.key(3))
+    prompts = [jnp.arange(1, 12), jnp.arange(5, 9)]
+    plain = zoo.generate(model, prompts, max_new_tokens=3)
+    host = zoo.generate(transforms.offload_params(model), prompts, max_new_tokens=3, cache_memory_kind="pinned_host")
+    for a, b in zip(host, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _decode_step(model, cache_on_host: bool):
     """One decoding step of a batch of 2 as a jittable function of (weights, cache, token, position)."""
     params, static = eqx.partition(model, eqx.is_array)

@@ -136,10 +136,11 @@ def _layer_by_layer(model, memory_kind) -> bool:
     """Whether the caches are kept one per layer (:func:`zoo.nn.per_layer`): when the model runs
     its layers with a Python loop (``scan_layers=False``; :func:`zoo.nn.with_scan`), with caches
     and weights on the device. Each layer's matmuls then read its own cache in place, where a scan
-    copies each layer's slice out of the stacked cache first (about 1.3x the decode tokens/s at
-    batch 8 and 2,000-token prompts on 2 CPU cores), at a compilation time that grows with the
-    depth (about 6x a scan's at 32 layers). Host-resident caches or weights keep the scan, which
-    moves them one layer at a time."""
+    copies each layer's slice out of the stacked cache first: 1.27x the decode tokens/s at batch 8
+    and 2,000-token prompts on 2 CPU cores, but 0.6x at batch 1, where the weights dominate and
+    their static slices cost more than the scan's (``benchmarks/generate_cpu.py``), at a
+    compilation time that grows with the depth (about 6x a scan's at 32 layers). Host-resident
+    caches or weights keep the scan, which moves them one layer at a time."""
     stack = getattr(model, "stack", None)
     if stack is None or stack.scan or memory_kind == "pinned_host":
         return False
@@ -253,8 +254,8 @@ def generate(
     (:func:`transforms.offload_params`): each layer's weights are copied to the device as the
     layer runs. See the module docstring for how the work is compiled. A model whose layers run
     as a Python loop (``zoo.nn.with_scan(model, False)``) keeps one cache per layer and decodes
-    faster where the cache is large (each layer reads its own in place), at a compilation time
-    that grows with the depth.
+    faster where the cache outweighs the weights (long prompts, large batches: each layer reads
+    its own cache in place), slower at batch 1, at a compilation time that grows with the depth.
 
     **Arguments:**
 

@@ -110,7 +110,17 @@ def per_layer(cache) -> tuple[KVCache, ...]:
     """The stacked caches of a :class:`zoo.nn.Stack` (a :class:`KVCache` with a layer axis, or a
     :class:`LayeredKVCache`) as one :class:`KVCache` per layer, in layer order: what
     :meth:`zoo.nn.Stack.decode` runs with a Python loop, each layer reading and writing its own
-    buffers (no slice of a stacked cache is copied out before the attention's matmuls)."""
+    buffers (no slice of a stacked cache is copied out before the attention's matmuls).
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    caches = zoo.nn.per_layer(model.init_cache(16))            # a tuple, one KVCache per layer
+    logits, caches = model.decode(jnp.array([1, 2, 3]), jnp.arange(3), caches)
+    ```
+    """
     if isinstance(cache, LayeredKVCache):
         flags, index = (np.asarray(a) for a in cache.layer_index())
         groups = (cache.full, cache.windowed)
