@@ -216,10 +216,8 @@ def step_bytes(model, batch: int, prompt: int, new: int, *, layer_by_layer: bool
     cache as filled halfway through the new tokens once, the new slot written. With stacked
     caches (``layer_by_layer=False``) the step reads each layer's slices as the scan does, but at
     static indices, so that the analysis counts every layer."""
-    from zoo import _generate
-
-    slots = _generate._bucket(_generate._bucket(prompt, 16) + new - 1, 16)  # as generate sizes it
-    step, args = _generate.decode_step(
+    _, slots = zoo.generate_slots(prompt, new)  # as generate sizes it
+    step, args = zoo.decode_step(
         zoo.nn.with_scan(model, False), batch=batch, slots=slots, layer_by_layer=layer_by_layer
     )
     cost = step.lower(*args).compile().cost_analysis()

@@ -58,6 +58,8 @@ PUBLIC = [
     transforms.plan,
     transforms.plan_generate,
     zoo.generate,
+    zoo.generate_slots,
+    zoo.decode_step,
     zoo.nn.attend,
     zoo.nn.segment_positions,
     zoo.nn.resolve_attention,

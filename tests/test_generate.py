@@ -208,9 +208,10 @@ def test_offloaded_weights_and_a_host_cache_give_the_same_tokens(llama):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3", "qwen3-moe", "mixtral", "gemma2", "olmo2", "phi3"])
-def test_every_family_generates_the_same_tokens_from_host_weights_and_a_host_cache(family):
-    """(Llama and Gemma 3 are covered above.) Prompts of two lengths, past Gemma 2's window."""
+@pytest.mark.parametrize("family", ["gpt2", "qwen3-moe", "gemma2"])
+def test_other_families_generate_the_same_tokens_from_host_weights_and_a_host_cache(family):
+    """Learned positions, experts, soft-capping with alternating windows (Llama and Gemma 3 are
+    covered above; the others share Llama's decode path). Prompts of two lengths."""
     cfg = zoo.config_from_name(f"{family}:tiny", n_layers=2)
     model = zoo.build_model(cfg, key=jax.random.key(3))
     prompts = [jnp.arange(1, 12), jnp.arange(5, 9)]
@@ -302,7 +303,7 @@ def test_a_decoding_step_writes_one_slot_in_place_and_never_copies_the_cache(fam
     new slot into the donated cache in place."""
     cfg = zoo.config_from_name(f"{family}:tiny", n_layers=4, scan_layers=scan)
     model = zoo.build_model(cfg, key=jax.random.key(0))
-    step, args = _generate.decode_step(model, batch=3, slots=48, dtype=jnp.float32)
+    step, args = zoo.decode_step(model, batch=3, slots=48, dtype=jnp.float32)
     compiled = step.lower(*args).compile()
     hlo = compiled.as_text()
     shapes = {tuple(c.shape) for c in jax.tree.leaves(args[1]) if c.ndim >= 4}

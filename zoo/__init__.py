@@ -28,7 +28,9 @@ from ._gemma import Gemma2 as Gemma2
 from ._gemma import Gemma2Config as Gemma2Config
 from ._gemma import Gemma3 as Gemma3
 from ._gemma import Gemma3Config as Gemma3Config
+from ._generate import decode_step as decode_step
 from ._generate import generate as generate
+from ._generate import generate_slots as generate_slots
 from ._gpt2 import GPT2 as GPT2
 from ._jax_compat import memory_analysis as memory_analysis
 from ._llama import Llama as Llama

@@ -117,6 +117,24 @@ def _split(key):
     return key, sub
 
 
+def generate_slots(longest_prompt: int, max_new_tokens: int) -> tuple[int, int]:
+    """``(prompt_width, cache_slots)`` that :func:`generate` uses for prompts of up to
+    ``longest_prompt`` tokens and ``max_new_tokens`` new ones: the prompts padded on the left to
+    ``prompt_width``, and caches of ``cache_slots`` (sliding-window layers keep at most their window),
+    each rounded up to a bucket (sixteen per doubling). Programs compile once per bucket.
+
+    **Example:**
+
+    ```python
+    import zoo
+    zoo.generate_slots(2000, 128)   # (2048, 2304): 2,048 + 127 slots needed, the bucket above
+    zoo.generate_slots(5, 3)        # (16, 32)
+    ```
+    """
+    width = _bucket(longest_prompt, 16)
+    return width, _bucket(width + max_new_tokens - 1, 16)  # the last new token is never fed back
+
+
 def _cache_axis(memory_kind) -> int:
     """Where the batch sits in the stacked caches: first on the device (the caches ride whole in
     the layer scan's carry, which `jax.vmap` batches on axis 0), after the layer axis in host
@@ -211,11 +229,24 @@ def _decode(
 def decode_step(
     model, *, batch: int, slots: int, dtype=None, memory_kind: str | None = None, layer_by_layer: bool | None = None
 ):
-    """One decoding step of ``generate``'s loop as its own program, for analysis: ``(step, args)``
-    where ``step`` (jitted, the caches donated) maps ``(model, caches, tokens, positions)`` to
-    ``(logits, caches)`` for ``batch`` sequences and ``slots`` cache slots, and ``args`` are
-    example arguments (empty caches). ``layer_by_layer``: caches one per layer, or stacked
-    (default: as ``generate`` keeps them for this model)."""
+    """One decoding step of :func:`generate`'s loop as its own program, for analysis (its
+    compiled HLO, XLA's cost analysis): ``(step, args)`` where ``step`` (jitted, the caches
+    donated) maps ``(model, caches, tokens, positions)`` to ``(logits, caches)`` for ``batch``
+    sequences and ``slots`` cache slots (see :func:`generate_slots`), and ``args`` are example
+    arguments (empty caches). ``memory_kind``: that of the caches (``"pinned_host"`` or the
+    device); ``layer_by_layer``: caches one per layer, or stacked (default: as ``generate`` keeps
+    them for this model).
+
+    **Example:**
+
+    ```python
+    import jax, zoo
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    step, args = zoo.decode_step(model, batch=2, slots=32)
+    cost = step.lower(*args).compile().cost_analysis()   # a while loop's body counts once
+    logits, caches = step(*args)                          # (2, 1, vocab)
+    ```
+    """
     dtype = model.config.compute_jnp_dtype if dtype is None else jnp.dtype(dtype)
     cache = _batched_cache(model, batch, slots, dtype, memory_kind, layer_by_layer)
 
@@ -300,8 +331,7 @@ def generate(
             "new tokens"
         )
     batch = _bucket(len(prompts), 1)
-    width = _bucket(longest, 16)
-    slots = _bucket(width + max_new_tokens - 1, 16)  # the last new token is never fed back
+    width, slots = generate_slots(longest, max_new_tokens)
     tokens = np.zeros((batch, width), np.int32)
     positions = np.full((batch, width), -1, np.int32)
     lengths = np.ones((batch,), np.int32)
