@@ -82,6 +82,11 @@ def cache_slots(length: int, window: int | None) -> int:
     return length if window is None else min(length, window)
 
 
+def _is_count(path) -> bool:
+    """Whether a leaf's tree path ends at a cache's token count (``length``)."""
+    return getattr(path[-1], "name", None) == "length"
+
+
 def cache_axes(cache, axis: int):
     """The `jax.vmap` axes of a batch of ``cache`` (any pytree of caches) whose arrays carry the
     batch at ``axis``: ``axis`` for keys, values and positions, ``None`` for the token counts,
@@ -101,9 +106,7 @@ def cache_axes(cache, axis: int):
     logits, batch = step(tokens, positions, batch)    # the first prompt padded on the left
     ```
     """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: None if getattr(path[-1], "name", None) == "length" else axis, cache
-    )
+    return jax.tree_util.tree_map_with_path(lambda path, _: None if _is_count(path) else axis, cache)
 
 
 def per_layer(cache) -> tuple[KVCache, ...]:
@@ -133,9 +136,7 @@ def to_host(cache):
     """``cache`` (any pytree of caches) with its keys, values and positions in host memory
     (``pinned_host``); the token counts, read by every step, stay on the device."""
     host = jax.memory.Space.Host
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: a if getattr(path[-1], "name", None) == "length" else jax.device_put(a, host), cache
-    )
+    return jax.tree_util.tree_map_with_path(lambda path, a: a if _is_count(path) else jax.device_put(a, host), cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +207,28 @@ def write(cache: KVCache, k, v, positions: Int[Array, " t"]) -> KVCache:
     return KVCache(merge(cache.k, k, 1), merge(cache.v, v, 1), merge(cache.pos, positions, 0), length + t)
 
 
+def _write_slot(stacked: KVCache, i, k, v, positions, mine=None) -> KVCache:
+    """``stacked`` with one new token's key and value ``(1, kv_heads, dim)`` at ``positions`` written
+    in place to layer ``i``'s next slot; with ``mine`` (a traced bool) false, that slot is written
+    back unchanged and the count stays (so a branchless caller touches no other slot)."""
+    slot = stacked.length[i] % stacked.slots
+    k, v = jnp.swapaxes(k, 0, 1)[None], jnp.swapaxes(v, 0, 1)[None]  # (1, kv_heads, 1, dim)
+
+    def one(buffer, new, *start):
+        new = new.astype(buffer.dtype)
+        if mine is not None:
+            new = jnp.where(mine, new, jax.lax.dynamic_slice(buffer, start, new.shape))
+        return put(buffer, new, *start)
+
+    fields = (
+        one(stacked.k, k, i, 0, slot, 0),
+        one(stacked.v, v, i, 0, slot, 0),
+        one(stacked.pos, positions[None], i, slot),
+        stacked.length.at[i].add(1 if mine is None else mine.astype(jnp.int32)),
+    )  # a stacked cache: its arrays have a layer axis the field shapes do not name
+    return eqx.tree_at(lambda c: (c.k, c.v, c.pos, c.length), stacked, fields)
+
+
 class CacheLayer(eqx.Module):
     """Layer ``index`` of a stacked :class:`KVCache`, read and written in place: what each layer
     of a :class:`zoo.nn.Stack` decodes through while the whole stacked cache rides in the scan's
@@ -228,20 +251,10 @@ class CacheLayer(eqx.Module):
             mine = write(self.layer(), k, v, positions)
             new = jax.tree.map(lambda a, m: put(a, m[None], i, *([0] * m.ndim)), stacked, mine)
             return CacheLayer(new, i)
-        slot = stacked.length[i] % self.slots
-        k = jnp.swapaxes(k, 0, 1)[None]  # (1, kv_heads, 1, dim)
-        v = jnp.swapaxes(v, 0, 1)[None]
-        fields = (
-            put(stacked.k, k, i, 0, slot, 0),
-            put(stacked.v, v, i, 0, slot, 0),
-            put(stacked.pos, positions[None], i, slot),
-            stacked.length.at[i].add(1),
-        )  # a stacked cache: its arrays have a layer axis the field shapes do not name
-        return CacheLayer(eqx.tree_at(lambda c: (c.k, c.v, c.pos, c.length), stacked, fields), i)
+        return CacheLayer(_write_slot(stacked, i, k, v, positions), i)
 
     def read(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False)
-        return take(self.stacked.k), take(self.stacked.v), take(self.stacked.pos)
+        return self.layer().read()
 
     def written(self) -> jax.Array:
         return self.stacked.length[self.index]
@@ -265,23 +278,10 @@ class LayeredCacheLayer(eqx.Module):
     def write(self, k, v, positions) -> LayeredCacheLayer:
         if positions.shape[0] != 1:
             raise ValueError("LayeredCacheLayer takes one token at a time; prompts go through lax.cond")
-        k, v = jnp.swapaxes(k, 0, 1)[None], jnp.swapaxes(v, 0, 1)[None]  # (1, kv_heads, 1, dim)
 
         def written(group: KVCache, mine) -> KVCache:
             i = jnp.minimum(self.index, group.pos.shape[0] - 1)  # a valid index in either group
-            slot = group.length[i] % group.pos.shape[-1]
-
-            def one(buffer, new, *start):
-                old = jax.lax.dynamic_slice(buffer, start, new.shape)
-                return put(buffer, jnp.where(mine, new.astype(buffer.dtype), old), *start)
-
-            fields = (
-                one(group.k, k, i, 0, slot, 0),
-                one(group.v, v, i, 0, slot, 0),
-                one(group.pos, positions[None], i, slot),
-                group.length.at[i].add(mine.astype(jnp.int32)),
-            )
-            return eqx.tree_at(lambda c: (c.k, c.v, c.pos, c.length), group, fields)
+            return _write_slot(group, i, k, v, positions, mine)
 
         flag = self.in_windowed
         return LayeredCacheLayer(written(self.windowed, flag), written(self.full, ~flag), flag, self.index)

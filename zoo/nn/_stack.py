@@ -262,6 +262,15 @@ class Stack(AxisNamed):
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
 
+def _decode_moved(layer, h, layer_cache, homes, kwargs):
+    """``layer.decode`` through one layer's cache, its host-resident leaves (``homes``) brought to
+    the device first and the updated ones sent back."""
+    layer_cache = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, layer_cache, homes)
+    with jax.named_scope("layer"):
+        h, layer_cache = layer.decode(h, layer_cache, **kwargs)
+    return h, jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, layer_cache, homes)
+
+
 def _decode_host_cache(stack: Stack, x, cache: KVCache, kwargs):
     """:meth:`Stack.decode` with caches in host memory: the caches are scanned with the weights,
     each layer's brought to the device, decoded through and sent back."""
@@ -269,11 +278,7 @@ def _decode_host_cache(stack: Stack, x, cache: KVCache, kwargs):
     homes = jax.tree.map(on_host, cache)
 
     def run(h, layer_arrays, layer_cache):
-        layer = eqx.combine(layer_arrays, static)
-        layer_cache = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, layer_cache, homes)
-        with jax.named_scope("layer"):
-            h, layer_cache = layer.decode(h, layer_cache, **kwargs)
-        return h, jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, layer_cache, homes)
+        return _decode_moved(eqx.combine(layer_arrays, static), h, layer_cache, homes, kwargs)
 
     if any_on_host(arrays):
         return prefetch_scan(run, x, arrays, cache, length=stack.n_layers)
@@ -304,12 +309,8 @@ def _decode_layered(stack: Stack, x, cache: LayeredKVCache, kwargs):
             group = groups[0] if windowed else groups[1]
             layer = eqx.combine(layer_arrays, static)
             if on_host_groups:  # move this layer's slice in and back out
-                home = jax.tree.map(on_host, group)
                 mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), group)
-                mine = jax.tree.map(lambda a, host: jax.device_put(a, _DEVICE) if host else a, mine, home)
-                with jax.named_scope("layer"):
-                    h, mine = layer.decode(h, mine, **kwargs)
-                mine = jax.tree.map(lambda a, host: jax.device_put(a, _HOST) if host else a, mine, home)
+                h, mine = _decode_moved(layer, h, mine, jax.tree.map(on_host, group), kwargs)
                 group = jax.tree.map(lambda a, m: jax.lax.dynamic_update_index_in_dim(a, m, i, 0), group, mine)
             else:
                 with jax.named_scope("layer"):
