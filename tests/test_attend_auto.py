@@ -173,4 +173,4 @@ def geometry_for(cfg, device):
     from transforms.plan._model import geometry, resolve_model
 
     model = resolve_model(cfg)
-    return geometry(model.spec, model.tree, model.config, compute_capability=get_device(device).compute_capability)
+    return geometry(model.spec, model.tree, model.config, device=get_device(device))

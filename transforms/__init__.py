@@ -45,5 +45,7 @@ from .plan import GeneratePlan as GeneratePlan
 from .plan import Plan as Plan
 from .plan import compiled_memory as compiled_memory
 from .plan import custom_device as custom_device
+from .plan import detect_device as detect_device
 from .plan import plan as plan  # the function (the subpackage stays importable as transforms.plan)
 from .plan import plan_generate as plan_generate
+from .plan import profile_for_kind as profile_for_kind

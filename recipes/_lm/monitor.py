@@ -14,15 +14,10 @@ import transforms
 
 
 def peak_flops(compute_dtype: str) -> float | None:
-    """Dense peak FLOP/s of one local device if it matches a planner profile (``None`` on CPU)."""
-    device = jax.local_devices()[0]
-    if device.platform == "cpu":
-        return None
-    kind = device.device_kind.lower().replace(" ", "")
-    for name, profile in transforms.DEVICE_PROFILES.items():
-        if name.replace("-", "") in kind or kind in profile.description.lower().replace(" ", ""):
-            return float(profile.flops(compute_dtype))
-    return None
+    """Dense peak FLOP/s of one local device from its planner profile (``transforms.profile_for_kind``
+    of its ``device_kind``); ``None`` on the CPU or a device with no profile."""
+    profile = transforms.profile_for_kind(jax.local_devices()[0].device_kind)
+    return None if profile is None else float(profile.flops(compute_dtype))
 
 
 def memory_in_use() -> tuple[str, int]:

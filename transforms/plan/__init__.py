@@ -25,6 +25,8 @@ from ._devices import ALIASES as ALIASES
 from ._devices import DEVICES as DEVICES
 from ._devices import DeviceProfile as DeviceProfile
 from ._devices import custom_device as custom_device
+from ._devices import detect_device as detect_device
+from ._devices import profile_for_kind as profile_for_kind
 from ._generate import GeneratePlan as GeneratePlan
 from ._generate import plan_generate as plan_generate
 from ._result import Plan as Plan

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compute-capability", type=float, default=None, help="custom device: GPU compute capability (e.g. 8.6)"
     )
-    p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)} or 'custom'")
+    devices = f"one of {sorted(DEVICES)}, 'auto' (the running device) or 'custom'"
+    p.add_argument("--device", default="h100", help=devices)
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     p.add_argument("--fsdp", type=int, default=1, help="devices along the fsdp mesh axis")
     p.add_argument("--accum-steps", type=int, default=1)

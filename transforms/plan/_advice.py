@@ -29,9 +29,12 @@ class Budgets:
 
 def budget_notes(profile: DeviceProfile, b: Budgets) -> list[str]:
     """The device budget, and the host memory (or why there is none to offload to)."""
+    if profile.platform == "tpu":
+        why = "the TPU runtime's usable share"
+    else:
+        why = "XLA_PYTHON_CLIENT_MEM_FRACTION" if b.fraction_set else "JAX preallocates 75% by default"
     notes = [
-        f"device budget: {format_bytes(profile.memory_bytes)} x {b.fraction:.2f} "
-        f"({'XLA_PYTHON_CLIENT_MEM_FRACTION' if b.fraction_set else 'JAX preallocates 75% by default'}) "
+        f"device budget: {format_bytes(profile.memory_bytes)} x {b.fraction:.2f} ({why}) "
         f"x (1 - {b.margin:.2f} margin) = {format_bytes(b.device_budget)} per device"
     ]
     if profile.unified:
@@ -110,7 +113,7 @@ def plan_notes(
     tokens per loss chunk on one device, 0 when its logits are whole)."""
     notes = budget_notes(profile, b)
     env: dict[str, str] = {}
-    if not profile.unified:
+    if not profile.unified and profile.platform == "gpu":  # the pool is the XLA GPU client's
         pinned, env = pinned_host_note(b, shown.estimate.host_bytes)
         notes += pinned
     notes += candidate_notes(shown, clip)

@@ -21,6 +21,27 @@ Profiles (per GPU; "link" is per direction, theoretical / typical sustained):
 - ``dgx-spark``: DGX Spark (GB10). 128 GB unified LPDDR5x at 273 GB/s, shared by CPU and GPU: no
   host link, offloading gains no capacity; ~125 BF16, ~62 TF32 (assumption, below).
 
+TPU profiles (per chip; Google Cloud TPU documentation, "TPU v4", "TPU v5e", "TPU v5p" and "TPU
+v6e" pages: HBM capacity and bandwidth, peak bf16 TFLOP/s; host memory per chip from the smallest
+machine type of each, e.g. ``ct5lp-hightpu-1t``: 1 chip, 48 GB):
+
+- ``tpu-v5e``: 16 GiB HBM2 at 819 GB/s; 197 TFLOP/s bf16; host 48 GiB. JAX names it ``TPU v5 lite``.
+- ``tpu-v5p``: 95 GiB HBM2e at 2,765 GB/s; 459 TFLOP/s bf16; host 112 GiB (448 GB per 4 chips).
+- ``tpu-v6e``: 32 GiB HBM at 1,640 GB/s; 918 TFLOP/s bf16; host 176 GiB (``ct6e-standard-1t``).
+  JAX names it ``TPU v6 lite``.
+- ``tpu-v4``: 32 GiB HBM2 at 1,200 GB/s; 275 TFLOP/s bf16; host 100 GiB (407 GB per 4 chips).
+
+A TPU's host link is not published as a figure. :data:`TPU_V5E_LINK` is what this project measured
+on one v5e chip inside a jitted program (the way the transforms move data; ``python -m
+benchmarks.accelerator_check --configs bandwidth``, results under ``benchmarks/results/``); the
+other TPU profiles assume the same rate until measured. float32 matmuls on a TPU run, at JAX's
+default precision, as bfloat16 passes: ``flops_tf32`` is the bf16 rate there. The TPU runtime itself
+holds host memory once the chip is open (``host_runtime_bytes``: 13.5 GiB measured on a v5e host,
+assumed for the others), which the planner takes from the host's RAM.
+
+``device="auto"`` (:func:`detect_device`) reads the running device's ``device_kind`` and the
+machine's RAM (the smaller of ``/proc/meminfo`` and a cgroup limit, shared by its local devices).
+
 Compute capability (the GPU generation; it bounds the head width cuDNN's fused attention takes,
 256 from Hopper, 9.0, on and 128 before, see :func:`zoo.nn.cudnn_max_head_dim`): A100 8.0 (Ampere);
 H100, H200 and GH200 9.0 (Hopper); GB200 10.0 (Blackwell); DGX Spark's GB10 12.1 (NVIDIA CUDA GPUs
@@ -72,6 +93,9 @@ import os
 GB = 1e9
 GiB = 2**30
 
+#: The platforms a profile may name (JAX's names).
+PLATFORMS = ("gpu", "tpu")
+
 #: The XLA GPU client's pinned-host pool limit variable (GiB, default 64; see xla/pjrt/gpu/gpu_helpers.cc).
 PINNED_HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 PINNED_HOST_LIMIT_DEFAULT_GIB = 64
@@ -100,6 +124,12 @@ class DeviceProfile:
     - `compute_capability`: the GPU generation, e.g. ``8.0`` (A100) or ``9.0`` (H100); it decides
       which head widths ``attention="auto"`` is planned with cuDNN's kernel for (``None``: unknown,
       heads up to 128; see :func:`zoo.nn.resolve_attention`).
+    - `platform`: JAX's platform name for the device, ``"gpu"`` or ``"tpu"`` (cuDNN's attention
+      exists on a GPU only).
+    - `device_kinds`: the ``jax.Device.device_kind`` strings of this device (``"TPU v5 lite"``,
+      ``"NVIDIA H200"``): :func:`profile_for_kind` and ``device="auto"`` find the profile by them.
+    - `host_runtime_bytes`: host memory the accelerator's runtime holds once the device is open
+      (the planner counts it against ``host_memory_bytes``).
 
     Make a custom one with :func:`custom_device`.
     """
@@ -117,8 +147,15 @@ class DeviceProfile:
     sources: tuple[str, ...] = ()
     memory_bytes_per_s: float | int | None = None
     compute_capability: float | None = None
+    platform: str = "gpu"
+    device_kinds: tuple[str, ...] = ()
+    host_runtime_bytes: int = 0
 
     def __post_init__(self):
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"DeviceProfile.platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if not isinstance(self.host_runtime_bytes, int) or self.host_runtime_bytes < 0:
+            raise ValueError(f"DeviceProfile.host_runtime_bytes must be an int >= 0, got {self.host_runtime_bytes!r}")
         for field in ("memory_bytes", "link_bytes_per_s", "link_peak_bytes_per_s", "flops_bf16", "flops_tf32"):
             value = getattr(self, field)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
@@ -134,6 +171,13 @@ class DeviceProfile:
         if cc is not None and (not isinstance(cc, int | float) or isinstance(cc, bool) or not cc > 0):
             raise ValueError(f"DeviceProfile.compute_capability must be a positive number or None, got {cc!r}")
 
+    @property
+    def host_available_bytes(self) -> int | None:
+        """Host memory left for the training state once the runtime holds its share (None: unknown)."""
+        if self.host_memory_bytes is None:
+            return None
+        return max(self.host_memory_bytes - self.host_runtime_bytes, 0)
+
     def flops(self, compute_dtype: str) -> float:
         """Peak dense matmul FLOP/s for activations in ``compute_dtype``."""
         return self.flops_tf32 if compute_dtype == "float32" else self.flops_bf16
@@ -142,6 +186,11 @@ class DeviceProfile:
         return dataclasses.asdict(self)
 
 
+#: The share of a TPU's HBM its programs may use: the runtime keeps 0.25 of a v5e's 16 GiB (its
+#: ``memory_stats()["bytes_limit"]`` is 15.75 GiB). JAX's preallocation fraction is a GPU setting.
+TPU_USABLE_FRACTION = 15.75 / 16
+#: GB/s per direction of a TPU v5e's host link inside a jitted program (see :data:`TPU_V5E_LINK`).
+TPU_LINK_GB_S = 10.0
 _PCIE4 = dict(link="PCIe Gen4 x16", link_bytes_per_s=25 * GB, link_peak_bytes_per_s=32 * GB)
 _PCIE5 = dict(link="PCIe Gen5 x16", link_bytes_per_s=50 * GB, link_peak_bytes_per_s=64 * GB)
 _C2C = dict(link="NVLink-C2C", link_bytes_per_s=380 * GB, link_peak_bytes_per_s=450 * GB)
@@ -161,7 +210,7 @@ def _dgx(chip: str, description: str, memory_gib: int, memory_gb_s: int, **more)
     )
 
 
-def _grace_hopper(name: str, memory: str, memory_gib: int, memory_gb_s: int) -> DeviceProfile:
+def _grace_hopper(name: str, memory: str, memory_gib: int, memory_gb_s: int, kinds: tuple[str, ...]) -> DeviceProfile:
     """A GH200 superchip: a Hopper GPU with ``memory`` (``"96 GB HBM3"``) and 480 GiB of Grace memory over C2C."""
     return DeviceProfile(
         name=name,
@@ -170,8 +219,43 @@ def _grace_hopper(name: str, memory: str, memory_gib: int, memory_gb_s: int) -> 
         memory_bytes_per_s=memory_gb_s * GB,
         host_memory_bytes=480 * GiB,
         sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
+        device_kinds=kinds,
         **_HOPPER,
         **_C2C,
+    )
+
+
+#: The host link of a TPU v5e chip as measured here inside a jitted program (per direction, each
+#: alone; see the module docstring); the other TPU profiles assume it too.
+TPU_V5E_LINK = dict(link="TPU host link (PCIe; measured in-program on a v5e)", link_bytes_per_s=TPU_LINK_GB_S * GB)
+
+
+def _tpu(
+    gen: str,
+    memory_gib: int,
+    memory_gb_s: int,
+    tflops: int,
+    host_gib: int,
+    kinds: tuple[str, ...],
+    *,
+    runtime_gib: float = 13.5,
+) -> DeviceProfile:
+    """One Cloud TPU chip of generation ``gen`` from Google's published figures (see the module docstring)."""
+    measured = " (host link measured here)" if gen == "v5e" else " (host link assumed: the v5e's, measured here)"
+    return DeviceProfile(
+        name=f"tpu-{gen}",
+        description=f"Google Cloud TPU {gen} (one chip, {memory_gib} GiB HBM)",
+        memory_bytes=memory_gib * GiB,
+        memory_bytes_per_s=memory_gb_s * GB,
+        flops_bf16=tflops * 1e12,
+        flops_tf32=tflops * 1e12,  # float32 matmuls run as bf16 passes at JAX's default precision
+        host_memory_bytes=host_gib * GiB,
+        platform="tpu",
+        device_kinds=kinds,
+        host_runtime_bytes=int(runtime_gib * GiB),
+        link_peak_bytes_per_s=TPU_LINK_GB_S * GB,
+        sources=(f"Google Cloud TPU {gen} documentation (HBM, bandwidth, bf16 peak, machine types){measured}",),
+        **{k: v for k, v in TPU_V5E_LINK.items() if k != "link_peak_bytes_per_s"},
     )
 
 
@@ -184,12 +268,15 @@ DEVICES: dict[str, DeviceProfile] = {
         flops_bf16=312e12,
         flops_tf32=156e12,
         compute_capability=8.0,
+        device_kinds=("NVIDIA A100 80GB PCIe", "NVIDIA A100-PCIE-80GB", "NVIDIA A100-SXM4-80GB"),
         **_PCIE4,
     ),
-    "h100": _dgx("H100", "NVIDIA H100 80GB SXM", 80, 3350, **_HOPPER, **_PCIE5),
-    "h200": _dgx("H200", "NVIDIA H200 141GB SXM", 141, 4800, **_HOPPER, **_PCIE5),
-    "gh200": _grace_hopper("gh200", "96 GB HBM3", 96, 4000),
-    "gh200-144gb": _grace_hopper("gh200-144gb", "144 GB HBM3e", 144, 4900),
+    "h100": _dgx(
+        "H100", "NVIDIA H100 80GB SXM", 80, 3350, device_kinds=("NVIDIA H100 80GB HBM3",), **_HOPPER, **_PCIE5
+    ),
+    "h200": _dgx("H200", "NVIDIA H200 141GB SXM", 141, 4800, device_kinds=("NVIDIA H200",), **_HOPPER, **_PCIE5),
+    "gh200": _grace_hopper("gh200", "96 GB HBM3", 96, 4000, ("NVIDIA GH200 480GB",)),
+    "gh200-144gb": _grace_hopper("gh200-144gb", "144 GB HBM3e", 144, 4900, ("NVIDIA GH200 144G HBM3e",)),
     "gb200": DeviceProfile(
         name="gb200",
         memory_bytes_per_s=8000 * GB,
@@ -199,6 +286,7 @@ DEVICES: dict[str, DeviceProfile] = {
         flops_tf32=1250e12,
         host_memory_bytes=240 * GiB,
         compute_capability=10.0,
+        device_kinds=("NVIDIA GB200",),
         sources=("NVIDIA GB200 NVL72 datasheet (per GPU: 186 GB HBM3e; 5 PF dense BF16 per 2-GPU superchip)",),
         **_C2C,
     ),
@@ -215,11 +303,22 @@ DEVICES: dict[str, DeviceProfile] = {
         host_memory_bytes=128 * GiB,
         unified=True,
         compute_capability=12.1,
+        device_kinds=("NVIDIA GB10",),
         sources=("NVIDIA DGX Spark datasheet (1 PFLOP sparse FP4; BF16 rate is an assumption)",),
     ),
+    "tpu-v5e": _tpu("v5e", 16, 819, 197, 48, ("TPU v5 lite", "TPU v5e"), runtime_gib=13.5),
+    "tpu-v5p": _tpu("v5p", 95, 2765, 459, 112, ("TPU v5", "TPU v5p")),
+    "tpu-v6e": _tpu("v6e", 32, 1640, 918, 176, ("TPU v6 lite", "TPU v6e")),
+    "tpu-v4": _tpu("v4", 32, 1200, 275, 100, ("TPU v4",)),
 }
 
 ALIASES = {
+    "v5e": "tpu-v5e",
+    "v5litepod": "tpu-v5e",
+    "v5p": "tpu-v5p",
+    "v6e": "tpu-v6e",
+    "trillium": "tpu-v6e",
+    "v4": "tpu-v4",
     "a100-80gb": "a100",
     "h100-sxm": "h100",
     "h200-141gb": "h200",
@@ -281,8 +380,82 @@ def custom_device(
     )
 
 
+def _kind_key(kind: str) -> str:
+    return "".join(ch for ch in kind.lower() if ch.isalnum())
+
+
+def profile_for_kind(device_kind: str) -> DeviceProfile | None:
+    """The profile whose :attr:`DeviceProfile.device_kinds` holds ``device_kind`` (JAX's
+    ``jax.Device.device_kind``, compared without case, spaces or punctuation), or None.
+
+    **Example:**
+
+    ```python
+    from transforms.plan import profile_for_kind
+    profile_for_kind("TPU v5 lite").name   # 'tpu-v5e'
+    ```
+    """
+    key = _kind_key(device_kind)
+    return next((p for p in DEVICES.values() if key in {_kind_key(k) for k in p.device_kinds}), None)
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's RAM: ``MemTotal`` of ``/proc/meminfo``, or the cgroup's memory limit where
+    smaller (a container); None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw.isdigit() and int(raw) < 2**60:
+                found.append(int(raw))
+        except OSError:
+            continue
+    return min(found) if found else None
+
+
+def detect_device(jax_device=None, *, host_bytes: int | None = None) -> DeviceProfile:
+    """The profile of the running accelerator (``device="auto"``): the profile of ``jax_device``'s
+    (default ``jax.local_devices()[0]``) ``device_kind``, with ``host_memory_bytes`` this
+    machine's RAM (``host_bytes``, default :func:`host_memory_bytes`) shared by its local devices.
+
+    Raises `ValueError` in one line on a CPU or an accelerator with no profile, naming the device
+    kind and the profiles known (give one by name, or :func:`custom_device`).
+    """
+    import jax
+
+    if jax_device is None:
+        jax_device = jax.local_devices()[0]
+    kind, platform = jax_device.device_kind, jax_device.platform
+    profile = profile_for_kind(kind) if platform in PLATFORMS else None
+    if profile is None:
+        what = f"{kind!r} (platform {platform!r}), which has no profile"
+        what = "the CPU (no accelerator)" if platform == "cpu" else what
+        raise ValueError(
+            f"device='auto': JAX runs on {what}; name a profile instead, one of {sorted(DEVICES)}, "
+            "or pass transforms.custom_device(memory_gb=..., link_gb_s=..., tflops=...)"
+        )
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    if host:
+        sharing = max(1, sum(1 for d in jax.local_devices() if d.platform == platform))
+        profile = dataclasses.replace(
+            profile,
+            host_memory_bytes=host // sharing,
+            description=f"{profile.description}; host {host / GiB:.0f} GiB read from this machine",
+        )
+    return profile
+
+
 def get_device(device: str | DeviceProfile) -> DeviceProfile:
-    """The profile for a name (``"h100"``, ``"dgx-spark"``, ...) or a :class:`DeviceProfile` as is.
+    """The profile for a name (``"h100"``, ``"tpu-v5e"``, ...), ``"auto"`` (the running device, see
+    :func:`detect_device`), or a :class:`DeviceProfile` as is.
 
     Raises `ValueError` for an unknown name, listing the known ones.
     """
@@ -290,11 +463,13 @@ def get_device(device: str | DeviceProfile) -> DeviceProfile:
         return device
     if not isinstance(device, str):
         raise TypeError(f"device must be a profile name or a DeviceProfile, got {type(device).__name__}")
+    if device.strip().lower() == "auto":
+        return detect_device()
     key = device.strip().lower().replace("_", "-")
     key = ALIASES.get(key, key)
     if key not in DEVICES:
         raise ValueError(
-            f"unknown device profile {device!r}; known profiles: {sorted(DEVICES)} "
+            f"unknown device profile {device!r}; known profiles: {sorted(DEVICES)} or 'auto' "
             f"(aliases {sorted(ALIASES)}), or pass transforms.custom_device(memory_gb=..., link_gb_s=..., tflops=...)"
         )
     return DEVICES[key]

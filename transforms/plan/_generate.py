@@ -295,7 +295,7 @@ def plan_generate(
             f"plan_generate: device {profile.name!r} has no memory bandwidth; pass "
             "transforms.custom_device(..., memory_bw_gb_s=...) (or --memory-bw-gb-s)"
         )
-    g = geometry(model.spec, model.tree, model.config, compute_capability=profile.compute_capability)
+    g = geometry(model.spec, model.tree, model.config, device=profile)
     cache_dtype = cache_dtype or g.compute_dtype
     try:
         cache_itemsize = itemsize(cache_dtype)
@@ -315,7 +315,7 @@ def plan_generate(
             f"{profile.description}: host and device are the same physical memory, so nothing is offloaded "
             "(streaming from it would gain no capacity and cost bandwidth): weights and KV cache stay put"
         )
-    else:
+    elif profile.platform == "gpu":  # the pinned-host pool is the XLA GPU client's
         pinned, env = pinned_host_note(budgets, shown.estimate.host_bytes)
         notes += pinned
     notes.append(

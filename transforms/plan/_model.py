@@ -26,11 +26,6 @@ from .._report import nbytes
 from .._tree import is_stack as _is_stack
 from .._tree import stack_units, stack_view
 
-#: The platform ``attention="auto"`` is resolved for: every :class:`transforms.DeviceProfile` is an
-#: NVIDIA GPU, where the runtime picks cuDNN's fused kernel when it applies (see
-#: :func:`zoo.nn.resolve_attention`).
-PLATFORM = "gpu"
-
 
 def float_params(tree):
     """The trained leaves of a model (concrete or abstract): what the train step updates, its
@@ -219,6 +214,7 @@ class Geometry:
     loss_chunk: int | str = 0  # tokens per loss chunk (0: the whole logits; "auto": zoo.loss_chunk_for)
     frozen_matmuls: bool = False  # every matmul weight of the layers is quantized: no weight gradient
     compute_capability: float | None = None  # the planned GPU's generation (cuDNN's widest head); None: unknown
+    platform: str = "gpu"  # the planned device's platform ("gpu" or "tpu": cuDNN's kernel exists on a GPU only)
 
     @property
     def q(self) -> int:
@@ -252,8 +248,8 @@ class Geometry:
     def attention_at(self, queries: int, keys: int | None = None, *, positions: bool | None = None) -> str:
         """The implementation the byte model counts for ``queries`` attending to ``keys`` (default:
         the same sequence): the config's, ``"auto"`` resolved by :func:`zoo.nn.resolve_attention`
-        for :data:`PLATFORM` of :attr:`compute_capability` (the device profile's), as ``zoo.nn.attend``
-        resolves it at trace time on that GPU. ``positions``
+        for the planned device's :attr:`platform` and :attr:`compute_capability` (the device profile's),
+        as ``zoo.nn.attend`` resolves it at trace time on that device. ``positions``
         (default: several layer kinds, whose window the scan selects through positions) marks
         queries and keys with explicit positions (a KV cache).
 
@@ -270,7 +266,7 @@ class Geometry:
             dtype=self.compute_dtype,
             softcap=True if self.softcap else None,
             positions=self.layer_kinds > 1 if positions is None else positions,
-            platform=PLATFORM,
+            platform=self.platform,
             compute_capability=self.compute_capability,
         )
         return "blockwise" if name == "cudnn" else name
@@ -343,11 +339,12 @@ def layer_windows(spec, config=None) -> tuple[int | None, ...]:
     return (spec.layer.sliding_window,) * spec.n_layers
 
 
-def geometry(spec, model, config=None, *, compute_capability: float | None = None) -> Geometry:
+def geometry(spec, model, config=None, *, device=None) -> Geometry:
     """Build a :class:`Geometry` from a :class:`zoo.ModelSpec` and the matching (abstract) model;
     ``config`` (optional) adds per-layer windows, the attention implementation and the loss chunk;
-    ``compute_capability``, the planned GPU's (its :class:`transforms.DeviceProfile`'s), decides
-    which head widths ``attention="auto"`` resolves to cuDNN for."""
+    ``device``, the planned :class:`transforms.DeviceProfile` (None: a GPU of unknown generation),
+    decides where ``attention="auto"`` resolves to cuDNN: on a GPU only, for the head widths its
+    compute capability takes."""
     stored = _stored_bytes(eqx.filter(model, is_arraylike))
     tree = eqx.filter(_dense_view(model), is_arraylike)
     units, _ = stack_units(tree)
@@ -393,7 +390,8 @@ def geometry(spec, model, config=None, *, compute_capability: float | None = Non
         attention=getattr(settings, "attention", None) or "xla",
         attention_block=block,
         loss_chunk=getattr(settings, "loss_chunk", None) or 0,
-        compute_capability=compute_capability,
+        compute_capability=getattr(device, "compute_capability", None),
+        platform=getattr(device, "platform", "gpu"),
         **stored,
     )
 

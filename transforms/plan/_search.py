@@ -15,7 +15,14 @@ from ._advice import Budgets, plan_notes, suggest
 from ._bytes import ACTIVATION_OPTIONS, OPT_STATE_OPTIONS, Candidate, evaluate
 from ._checks import OPTIMIZERS as OPTIMIZERS
 from ._checks import check_steps, clip_norm_value, fraction, global_parts, resolve_optimizer
-from ._devices import DeviceProfile, GiB, device_memory_fraction, get_device, pinned_host_limit_bytes
+from ._devices import (
+    TPU_USABLE_FRACTION,
+    DeviceProfile,
+    GiB,
+    device_memory_fraction,
+    get_device,
+    pinned_host_limit_bytes,
+)
 from ._model import (
     Geometry,
     OptimizerInfo,
@@ -65,7 +72,7 @@ class _Context:
     def with_model(self, model: PlannedModel) -> _Context:
         """The same context for another model (e.g. other dtypes)."""
         opt = optimizer_info(self.optimizer, float_params(model.tree), self.opt.name)
-        g = geometry(model.spec, model.tree, model.config, compute_capability=self.device.compute_capability)
+        g = geometry(model.spec, model.tree, model.config, device=self.device)
         return dataclasses.replace(self, model=model, geometry=g, opt=opt)
 
     def rows(self, batch: int, seq: int, fsdp: int | None = None) -> list[Row]:
@@ -92,7 +99,7 @@ class _Context:
 
 def _budgets(profile: DeviceProfile, margin: float, host_memory_gb, environ) -> Budgets:
     """The device and host budgets per device, from the profile, the margin and the environment."""
-    frac, frac_set = device_memory_fraction(environ)
+    frac, frac_set = device_memory_fraction(environ) if profile.platform == "gpu" else (TPU_USABLE_FRACTION, False)
     pinned, pinned_set = pinned_host_limit_bytes(environ)
     if host_memory_gb is not None:
         if not isinstance(host_memory_gb, int | float) or not host_memory_gb > 0:
@@ -206,7 +213,7 @@ def plan(
 
     ctx = _Context(
         model=model,
-        geometry=geometry(model.spec, model.tree, model.config, compute_capability=profile.compute_capability),
+        geometry=geometry(model.spec, model.tree, model.config, device=profile),
         opt=optimizer_info(optimizer, float_params(model.tree), opt_name),
         optimizer=optimizer,
         device=profile,

@@ -1,0 +1,99 @@
+"""Device profiles: one object holds what a device is (GPU and TPU), found by JAX's device kind."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import transforms
+import zoo
+from transforms.plan import detect_device, profile_for_kind
+
+
+@dataclasses.dataclass
+class FakeDevice:
+    platform: str
+    device_kind: str
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("TPU v5 lite", "tpu-v5e"),
+        ("TPU v5", "tpu-v5p"),
+        ("TPU v6 lite", "tpu-v6e"),
+        ("TPU v4", "tpu-v4"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("nvidia a100-sxm4-80gb", "a100"),
+    ],
+)
+def test_profile_found_by_device_kind(kind, name):
+    assert profile_for_kind(kind).name == name
+
+
+def test_unknown_kind_has_no_profile():
+    assert profile_for_kind("TPU v9 imaginary") is None
+    assert profile_for_kind("cpu") is None
+
+
+def test_every_profile_says_its_platform_and_kinds():
+    for name, profile in transforms.DEVICE_PROFILES.items():
+        assert profile.platform in ("gpu", "tpu"), name
+        assert profile.device_kinds, f"{name} cannot be found by device kind"
+        assert (profile.platform == "tpu") == name.startswith("tpu-")
+    v5e = transforms.DEVICE_PROFILES["tpu-v5e"]
+    # Google's published v5e figures: 16 GiB HBM at 819 GB/s, 197 TFLOP/s bf16.
+    assert (v5e.memory_bytes, v5e.memory_bytes_per_s, v5e.flops_bf16) == (16 * 2**30, 819e9, 197e12)
+    assert v5e.host_available_bytes == v5e.host_memory_bytes - v5e.host_runtime_bytes > 0
+
+
+def test_auto_reads_the_running_device_and_the_hosts_memory():
+    profile = detect_device(FakeDevice("tpu", "TPU v5 lite"), host_bytes=40 * 2**30)
+    assert profile.name == "tpu-v5e" and profile.platform == "tpu"
+    assert profile.host_memory_bytes == 40 * 2**30
+    assert profile.memory_bytes == transforms.DEVICE_PROFILES["tpu-v5e"].memory_bytes
+
+
+@pytest.mark.parametrize(
+    ("device", "needle"),
+    [(FakeDevice("cpu", "cpu"), "the CPU"), (FakeDevice("tpu", "TPU v9 imaginary"), "'TPU v9 imaginary'")],
+)
+def test_auto_refuses_a_device_without_a_profile_in_one_line(device, needle):
+    with pytest.raises(ValueError, match="device='auto'") as err:
+        detect_device(device, host_bytes=2**30)
+    message = str(err.value)
+    assert needle in message and "tpu-v5e" in message and "custom_device" in message and "\n" not in message
+
+
+def test_plan_auto_on_cpu_is_one_clear_error():
+    with pytest.raises(ValueError, match="device='auto': JAX runs on the CPU"):
+        transforms.plan(zoo.LlamaConfig.preset("tiny"), batch=2, seq=32, device="auto")
+
+
+def test_tpu_plan_has_no_gpu_settings():
+    """A TPU plan: its budget is the runtime's usable HBM (no JAX preallocation fraction), there is
+    no GPU pinned-host pool, and attention='auto' never resolves to cuDNN."""
+    cfg = zoo.LlamaConfig.preset("small", compute_dtype="bfloat16")
+    tpu = transforms.plan(cfg, batch=8, seq=1024, device="tpu-v5e")
+    gpu = transforms.plan(cfg, batch=8, seq=1024, device="h100")
+    notes = "\n".join(tpu.notes)
+    assert "TPU runtime" in notes and "75%" not in notes and "PJRT_GPU" not in notes
+    assert tpu.device_budget > 0.8 * 16 * 2**30 > 0.75 * gpu.device_budget * 16 / 80
+    assert "75%" in "\n".join(gpu.notes)
+    from transforms.plan._devices import get_device
+    from transforms.plan._model import geometry, resolve_model
+
+    # Short sequences: cuDNN on the GPU (counted as blockwise), the plain XLA attention on the TPU.
+    model = resolve_model(cfg)
+    at = lambda name: geometry(model.spec, model.tree, model.config, device=get_device(name)).attention_at(256)
+    assert (at("tpu-v5e"), at("h100")) == ("xla", "blockwise")
+
+
+def test_progress_mfu_uses_the_profile(monkeypatch):
+    from recipes._lm import monitor
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [FakeDevice("tpu", "TPU v5 lite")])
+    assert monitor.peak_flops("bfloat16") == 197e12
+    monkeypatch.setattr(jax, "local_devices", lambda: [FakeDevice("cpu", "cpu")])
+    assert monitor.peak_flops("bfloat16") is None
