@@ -1,6 +1,6 @@
 """Facts about the machine and software of a benchmark run, shared by the benchmarks.
 
-Nothing here imports JAX: the GPU check reads these facts in its parent process, which must not
+Nothing here imports JAX: the accelerator check reads these facts in its parent process, which must not
 start a JAX backend of its own (its workers own the GPU).
 
 ```python

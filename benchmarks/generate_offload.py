@@ -40,7 +40,7 @@ def _measure(args) -> dict:
 
     import zoo
 
-    from .gpu_check.worker import build_on_host, memory_stats
+    from .accelerator_check.worker import build_on_host, memory_stats
 
     cfg = zoo.config_from_name(args.model, compute_dtype="bfloat16", param_dtype="bfloat16")
     key = jax.random.key(0)

@@ -129,12 +129,12 @@ def test_no_sys_path_edits():
     assert not offenders, offenders
 
 
-# The GPU check's preflight exists to exercise the JAX internals the zoo relies on, through the
+# The accelerator check's preflight exists to exercise the JAX internals the zoo relies on, through the
 # private modules that hold them (zoo._jax_compat, the stack's grouped-matmul policy): it alone may
 # reach them. Nothing else may join this list.
 PRIVATE_ZOO_PENDING = {
-    ("benchmarks/gpu_check/preflight.py", "zoo._jax_compat"),
-    ("benchmarks/gpu_check/preflight.py", "zoo.nn._stack"),
+    ("benchmarks/accelerator_check/preflight.py", "zoo._jax_compat"),
+    ("benchmarks/accelerator_check/preflight.py", "zoo.nn._stack"),
 }
 
 

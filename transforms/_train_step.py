@@ -222,12 +222,8 @@ class TrainStep:
         # Moments sharded like their parameters (XLA would replicate them), the rest replicated.
         return jax.jit(build, out_shardings=state_shardings(abstract, chosen, params, mesh))(params)
 
-    def __call__(self, model, opt_state, batch, *, key=None):
-        if needs_key(model) and key is None:
-            raise ValueError(
-                "train_step: the model has dropout (e.g. transforms.lora(..., dropout=...)): pass a fresh "
-                "key=jax.random.fold_in(key, step) to each step"
-            )
+    def _jitted(self, model, opt_state):
+        """(the jitted step for this model's structure and placement, trainable, frozen, state, static)."""
         # Arrays built eagerly are uncommitted; the step's outputs are committed, and jit compiles
         # again when that changes. Committing them first keeps it to one compile.
         model, opt_state = _commit(model), _commit(opt_state)
@@ -249,6 +245,34 @@ class TrainStep:
                 donate_argnums=(0, 2) if self.donate else (),
             )
             self._compiled[cache_key] = fn
+        return fn, trainable, frozen, opt_state, static
+
+    def lower(self, model, opt_state, batch, *, key=None):
+        """The step's program for these arguments, lowered as :meth:`__call__` runs it (a
+        `jax.stages.Lowered`): ``step.lower(model, state, batch).compile().memory_analysis()`` gives
+        what XLA reserves for it. Nothing runs and nothing is donated.
+
+        **Example:**
+
+        ```python
+        import jax, optax, zoo, transforms
+        model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+        step = transforms.train_step(zoo.lm_loss, optax.adamw(1e-3))
+        state = step.init(model)
+        tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+        temporaries = step.lower(model, state, tokens).compile().memory_analysis().temp_size_in_bytes
+        ```
+        """
+        fn, trainable, frozen, opt_state, _ = self._jitted(model, opt_state)
+        return fn.lower(trainable, frozen, opt_state, batch, key)
+
+    def __call__(self, model, opt_state, batch, *, key=None):
+        if needs_key(model) and key is None:
+            raise ValueError(
+                "train_step: the model has dropout (e.g. transforms.lora(..., dropout=...)): pass a fresh "
+                "key=jax.random.fold_in(key, step) to each step"
+            )
+        fn, trainable, frozen, opt_state, static = self._jitted(model, opt_state)
         try:
             new_trainable, new_state, metrics = fn(trainable, frozen, opt_state, batch, key)
         except Exception as err:

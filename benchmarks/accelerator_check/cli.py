@@ -1,6 +1,6 @@
-"""The command line of ``python -m benchmarks.gpu_check``: its flags and their checks, the defaults
-of the GPU run and of the reduced pass, the platform guard and preflight, and the dispatch to the
-parent run or a worker."""
+"""The command line of ``python -m benchmarks.accelerator_check``: its flags and their checks, the defaults
+of an accelerator run (sized from the running device's profile) and of the reduced pass, the
+platform guard and preflight, and the dispatch to the parent run or a worker."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from benchmarks._environment import ROOT
 from .configs import DEFAULT_PLAN, config_table, resolve_names
 from .guard import finish_probe, refusal, start_probe
 
-# Flag: (the GPU run on one H200, about 7.5 minutes; the reduced pass, --reduced or off a GPU).
+# Flag: (an accelerator run, e.g. one H200 in about 7.5 minutes; the reduced pass, --reduced or on a CPU).
+# The model and capacity sizes of an accelerator run come from its profile (see sized_for).
 _DEFAULTS = {
     "model": ("llama:1b", "llama:tiny"),
     "batch": (8, 2),
@@ -29,6 +30,10 @@ _DEFAULTS = {
     "capped_batch": (1, 2),
     "capped_seq": (2048, 32),
     "capped_steps": (4, 3),
+    "capacity_model": ("llama:1b", "llama:tiny"),
+    "capacity_batch": (8, 2),
+    "capacity_seq": (2048, 32),
+    "capacity_steps": (20, 4),
     "bandwidth_mib": ([256, 4096], [1, 8]),
     "bandwidth_reps": (7, 3),
     "estimate_s": (45.0, 10.0),
@@ -42,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a user error is one line on stderr (no usage block) and exit status 2."""
 
     def error(self, message: str):
-        self.exit(2, f"gpu_check: error: {' '.join(message.split())} (see --help)\n")
+        self.exit(2, f"accelerator_check: error: {' '.join(message.split())} (see --help)\n")
 
 
 def _number(kind, low: float, *, above: bool = False, high: float | None = None):
@@ -89,12 +94,17 @@ _FLAGS = (
     ("--worker-timeout", POSITIVE, None, "per-configuration limit in s (default 240)"),
     ("--parity-timeout", POSITIVE, None, "limit of the parity pass in s (default 120)"),
     ("--lr", POSITIVE, 3e-4, "learning rate (default 3e-4)"),
-    ("--plan-device", str, "h200", "planner device profile for the predictions (default h200)"),
+    ("--plan-device", str, None, "planner device profile for the predictions (default: the running device's)"),
     ("--mem-fraction", _number(float, 0, above=True, high=1), 0.92, "XLA_PYTHON_CLIENT_MEM_FRACTION of uncapped runs"),
     ("--capped-model", str, None, "model of the capped run (default llama:3b)"),
     ("--capped-batch", WHOLE, None, "batch of the capped run (default 1)"),
     ("--capped-seq", WHOLE, None, "sequence length of the capped run (default 2048)"),
     ("--capped-steps", _number(int, 2), None, "train steps of the capped run (default 4)"),
+    ("--capacity-model", str, None, "model of the capacity run (default: from the device profile)"),
+    ("--capacity-batch", WHOLE, None, "batch of the capacity run (default 8)"),
+    ("--capacity-seq", WHOLE, None, "sequence length of the capacity run (default 2048)"),
+    ("--capacity-steps", _number(int, 4), None, "timed train steps of the capacity run (default 20)"),
+    ("--append", Path, None, "a results JSON of an earlier run on this device: run --configs into it"),
     ("--capped-ratio", POSITIVE, 2.25, "trainable state / device-memory cap (default 2.25)"),
     ("--pinned-host-gib", WHOLE, 100, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB of the capped run (default 100)"),
     ("--assume-device-gib", POSITIVE, 140.0, "device memory if nvidia-smi is missing (default 140)"),
@@ -110,7 +120,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     """The command line, checked (a wrong argument exits with one line, see :class:`_Parser`);
     sizes left unset are filled in by :func:`apply_defaults` once the platform is known."""
     p = _Parser(
-        prog="python -m benchmarks.gpu_check",
+        prog="python -m benchmarks.accelerator_check",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -120,7 +130,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     for flag, kind, default, text in _FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--capped", action="store_true", help="run the capped run (llama:3b under a memory cap) alone")
-    p.add_argument("--allow-cpu", action="store_true", help="off a GPU: run the reduced pass, every output marked")
+    p.add_argument("--allow-cpu", action="store_true", help="on a CPU: run the reduced pass, every output marked")
     p.add_argument("--reduced", action="store_true", help="the reduced pass (llama:tiny, batch 2 x 32) on any platform")
     parity = "every transform (the default with the default plan), those of the chosen configurations, or none"
     p.add_argument("--parity", choices=("all", "needed", "off"), default=None, help=f"the parity pass: {parity}")
@@ -157,14 +167,18 @@ def _check(args: argparse.Namespace) -> str | None:
     from transforms.plan._devices import get_device
     from zoo import config_from_name
 
-    for flag, name in (("--model", args.model), ("--capped-model", args.capped_model)):
+    if args.append is not None and not args.append.is_file():
+        return f"--append: {args.append} is not a results file"
+    names = (("--model", args.model), ("--capped-model", args.capped_model), ("--capacity-model", args.capacity_model))
+    for flag, name in names:
         try:
             if name is not None:
                 config_from_name(name)
         except ValueError as err:
             return f"{flag}: {err}"
     try:
-        get_device(args.plan_device)
+        if args.plan_device is not None and args.plan_device != "auto":
+            get_device(args.plan_device)
     except ValueError as err:
         return f"--plan-device: {err}"
     for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
@@ -180,11 +194,64 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def apply_defaults(args: argparse.Namespace, *, reduced: bool) -> argparse.Namespace:
-    """Fill every size left unset from :data:`FULL` or :data:`REDUCED`."""
+#: Candidate models of an accelerator run, largest first: the reference (``none``, no offload) runs
+#: the first whose plain step the planner fits in 90% of the device's budget, at batch 8 x 1024.
+MAIN_MODELS = ("llama:1b", "llama:small", "llama:tiny")
+#: Candidates of the capacity run, smallest first: the first whose plain step needs >= 2x the
+#: device's budget (planner) and whose planned step fits, at batch 8 x 2048.
+CAPACITY_MODELS = ("llama:1b", "llama:3b", "llama:8b")
+
+
+def sized_for(profile, batch: int = 8, seq: int = 1024, capacity_batch: int = 8, capacity_seq: int = 2048) -> dict:
+    """The sizes of an accelerator run on ``profile`` (a :class:`transforms.DeviceProfile`): the
+    model of the reference run and of the capacity run, and the planner profile of the predictions."""
+    import transforms
+
+    from .configs import make_config
+
+    def plain(name, b, s):
+        p = transforms.plan(make_config(name, seq=s), batch=b, seq=s, device=profile)
+        return p, p.predict()["device_bytes"]
+
+    out = {"plan_device": profile.name}
+    for name in MAIN_MODELS:
+        p, need = plain(name, batch, seq)
+        if need <= 0.9 * p.device_budget or name == MAIN_MODELS[-1]:
+            out["model"] = name
+            break
+    for name in CAPACITY_MODELS:
+        p, need = plain(name, capacity_batch, capacity_seq)
+        if need >= 2 * p.device_budget and p.fits:
+            out["capacity_model"] = name
+            break
+    return out
+
+
+def apply_defaults(args: argparse.Namespace, *, reduced: bool, device_kind: str | None = None) -> argparse.Namespace:
+    """Fill every size left unset: from the results file of ``--append``, else from :data:`REDUCED`,
+    or for an accelerator run from its profile (:func:`sized_for`) and :data:`FULL`."""
+    import json
+
     args.reduced = reduced
-    for key, value in (REDUCED if reduced else FULL).items():
-        if getattr(args, key) is None:
+    if args.append is not None:  # the sizes of the run appended to, unless given again
+        earlier = json.loads(args.append.read_text()).get("args") or {}
+        for key in (*FULL, "plan_device", "accum_steps", "lr"):
+            if getattr(args, key, None) in (None, FULL.get(key)) and earlier.get(key) is not None:
+                setattr(args, key, earlier[key])
+        args.out = args.append.parent
+    chosen = dict(REDUCED if reduced else FULL)
+    if not reduced and device_kind:
+        from transforms.plan._devices import profile_for_kind
+
+        profile = profile_for_kind(device_kind)
+        if profile is not None:
+            given = {"batch": args.batch, "seq": args.seq, "capacity_batch": args.capacity_batch}
+            given["capacity_seq"] = args.capacity_seq
+            chosen.update(sized_for(profile, **{k: v or chosen[k] for k, v in given.items()}))
+            chosen["deadline"] = 540.0 if profile.platform == "tpu" else chosen["deadline"]
+    chosen.setdefault("plan_device", "h200")  # a reduced pass plans for a named profile
+    for key, value in chosen.items():
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
     return args
 
@@ -200,6 +267,9 @@ def main(argv=None, *, started: float | None = None, description: str | None = N
     if args.recheck:
         return recheck(args.recheck)
     probe = finish_probe(start_probe())
+    import jax  # the parent plans on the CPU: the accelerator belongs to the workers
+
+    jax.config.update("jax_platforms", "cpu")
     message = refusal(probe["platform"], args.allow_cpu)
     if message:
         print(message + (f" Probe: {probe['error']}" if probe.get("error") else ""), file=sys.stderr)
@@ -208,9 +278,11 @@ def main(argv=None, *, started: float | None = None, description: str | None = N
     if failed:  # a JAX API the project needs is missing or changed: no worker starts
         print(failed, file=sys.stderr)
         return 2
+    from .guard import ACCELERATORS
     from .orchestrate import orchestrate
 
-    orchestrate(apply_defaults(args, reduced=args.reduced or probe["platform"] != "gpu"), probe, started)
+    reduced = args.reduced or probe["platform"] not in ACCELERATORS
+    orchestrate(apply_defaults(args, reduced=reduced, device_kind=probe.get("device_kind")), probe, started)
     return 0
 
 
@@ -230,7 +302,10 @@ def recheck(paths: list[Path]) -> int:
             if not isinstance(data, dict) or not {"configs", "order"} <= data.keys():
                 raise KeyError("configs, order")
         except (OSError, ValueError, KeyError) as err:
-            print(f"--recheck: {path} is not a GPU check results file ({type(err).__name__}: {err})", file=sys.stderr)
+            print(
+                f"--recheck: {path} is not an accelerator check results file ({type(err).__name__}: {err})",
+                file=sys.stderr,
+            )
             return 2
         elapsed = data.get("elapsed_s")
         results.refresh(data, time.monotonic())

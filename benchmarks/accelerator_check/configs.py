@@ -24,6 +24,7 @@ class Config:
     remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
     opt: str = "device"  # "device", "offload" (offload_opt_state) or "stream" (stream=True)
     capped: bool = False
+    capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
 
     def transforms(self) -> dict:
@@ -72,7 +73,18 @@ def config_table() -> list[Config]:
         _checked("params_prefetch", "offload_params(prefetch=True)", params=True, prefetch=True),
         _checked("opt_state", "offload_opt_state(chain(clip_by_global_norm(1.0), adamw))", opt="offload"),
         _checked("remat_full", "zoo.nn.with_remat(model, Remat()) (full remat on the model, no transform)", remat=True),
-        Config("bandwidth", "pinned_host <-> device copy bandwidth (the link ceiling)", kind="bandwidth"),
+        Config(
+            "bandwidth",
+            "pinned_host <-> device copy bandwidth: inside a jitted program (the transforms' way), each "
+            "direction alone and both at once, and eager device_put",
+            kind="bandwidth",
+        ),
+        Config(
+            "capacity",
+            "a model whose plain step does not fit the device (by XLA's own count), trained on the "
+            "planner's plan for the running device (transforms.plan(..., device='auto'))",
+            capacity=True,
+        ),
         Config(
             "capped",
             "all three transforms on a larger model under a device-memory cap",

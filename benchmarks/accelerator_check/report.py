@@ -1,6 +1,6 @@
 """The written results (``benchmarks._environment.write_results``: a JSON and a markdown file named
-for the GPU and the start time) and the same summary printed at the end. Off a GPU every file
-and line says so."""
+for the accelerator and the start time) and the same summary printed at the end. A reduced pass on
+the CPU says so in its file name and every line."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ from pathlib import Path
 from benchmarks._environment import sanitize, stamp, write_results
 
 from .configs import GiB
-from .guard import label
+from .guard import ACCELERATORS, label
 
 HEADER = ["config", "status", "step s", "x none", "tokens/s", "MFU", "peak GiB", "x none", "planner GiB", "host GiB"]
 HEADER += ["loss diff", "grad ok"]
 
 
 def file_stem(results: dict) -> str:
-    """``gpu_check_<device kind>_<UTC start>``, e.g. ``gpu_check_NVIDIA_H200_20261204T050000Z``;
-    off a GPU ``gpu_check_<platform>_ONLY_allow-cpu_<UTC start>``."""
+    """``accelerator_check_<device kind>_<UTC start>``, e.g. ``accelerator_check_TPU_v5_lite_20261205T050000Z``;
+    the reduced pass on a CPU ``accelerator_check_cpu_reduced_<UTC start>``."""
     when = stamp(results["started_at"])
-    if results["platform"] != "gpu":
-        return f"gpu_check_{sanitize(results['platform'])}_ONLY_allow-cpu_{when}"
-    return f"gpu_check_{sanitize(results['device_kind'] or 'gpu')}_{when}"
+    if results["platform"] not in ACCELERATORS:
+        return f"accelerator_check_{sanitize(results['platform'])}_reduced_{when}"
+    return f"accelerator_check_{sanitize(results['device_kind'] or results['platform'])}_{when}"
 
 
 def _num(x, fmt: str = "{:.3f}", scale: float = 1) -> str:
@@ -35,8 +35,10 @@ def table_rows(results: dict) -> list[list[str]]:
         status = entry.get("status", "not run")
         if entry.get("kind") == "bandwidth" or name == "bandwidth":
             bw = entry.get("bandwidth") or {}
-            h2d, d2h = _num(bw.get("h2d_gb_per_s"), "{:.1f}"), _num(bw.get("d2h_gb_per_s"), "{:.1f}")
-            rows.append([name, status, f"link h2d {h2d} / d2h {d2h} GB/s", *["-"] * (len(HEADER) - 3)])
+            rate = lambda k, bw=bw: _num(bw.get(f"{k}_gb_per_s"), "{:.1f}")
+            text = f"in-program h2d {rate('h2d')} / d2h {rate('d2h')} / both {rate('both')} each way; "
+            text += f"eager h2d {rate('eager_h2d')} / d2h {rate('eager_d2h')} GB/s"
+            rows.append([name, status, text, *["-"] * (len(HEADER) - 3)])
             continue
         figures = [("step_time_s", "{:.4f}", 1), ("step_ratio_vs_none", "{:.2f}", 1), ("tokens_per_s", "{:.0f}", 1)]
         figures += [("mfu", "{:.1%}", 1)]
@@ -76,7 +78,7 @@ def markdown(results: dict) -> str:
     env, args = results["environment"], results["args"]
     invalid = [f"INVALID {n}: {e['invalid_reason']}" for n, e in results["configs"].items() if e.get("valid") is False]
     lines = [
-        f"## {label(results['platform'])}GPU check: offload transforms",
+        f"## {label(results['platform'])}accelerator check: offload transforms",
         "",
         f"{results['started_at']}; platform {results['platform']} ({results['device_kind']}); "
         f"jax {results['jax_version']}, jaxlib {results['jaxlib_version']}, python {env['python']}; "
@@ -113,7 +115,7 @@ def write(results: dict, out_dir: Path) -> Path:
 
 
 def print_summary(results: dict, path: Path) -> None:
-    """Print the markdown summary, every line marked off a GPU, and where it was written."""
+    """Print the markdown summary (every line marked on a CPU's reduced pass) and where it was written."""
     prefix = label(results["platform"])
     for line in ["", *markdown(results).splitlines(), f"wrote {path} and {path.with_suffix('.md')}"]:
         print(prefix + line if line else "")

@@ -1,11 +1,12 @@
-"""The platform guard: the GPU check measures a GPU or nothing.
+"""The platform guard: the accelerator check measures a GPU or a TPU, or says it did not.
 
-JAX falls back to the CPU when it cannot create a GPU client (a missing CUDA plugin, a driver
-mismatch, an environment variable the client rejects), and then every figure would be a CPU
-figure labelled as a GPU one. The parent probes the platform in a fresh process before anything
-else (that process runs the preflight too, see ``preflight``), and each worker checks
-``jax.default_backend()`` again before it measures; off a GPU both refuse unless ``--allow-cpu``
-is given, which runs the reduced pass and marks every output.
+JAX falls back to the CPU when it cannot create an accelerator client (a missing CUDA plugin or
+libtpu, a driver mismatch, an environment variable the client rejects, the TPU held by another
+process), and then every figure would be a CPU figure labelled as an accelerator's. The parent
+probes the platform in a fresh process before anything else (that process runs the preflight too,
+see ``preflight``), and each worker checks ``jax.default_backend()`` again before it measures; on
+the CPU both refuse unless ``--allow-cpu`` is given, which runs the reduced pass and marks every
+output as such.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from benchmarks._environment import ROOT
 
 _PROBE = """
 import json, jax
-from benchmarks.gpu_check import preflight
+from benchmarks.accelerator_check import preflight
 dev = jax.devices()[0]
 found = {"platform": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
          "jax_version": jax.__version__, "jaxlib_version": preflight.versions()["jaxlib"]}
@@ -66,19 +67,23 @@ def finish_probe(proc: subprocess.Popen | dict, timeout: float = 180.0) -> dict:
     return found
 
 
+#: The platforms the check measures (JAX's names); any other one runs only the reduced pass.
+ACCELERATORS = ("gpu", "tpu")
+
+
 def refusal(platform: str, allow_cpu: bool, where: str = "the platform probe") -> str | None:
     """The message refusing to run on ``platform``, or None when the run may go on."""
     if platform == "none":
-        return f"gpu_check: JAX could not start ({where}); nothing was measured."
-    if platform == "gpu" or allow_cpu:
+        return f"accelerator_check: JAX could not start ({where}); nothing was measured."
+    if platform in ACCELERATORS or allow_cpu:
         return None
     return (
-        f"gpu_check: JAX's default backend is {platform!r}, not 'gpu' ({where}); refusing to report "
-        f"{platform} figures as GPU figures. Check that a CUDA jaxlib (jax[cuda12] or jax[cuda13]) is "
-        "installed and sees the GPU (nvidia-smi), or pass --allow-cpu for the reduced pass on this platform."
+        f"accelerator_check: JAX's default backend is {platform!r}, not a GPU or TPU ({where}); refusing to "
+        f"report {platform} figures as an accelerator's. Check that JAX sees the accelerator (a CUDA jaxlib and "
+        "nvidia-smi, or libtpu and no other process holding the TPU), or pass --allow-cpu for the reduced pass."
     )
 
 
 def label(platform: str) -> str:
-    """The prefix of every printed line of a run off a GPU ('' on a GPU)."""
-    return "" if platform == "gpu" else f"[{platform.upper()} ONLY, --allow-cpu: not GPU figures] "
+    """The prefix of every printed line of a reduced pass on a CPU ('' on a GPU or TPU)."""
+    return "" if platform in ACCELERATORS else f"[{platform.upper()}: reduced pass, --allow-cpu] "

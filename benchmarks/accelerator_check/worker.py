@@ -1,4 +1,4 @@
-"""What runs in each configuration's fresh process (``python -m benchmarks.gpu_check --worker
+"""What runs in each configuration's fresh process (``python -m benchmarks.accelerator_check --worker
 NAME``): the platform check, then the parity pass, the copy bandwidth or a training run, whose
 report is rewritten after every phase so that a crash keeps what was measured."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks._environment import write_json
 
-from .configs import ADAM_B1, Config, apply_transforms, make_config, make_optimizer
+from .configs import ADAM_B1, CLIP_NORM, Config, apply_transforms, make_config, make_optimizer
 from .grads import first_moment, gradient_summary, scale_summary
 from .guard import refusal
 from .hlo import compiled_by
@@ -46,6 +46,27 @@ def placement(**components) -> dict:
     import transforms
 
     return {name: dict(row) for name, row in transforms.memory_report(**components).total.items()}
+
+
+def step_memory(step, model, state, tokens) -> dict:
+    """XLA's own count of the train step's program (its ``memory_analysis``; the persistent
+    compilation cache makes this compile a lookup): device bytes ``arguments``, ``outputs``,
+    ``aliased``, ``temporaries`` and ``peak`` = arguments + outputs - aliased + temporaries, and
+    the same of host memory where the backend reports it (``host_*``)."""
+    try:
+        ma = step.lower(model, state, tokens).compile().memory_analysis()
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+    if ma is None:
+        return {"error": "no memory_analysis on this backend"}
+    out = {}
+    for prefix in ("", "host_"):
+        fields = {k: f"{prefix}{k}_size_in_bytes" for k in ("argument", "output", "alias", "temp")}
+        vals = {k: int(getattr(ma, v, 0) or 0) for k, v in fields.items()}
+        out[f"{prefix}arguments"], out[f"{prefix}outputs"] = vals["argument"], vals["output"]
+        out[f"{prefix}aliased"], out[f"{prefix}temporaries"] = vals["alias"], vals["temp"]
+        out[f"{prefix}peak"] = vals["argument"] + vals["output"] - vals["alias"] + vals["temp"]
+    return out
 
 
 def tree_nbytes(tree) -> int:
@@ -82,10 +103,24 @@ def remat_policy(model) -> str:
     return "; ".join(policies) or "no layer stack"
 
 
+def _median_time(fn, reps: int) -> tuple[float, list[float]]:
+    """(median, times) of ``reps`` calls of ``fn`` after one untimed call."""
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]), times[1:]
+
+
 def worker_bandwidth(spec: dict, report: dict, write) -> None:
-    """The median time of ``pinned_host`` <-> device copies of each size (after one untimed copy)."""
+    """The median time of ``pinned_host`` <-> device copies of each size (after one untimed copy):
+    inside a jitted program, as the transforms move data (``h2d`` and ``d2h`` each alone, then
+    ``both`` at once, one array each way), and eager ``jax.device_put`` (``eager_h2d``, ``eager_d2h``)."""
     import jax
     import jax.numpy as jnp
+
+    from transforms._memory import to_device, to_host
 
     dev = jax.devices()[0]
     report["device"] = device_info()
@@ -93,25 +128,36 @@ def worker_bandwidth(spec: dict, report: dict, write) -> None:
         report["error"] = f"no pinned_host memory on {dev}"
         return
     host, device = (jax.sharding.SingleDeviceSharding(dev, memory_kind=k) for k in ("pinned_host", "device"))
+    h2d = jax.jit(to_device, out_shardings=device)
+    d2h = jax.jit(to_host, out_shardings=host)
+    both = jax.jit(lambda x, y: (to_device(x), to_host(y)), out_shardings=(device, host))
     rows = report["sizes"] = []
     for mib in spec["bandwidth_mib"]:
         n = mib * 2**20 // 4
         x_dev = jax.jit(functools.partial(jnp.ones, (n,), jnp.float32), out_shardings=device)()
+        y_dev = jax.jit(functools.partial(jnp.zeros, (n,), jnp.float32), out_shardings=device)()
         x_host = jax.block_until_ready(jax.device_put(x_dev, host))
-        row = {"mib": mib, "bytes": n * 4}
-        for direction, src, dst in (("h2d", x_host, device), ("d2h", x_dev, host)):
-            times = []
-            for _ in range(spec["bandwidth_reps"] + 1):
-                t = time.perf_counter()
-                jax.device_put(src, dst).block_until_ready()
-                times.append(time.perf_counter() - t)
-            median = statistics.median(times[1:])
-            row[direction] = {"times_s": times[1:], "median_s": median, "gb_per_s": n * 4 / median / 1e9}
+        nbytes = n * 4
+        row = {"mib": mib, "bytes": nbytes}
+        runs = {
+            "h2d": (h2d, x_host),
+            "d2h": (d2h, x_dev),
+            "both": (both, x_host, y_dev),
+            "eager_h2d": (lambda x: jax.device_put(x, device), x_host),
+            "eager_d2h": (lambda x: jax.device_put(x, host), x_dev),
+        }
+        for name, (fn, *arrays) in runs.items():
+            median, times = _median_time(
+                lambda fn=fn, arrays=arrays: jax.block_until_ready(fn(*arrays)), spec["bandwidth_reps"]
+            )
+            # "both" moves the size each way at once: its rate is per direction.
+            row[name] = {"times_s": times, "median_s": median, "gb_per_s": nbytes / median / 1e9}
         rows.append(row)
-        del x_dev, x_host
+        del x_dev, y_dev, x_host, runs
         write()
     largest = max(rows, key=lambda r: r["bytes"])
-    report["h2d_gb_per_s"], report["d2h_gb_per_s"] = largest["h2d"]["gb_per_s"], largest["d2h"]["gb_per_s"]
+    for name in ("h2d", "d2h", "both", "eager_h2d", "eager_d2h"):
+        report[f"{name}_gb_per_s"] = largest[name]["gb_per_s"]
 
 
 def build_on_host(build, key, *, prefetch: bool = False):
@@ -170,11 +216,48 @@ def _build_model(spec: dict, cfg, conf: Config, report: dict):
     return model, conf
 
 
-def _init_train(spec: dict, conf: Config, report: dict):
-    """The model (transforms applied), train step, optimizer state and batch of a training run."""
+def _capacity_plan(spec: dict, cfg, report: dict, write) -> tuple[Config, object]:
+    """The capacity run's plan: the plain step's need by XLA's count first (nothing allocated), then
+    the planner's plan for the running device; returns the configuration the plan amounts to (for
+    the model's construction) and the plan."""
+    import optax
+
+    import transforms
+
+    from .capacity import capacity_device, plain_step_need
+
+    batch, seq, lr = spec["batch"], spec["seq"], spec["lr"]
+    limit = (memory_stats() or {}).get("bytes_limit")
+    need = report["plain_step"] = plain_step_need(
+        cfg, batch=batch, seq=seq, optimizer=make_optimizer("device", lr), limit_bytes=limit
+    )
+    write("plain_step_sized")
+    dev, opt = report["device"], optax.adamw(lr, b1=ADAM_B1)
+    planned_plain = transforms.plan(cfg, batch=batch, seq=seq, device="h200", optimizer=opt).predict()
+    profile = capacity_device(dev["platform"], dev["device_kind"], planned_plain["device_bytes"])
+    plan = transforms.plan(cfg, batch=batch, seq=seq, device=profile, optimizer=opt, clip_norm=CLIP_NORM)
+    if need.get("limit_bytes") is None and need.get("needed_bytes"):  # no bytes_limit (a CPU): the plan's budget
+        need.update(limit_bytes=plan.device_budget, limit_source="the capacity profile's budget (no bytes_limit here)")
+        need.update(
+            fits=need["needed_bytes"] <= plan.device_budget, times_limit=need["needed_bytes"] / plan.device_budget
+        )
+    shown = plan.to_dict()["shown"]
+    report["plan"] = {"device": profile.to_dict(), "fits": plan.fits, "transforms": list(plan.transforms)}
+    report["plan"].update(predicted={k: shown.get(k) for k in ("device_bytes", "host_bytes", "step_s")})
+    report["plan"]["activation_policy"] = plan.activation_policy
+    report["plan"]["stream_update"] = plan.stream_update
+    if not plan.fits:
+        raise RuntimeError(f"capacity: the planner found no plan that fits {profile.name}: {plan.suggestions[:2]}")
+    return Config("capacity", "plan", params="offload_params" in plan.transforms), plan
+
+
+def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None: None):
+    """The model (transforms applied), train step, optimizer state and batch of a training run; the
+    capacity run applies the planner's plan and trains on text."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
+    import optax
 
     import transforms
     import zoo
@@ -183,16 +266,26 @@ def _init_train(spec: dict, conf: Config, report: dict):
     cfg, batch, seq = make_config(spec["model"], seq=spec["seq"], **attention), spec["batch"], spec["seq"]
     report["model"] = {"spec": spec["model"], "n_params": cfg.n_params(), "n_layers": cfg.n_layers}
     report["model"].update(batch=batch, seq=seq, config=cfg.to_dict())
+    plan = None
+    if conf.capacity:
+        conf, plan = _capacity_plan(spec, cfg, report, write)
     model, rest = _build_model(spec, cfg, conf, report)
     stack_bytes = tree_nbytes(eqx.filter(getattr(model, "stack", model), eqx.is_inexact_array))
     param_bytes = tree_nbytes(eqx.filter(model, eqx.is_inexact_array))
     report["model"].update(param_bytes=param_bytes, stack_bytes=stack_bytes, layer_bytes=stack_bytes // cfg.n_layers)
-    model = apply_transforms(model, rest)  # no reference to the device weights may outlive this
+    if plan is None:
+        model = apply_transforms(model, rest)  # no reference to the device weights may outlive this
+        optimizer = make_optimizer(conf.opt, spec["lr"])
+        tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
+    else:  # the plan's transforms (weights already built in host memory where it offloads them)
+        from .capacity import text_tokens
+
+        model, optimizer = plan.apply(model, optax.adamw(spec["lr"], b1=ADAM_B1))
+        tokens = jnp.asarray(text_tokens(batch, seq, seed=spec["seed"]))
+        report["data"] = "byte windows of the Python standard library's .py files (the loss falls as it learns)"
     report["remat_policy"] = remat_policy(model)
     accum = spec["accum_steps"]
     report["accum"] = {"steps": accum, "unrolled": accum > 1 and conf.offloads_in_layer_loops()}
-    optimizer = make_optimizer(conf.opt, spec["lr"])
-    tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum)
     t = time.perf_counter()
     state = jax.block_until_ready(step.init(model))
@@ -243,6 +336,7 @@ def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles:
             times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))
     report["memory_stats"] = memory_stats()  # before any other program runs
+    report["step_memory"] = step_memory(step, model, state, tokens)
     report["losses"] = [report["first_step"]["loss"], *losses]
     report["compiles"] = {"after_first_step": compiles["count"] - before, "total": compiles["count"]}
     report["compiles"]["seconds"] = compiles["seconds"]
@@ -305,7 +399,7 @@ def worker_train(spec: dict, report: dict, write) -> None:
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     report.update(device=device_info(), memory_stats_start=memory_stats(), timings={})
-    cfg, model, optimizer, step, state, tokens = _init_train(spec, conf, report)
+    cfg, model, optimizer, step, state, tokens = _init_train(spec, conf, report, write)
     write("initialized")
     model, state, mu = _first_step(spec, report, model, step, state, tokens)
     write("first_step")
@@ -348,8 +442,6 @@ def worker_main(name: str, spec_path: Path, out_path: Path) -> int:
     write()
     if spec.get("test_hang"):
         time.sleep(3600)
-    if spec.get("test_crash"):
-        raise RuntimeError(f"injected crash in worker {name!r} (--test-crash)")
     if spec.get("compile_cache"):  # before anything is compiled
         enable_compile_cache(spec["compile_cache"], report)
     import jax  # the worker's own platform check: JAX may fall back to the CPU in this process alone
@@ -362,8 +454,28 @@ def worker_main(name: str, spec_path: Path, out_path: Path) -> int:
         print(refused, file=sys.stderr)
         return 3
     try:
+        if spec.get("test_crash"):
+            raise RuntimeError(f"injected crash in worker {name!r} (--test-crash)")
         WORKERS[spec["config"]["kind"]](spec, report, write)
+    except BaseException as err:
+        report["exception"] = exception_record(err)
+        raise
     finally:
         write()
     write("done")
     return 0
+
+
+def exception_record(err: BaseException) -> dict:
+    """What stopped a worker, as the parent records it: the exception's type and the head of its
+    message (JAX's own last line, "For simplicity, JAX has removed its internal frames...", says
+    nothing about the error)."""
+    message = " ".join(str(err).split())
+    return {"type": type(err).__name__, "message": message[:1200], "oom": is_oom(message)}
+
+
+def is_oom(text: str) -> bool:
+    """Whether ``text`` reports an accelerator (or host) out-of-memory."""
+    import re
+
+    return bool(re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|\bOOM\b|exceeds available|Exceeded hbm", text))

@@ -1,4 +1,4 @@
-"""The GPU check (python -m benchmarks.gpu_check) off a GPU: the platform guard refuses to run, and
+"""The accelerator check (python -m benchmarks.accelerator_check) off a GPU: the platform guard refuses to run, and
 ``--allow-cpu`` runs the reduced pass end to end: the parity pass of every transform against the
 plain run (a deliberately broken transform is caught and its configurations made invalid while the
 others stay valid), each configuration in its own process compared with ``none`` at every step, a
@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from benchmarks import _environment
-from benchmarks.gpu_check import (
+from benchmarks.accelerator_check import (
+    capacity,
     cli,
     configs,
     goals,
@@ -36,7 +37,8 @@ from benchmarks.gpu_check import (
     results,
     tolerances,
 )
-from benchmarks.gpu_check.worker import worker_bandwidth, worker_main
+from benchmarks.accelerator_check import worker as worker_module
+from benchmarks.accelerator_check.worker import worker_bandwidth, worker_main
 
 ROOT = pathlib.Path(__file__).parents[1]
 PREFIX = guard.label("cpu")
@@ -95,7 +97,7 @@ def allowed(tmp_path_factory):
     all_three worker under another model and memory cap, see
     test_capped_run_is_all_three_transforms_under_a_memory_cap; the bandwidth worker is
     test_bandwidth_worker_times_copies_both_ways.)"""
-    out = tmp_path_factory.mktemp("gpu_check")
+    out = tmp_path_factory.mktemp("accelerator_check")
     flags = ["--configs", "none,params,opt_state", "--test-crash", "opt_state"]
     flags += ["--test-break", "params", "--deadline", "400"]  # generous: a busy machine must not skip
     data, printed = run_check(out, *flags)
@@ -103,10 +105,10 @@ def allowed(tmp_path_factory):
 
 
 def test_help_documents_the_flags():
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--help"]
+    cmd = [sys.executable, "-m", "benchmarks.accelerator_check", "--help"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert "GPU validation and benchmark" in done.stdout
+    assert "The accelerator check of the offload transforms (GPU or TPU)" in done.stdout
     for flag in ("--steps", "--configs", "--deadline", "--out", "--allow-cpu", "--capped", "--parity"):
         assert flag in done.stdout
     assert "--test-break" not in done.stdout  # the fault injection is for tests only
@@ -114,7 +116,7 @@ def test_help_documents_the_flags():
 
 def test_the_guard_refuses_to_run_off_a_gpu(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.accelerator_check", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode != 0
     assert "'cpu'" in done.stderr and "--allow-cpu" in done.stderr
@@ -132,6 +134,7 @@ def test_a_worker_refuses_a_platform_the_parent_did_not_allow(tmp_path, capsys):
     run = {"returncode": 3, "timed_out": False, "wall_s": 1.0, "report": written}
     assert results.classify(run) == ("refused", written["error"])
     assert guard.refusal("gpu", False) is None and guard.refusal("cpu", True) is None
+    assert guard.refusal("tpu", False) is None and guard.label("tpu") == "" == guard.label("gpu")
     assert "could not start" in guard.refusal("none", True)
 
 
@@ -168,7 +171,7 @@ def test_a_missing_jax_api_fails_the_preflight_in_one_line(monkeypatch):
     with pytest.raises(preflight.PreflightError) as failed:
         preflight.run()
     (line,) = str(failed.value).splitlines()
-    assert line.startswith("gpu_check: preflight failed") and "save_only_these_names" in line
+    assert line.startswith("accelerator_check: preflight failed") and "save_only_these_names" in line
     assert "innermost_transform_is_vmap" not in line  # only what failed is named
 
 
@@ -183,7 +186,7 @@ def test_the_check_stops_before_any_worker_when_the_preflight_fails(monkeypatch,
     assert cli.main(["--allow-cpu", "--out", str(tmp_path / "out")]) == 2
     captured = capsys.readouterr()
     (line,) = captured.err.strip().splitlines()
-    assert line.startswith("gpu_check: preflight failed") and "save_only_these_names" in line
+    assert line.startswith("accelerator_check: preflight failed") and "save_only_these_names" in line
     assert not captured.out and not (tmp_path / "out").exists()
 
 
@@ -226,15 +229,17 @@ def test_user_errors_are_one_line_before_anything_runs(argv, monkeypatch, tmp_pa
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
-    assert line.startswith("gpu_check: error: ") and USER_ERRORS[argv] in line
+    assert line.startswith("accelerator_check: error: ") and USER_ERRORS[argv] in line
     assert not captured.out
 
 
 def test_a_user_error_shows_no_traceback():
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--steps", "0", "--out", "/nonexistent/x"]
+    cmd = [sys.executable, "-m", "benchmarks.accelerator_check", "--steps", "0", "--out", "/nonexistent/x"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and not done.stdout
-    assert done.stderr.splitlines() == ["gpu_check: error: argument --steps: must be >= 1, got '0' (see --help)"]
+    assert done.stderr.splitlines() == [
+        "accelerator_check: error: argument --steps: must be >= 1, got '0' (see --help)"
+    ]
 
 
 def test_the_default_plan_is_the_1b_llama_without_memory_analysis():
@@ -265,7 +270,7 @@ def test_allow_cpu_marks_every_line_and_file(allowed):
     assert data["jax_version"] and data["jaxlib_version"] and data["started_at"].endswith("+00:00")
     assert set(TOP_FIELDS) <= set(data)
     assert data["git_commit"] is None or len(data["git_commit"]) >= 40
-    assert all(name.startswith("gpu_check_cpu_ONLY_allow-cpu_") for name in allowed["files"])
+    assert all(name.startswith("accelerator_check_cpu_reduced_") for name in allowed["files"])
     lines = [ln for ln in allowed["printed"].splitlines() if ln.strip()]
     assert lines and all(ln.startswith(PREFIX) for ln in lines)
     md = (pathlib.Path(data["files"]["out"]) / (data["files"]["stem"] + ".md")).read_text()
@@ -358,7 +363,7 @@ def test_weights_built_in_host_memory_have_a_host_memory_type():
     import jax
 
     import zoo
-    from benchmarks.gpu_check.worker import build_on_host
+    from benchmarks.accelerator_check.worker import build_on_host
     from zoo._jax_compat import memory_space
 
     conf = next(c for c in configs.config_table() if c.name == "params")
@@ -386,6 +391,9 @@ def test_a_crashing_worker_is_recorded_and_the_run_goes_on(allowed):
     crashed = allowed["results"]["configs"]["opt_state"]
     assert crashed["status"] == "crashed" and crashed["returncode"] != 0 and crashed["valid"] is False
     assert "injected crash" in crashed["stderr_tail"]
+    # The recorded reason is the exception's type and message, not the traceback's last line.
+    assert "RuntimeError: injected crash in worker 'opt_state'" in crashed["detail"]
+    assert crashed["worker"]["exception"]["type"] == "RuntimeError"
     assert crashed["step_time_s"] is None
     assert "crashed" in report.markdown(allowed["results"])
 
@@ -451,8 +459,10 @@ def test_workers_set_only_the_documented_memory_variable():
 
 def test_file_names_carry_the_gpu_and_the_start_time():
     base = {"started_at": "2026-12-04T05:06:07+00:00", "platform": "gpu", "device_kind": "NVIDIA H200 NVL"}
-    assert report.file_stem(base) == "gpu_check_NVIDIA_H200_NVL_20261204T050607Z"
-    assert report.file_stem({**base, "platform": "cpu"}) == "gpu_check_cpu_ONLY_allow-cpu_20261204T050607Z"
+    assert report.file_stem(base) == "accelerator_check_NVIDIA_H200_NVL_20261204T050607Z"
+    assert report.file_stem({**base, "platform": "cpu"}) == "accelerator_check_cpu_reduced_20261204T050607Z"
+    tpu = {**base, "platform": "tpu", "device_kind": "TPU v5 lite"}
+    assert report.file_stem(tpu) == "accelerator_check_TPU_v5_lite_20261204T050607Z"
     assert _environment.sanitize("a/b: c") == "a_b_c"
 
 
@@ -470,7 +480,11 @@ def test_bandwidth_worker_times_copies_both_ways():
     assert [row["mib"] for row in bandwidth["sizes"]] == [1, 2]
     assert all(len(row["h2d"]["times_s"]) == 2 for row in bandwidth["sizes"])  # the warm-up copy is not timed
     (row,) = report.table_rows({"order": [conf.name], "configs": {conf.name: entry}})
-    assert row[1] == "ok" and "link h2d" in row[2]
+    assert row[1] == "ok" and "in-program h2d" in row[2] and "eager h2d" in row[2]
+    # In-program copies each way, both at once, and eager device_put, each timed per size.
+    for name in ("h2d", "d2h", "both", "eager_h2d", "eager_d2h"):
+        assert bandwidth[f"{name}_gb_per_s"] > 0
+        assert all(row[name]["median_s"] > 0 for row in bandwidth["sizes"])
 
 
 def test_worker_runs_are_classified_by_how_they_ended():
@@ -489,6 +503,14 @@ def test_worker_runs_are_classified_by_how_they_ended():
     status, detail = results.classify(run("initialized", returncode=1, stderr="x\nRESOURCE_EXHAUSTED: 2 GiB\n"))
     assert status == "crashed" and detail.startswith("out of memory") and "RESOURCE_EXHAUSTED" in detail
     assert results.classify(run("measured", returncode=-9))[0] == "measured"
+    # JAX's traceback ends with a line about its own frames: the worker's exception record is used.
+    jax_tail = "x\nFor simplicity, JAX has removed its internal frames from the traceback of the following exception."
+    crash = run("first_step", returncode=1, stderr=jax_tail)
+    oom = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 19.85G of 15.75G hbm."
+    crash["report"]["exception"] = worker_module.exception_record(RuntimeError(oom))
+    status, detail = results.classify(crash)
+    assert status == "crashed" and detail.startswith("out of memory") and "RuntimeError: RESOURCE_EXHAUSTED" in detail
+    assert "For simplicity" not in detail
     assert results.classify(run("measured"))[0] == "incomplete"
 
 
@@ -792,4 +814,76 @@ def test_recheck_applies_this_codes_checks_to_saved_measurements(allowed, tmp_pa
     assert "| none |" in path.with_suffix(".md").read_text()
     (tmp_path / "bad.json").write_text("{}")
     assert cli.main(["--recheck", str(tmp_path / "bad.json")]) == 2
-    assert "is not a GPU check results file" in capsys.readouterr().err
+    assert "is not an accelerator check results file" in capsys.readouterr().err
+
+
+def test_out_of_memory_sizes_are_read_from_xla_messages():
+    tpu = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+    tpu += "Used 38.50G of 15.75G hbm. Exceeded hbm capacity by 22.75G."
+    assert capacity.oom_sizes(tpu) == {"needed_bytes": int(38.5 * 2**30), "limit_bytes": int(15.75 * 2**30)}
+    gpu = "the total memory required for HLO temporaries (19.85G) exceeds available HBM (15.75G)"
+    assert capacity.oom_sizes(gpu)["needed_bytes"] == int(19.85 * 2**30)
+    assert capacity.oom_sizes("some other failure") is None
+
+
+def test_capacity_trains_on_text_whose_loss_can_fall():
+    tokens = capacity.text_tokens(3, 64, seed=1)
+    assert tokens.shape == (3, 65) and tokens.dtype == np.int32 and tokens.max() < 256
+    assert (capacity.text_tokens(3, 64, seed=1) == tokens).all()  # seeded
+    assert b"def " in capacity.stdlib_text(2**20)
+
+
+def test_each_step_is_set_against_its_bound():
+    """Bytes moved per step over the in-program link, against none's compute time."""
+    rates = {"h2d": 10.0, "d2h": 5.0, "both": 4.0, "source": "test"}
+    # 4 GB each way at once at 4 GB/s, then 6 GB more host-to-device alone at 10 GB/s.
+    assert results.link_time(10e9, 4e9, rates) == pytest.approx(1.0 + 0.6)
+    none = {"name": "none", "worker": {}, "step_time_s": 1.0, "hlo": {"h2d_bytes_per_step": 0, "d2h_bytes_per_step": 0}}
+    slow = {"name": "opt_state", "worker": {}, "step_time_s": 3.2}
+    slow["hlo"] = {"h2d_bytes_per_step": 10e9, "d2h_bytes_per_step": 4e9}
+    bandwidth = {"h2d_gb_per_s": 10.0, "d2h_gb_per_s": 5.0, "both_gb_per_s": 4.0}
+    results.derived({"none": none, "opt_state": slow}, bandwidth, "TPU v5 lite")
+    assert slow["bound_by"] == "link" and slow["bound_s"] == pytest.approx(1.6)
+    assert slow["step_over_bound"] == pytest.approx(2.0) and none["step_over_bound"] == pytest.approx(1.0)
+    # Without a bandwidth run, the device profile's link rate stands in, and says so.
+    results.derived({"none": none, "opt_state": slow}, None, "TPU v5 lite")
+    assert "tpu-v5e" in slow["transfers"]["link_source"]
+
+
+def test_an_accelerator_run_is_sized_for_its_device():
+    """The reference fits the device it runs on, and the capacity model's plain step does not."""
+    import transforms
+
+    v5e, h200 = transforms.DEVICE_PROFILES["tpu-v5e"], transforms.DEVICE_PROFILES["h200"]
+    assert cli.sized_for(v5e) == {"plan_device": "tpu-v5e", "model": "llama:small", "capacity_model": "llama:1b"}
+    assert cli.sized_for(h200)["model"] == "llama:1b"
+    args = cli.parse_args(["--out", "/tmp"])
+    cli.apply_defaults(args, reduced=False, device_kind="TPU v5 lite")
+    assert (args.model, args.capacity_model, args.plan_device, args.deadline) == (
+        "llama:small",
+        "llama:1b",
+        "tpu-v5e",
+        540.0,
+    )
+    assert (args.capacity_batch, args.capacity_seq, args.capacity_steps) == (8, 2048, 20)
+
+
+def test_a_run_can_be_continued_into_its_results_file(tmp_path, allowed):
+    """--append takes the earlier run's sizes and file, and refuses another kind of device."""
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(allowed["results"]))
+    args = cli.parse_args(["--append", str(path), "--configs", "bandwidth"])
+    cli.apply_defaults(args, reduced=True)
+    earlier = allowed["results"]["args"]
+    assert (args.model, args.batch, args.seq, args.out) == (
+        earlier["model"],
+        earlier["batch"],
+        earlier["seq"],
+        tmp_path,
+    )
+    merged = orchestrate.appended_results(args, {"device_kind": allowed["results"]["device_kind"]}, ["bandwidth"])
+    assert merged["order"] == [*allowed["results"]["order"], "bandwidth"] and merged["appended"][0]["configs"] == [
+        "bandwidth"
+    ]
+    with pytest.raises(SystemExit, match="measured on"):
+        orchestrate.appended_results(args, {"device_kind": "TPU v5 lite"}, ["bandwidth"])

@@ -13,7 +13,8 @@ GOALS = {
     "opt_freed_fraction": 0.90,  # optimizer-state offload frees >= 90% of the state's bytes ...
     "opt_step_ratio": 1.15,  # ... at <= 1.15x step time
     "params_layers_on_device": 2.25,  # streamed params: <= ~2 layers of weights fetched per iteration
-    "capacity_ratio": 2.0,  # trainable state >= 2x the capped device memory
+    "capacity_ratio": 2.0,  # trainable state >= 2x the capped device memory; the capacity run's plain step too
+    "capacity_steps": 20,  # the capacity run trains at least this many steps
     "prefetch_step_ratio": 1.0,  # offload_params(prefetch=True): no slower than weights moved at use
 }
 
@@ -190,11 +191,27 @@ def capacity_goal(entry: dict | None) -> dict:
     return _goal(title, "capped", measured, target, passed, ratio, note)
 
 
+def capacity_plan_goal(entry: dict | None) -> dict:
+    """The capacity run: its plain step needs >= ``capacity_ratio`` x the device (XLA's count) and
+    it trains >= ``capacity_steps`` steps with the loss falling, on the planner's plan."""
+    ratio_goal, steps = GOALS["capacity_ratio"], GOALS["capacity_steps"]
+    title = f"capacity: plain step >= {ratio_goal:g}x the device (XLA), trains >= {steps} steps on the plan, loss falls"
+    target = f">= {ratio_goal:g}x, >= {steps} steps"
+    if not entry or "worker" not in entry:
+        return _goal(title, "capacity", None, target, None, note=_status(entry))
+    worker = entry["worker"]
+    plain, losses = worker.get("plain_step") or {}, worker.get("losses") or []
+    ratio = plain.get("times_limit")
+    plan = ", ".join((worker.get("plan") or {}).get("transforms") or []) or "-"
+    measured = f"plain {(plain.get('needed_bytes') or 0) / GiB:.2f} GiB ({plain.get('source')}); {len(losses)} steps"
+    if losses:
+        measured += f", loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    passed = bool(entry.get("valid") and ratio and ratio >= ratio_goal and len(losses) >= steps)
+    return _goal(title, "capacity", measured, target, passed, ratio, f"plan: {plan}; status {entry.get('status')}")
+
+
 def evaluate_goals(configs: dict) -> list[dict]:
-    return [
-        *activation_goals(configs),
-        *optimizer_goals(configs),
-        params_goal(configs),
-        prefetch_goal(configs),
-        capacity_goal(configs.get("capped")),
-    ]
+    goals = [*activation_goals(configs), *optimizer_goals(configs), params_goal(configs), prefetch_goal(configs)]
+    if "capped" in configs:
+        goals.append(capacity_goal(configs.get("capped")))
+    return [*goals, capacity_plan_goal(configs.get("capacity"))]

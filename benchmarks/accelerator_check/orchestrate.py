@@ -59,7 +59,7 @@ def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict)
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.gpu_check",
+        "benchmarks.accelerator_check",
         "--worker",
         name,
         "--spec",
@@ -101,17 +101,20 @@ def attention_fallback(results: dict) -> str | None:
 
 def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None, attention: str | None = None) -> dict:
     """What one configuration's worker runs; ``attention`` overrides the config's default."""
-    capped = conf.capped
+    capped, capacity = conf.capped, conf.capacity
+    sizes = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
+    if capped:
+        sizes = {"model": args.capped_model, "batch": args.capped_batch, "seq": args.capped_seq}
+        sizes.update(steps=args.capped_steps - 1, warmup=0)
+    if capacity:
+        sizes = {"model": args.capacity_model, "batch": args.capacity_batch, "seq": args.capacity_seq}
+        sizes.update(steps=args.capacity_steps, warmup=0)
     return {
         "attention": attention,
         "config": dataclasses.asdict(conf),
-        "model": args.capped_model if capped else args.model,
-        "batch": args.capped_batch if capped else args.batch,
-        "seq": args.capped_seq if capped else args.seq,
-        "steps": args.capped_steps - 1 if capped else args.steps,
-        "warmup": 0 if capped else args.warmup,
-        "accum_steps": 1 if capped else args.accum_steps,
-        "correctness": not capped,
+        **sizes,
+        "accum_steps": 1 if capped or capacity else args.accum_steps,
+        "correctness": not (capped or capacity),
         "seed": 0,
         **{k: getattr(args, k) for k in ("lr", "plan_device", "bandwidth_mib", "bandwidth_reps", "memory_analysis")},
         "compile_cache": compile_cache,
@@ -179,6 +182,23 @@ def new_results(args, probe: dict, order: list[str]) -> dict:
     return results
 
 
+def appended_results(args, probe: dict, order: list[str]) -> dict:
+    """The results of an earlier run on the same kind of device, to which ``order`` is added (a
+    configuration already there is measured again); refuses another device kind."""
+    results = json.loads(args.append.read_text())
+    if results.get("device_kind") != probe.get("device_kind"):
+        raise SystemExit(
+            f"--append: {args.append} was measured on {results.get('device_kind')!r}, this is "
+            f"{probe.get('device_kind')!r}; start a new run instead"
+        )
+    results["order"] = [*results["order"], *[n for n in order if n not in results["order"]]]
+    results.setdefault("appended", []).append(
+        {"at": utc_now(), "configs": order, "git_commit": software()["git_commit"]}
+    )
+    results["status"] = "running"
+    return results
+
+
 @dataclasses.dataclass
 class Run:
     """The state of the parent's run."""
@@ -204,10 +224,13 @@ class Run:
 
 
 def _parity_spec(run: Run) -> dict | None:
-    """The parity worker's spec: every case, or those of the chosen configurations (None: off)."""
+    """The parity worker's spec: every case, or those of the chosen configurations (None: off);
+    appending to earlier results, the cases of the new configurations not checked there."""
     args, results = run.args, run.results
-    needed = sorted({case for name in results["order"] for case in run.table[name].parity})
-    mode = args.parity or ("all" if results["order"] == list(DEFAULT_PLAN) else "needed")
+    names = list(args.configs) if args.append else results["order"]
+    done = set((results.get("parity") or {}).get("cases") or {}) if args.append else set()
+    needed = sorted({case for name in names for case in run.table[name].parity} - done)
+    mode = args.parity or ("all" if names == list(DEFAULT_PLAN) and not args.append else "needed")
     if mode == "off" or (mode == "needed" and not needed):
         results["parity"] = {"status": f"off (--parity {mode})" if mode == "off" else "no transform to check"}
         return None
@@ -255,6 +278,8 @@ def run_parity(run: Run) -> None:
     report = done["report"]
     status = "complete" if done["returncode"] == 0 and report.get("phase") == "done" else "incomplete"
     parity = {"status": status, **{k: report.get(k) for k in ("dtype", "tolerances", "model", "reference_losses")}}
+    if run.args.append:  # the earlier run's cases stand beside the new ones
+        cases = {**((run.results.get("parity") or {}).get("cases") or {}), **cases}
     parity.update(cases=cases, not_run=done["not_run"], wall_s=done["wall_s"])
     if status != "complete":
         parity["detail"] = report.get("error") or done["stderr_tail"][-1500:]
@@ -299,8 +324,8 @@ def orchestrate(args, probe: dict, started: float) -> dict:
     process, until ``args.deadline`` seconds after ``started`` (a `time.monotonic` reading);
     the results are written after each one."""
     order = list(args.configs)
-    results = new_results(args, probe, order)
-    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    results = new_results(args, probe, order) if args.append is None else appended_results(args, probe, order)
+    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="accelerator_check_"))
     work_dir.mkdir(parents=True, exist_ok=True)
     capped = capped_memory_fraction(args, results["environment"]["gpu"]) if "capped" in order else None
     results.update(capped_setup=capped, work_dir=str(work_dir))

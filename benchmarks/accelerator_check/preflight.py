@@ -7,7 +7,7 @@ as a crash, or worse as a silently different program. It runs in the platform pr
 so the parent still starts no JAX backend of its own.
 
 ```python
-from benchmarks.gpu_check import preflight
+from benchmarks.accelerator_check import preflight
 preflight.run()   # {"versions": {...}, "checks": [...], "platform_version": ..., "seconds": ...}
 ```
 """
@@ -176,7 +176,7 @@ def run() -> dict:
             failures.append(f"{what}: {type(err).__name__}: {first}")
     if failures:
         jax_version = out["versions"]["jax"]
-        raise PreflightError(f"gpu_check: preflight failed (jax {jax_version}): {'; '.join(failures)}")
+        raise PreflightError(f"accelerator_check: preflight failed (jax {jax_version}): {'; '.join(failures)}")
     out["attention"] = attention_default()
     out["seconds"] = round(time.perf_counter() - started, 3)
     return out

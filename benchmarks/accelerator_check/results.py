@@ -4,6 +4,7 @@ derived from it, and the refresh of all of them and the goals after each run."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import traceback
@@ -17,6 +18,7 @@ from .tolerances import GATED_STEPS, loss_max_rel_diff, tolerance
 SPEED_FIELDS = ("step_time_s", "tokens_per_s")
 #: The headline fields of every configuration, null until measured and checked.
 FIGURES = ("step_time_s", "tokens_per_s", "peak_bytes", "peak_set_by_init", "host_bytes", "planner_device_bytes")
+FIGURES += ("xla_peak_bytes", "planner_vs_peak", "planner_vs_xla_peak", "bound_s", "step_over_bound")
 FIGURES += ("loss_max_rel_diff", "loss_max_rel_diff_all_steps", "grad_parity_ok", "remat_policy")
 
 
@@ -33,12 +35,13 @@ def classify(run: dict) -> tuple[str, str]:
             return "measured", f"killed after {run['wall_s']:.0f} s during the extras; the measurements are complete"
         return "timeout", f"killed after {run['wall_s']:.0f} s in phase {phase!r}"
     if run["returncode"] != 0:
-        what = (
-            "out of memory"
-            if re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM", stderr)
-            else f"exit code {run['returncode']}"
-        )
-        last = next((ln for ln in reversed(stderr.strip().splitlines()) if ln.strip()), "")[:300]
+        exc = report.get("exception") or {}
+        oom = exc.get("oom") if exc else re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM", stderr)
+        what = "out of memory" if oom else f"exit code {run['returncode']}"
+        if exc:  # the worker's own record: the exception's type and message
+            last = f"{exc.get('type')}: {exc.get('message', '')}"[:600]
+        else:
+            last = next((ln for ln in reversed(stderr.strip().splitlines()) if ln.strip()), "")[:300]
         if measured:
             return "measured", f"{what} during the extras (the measurements are complete): {last}"
         return "crashed", f"{what} in phase {phase!r}: {last}"
@@ -54,6 +57,7 @@ def base_entry(name: str, conf: Config, status: str, detail: str, platform: str)
     entry = {"name": name, "status": status, "valid": False if conf.kind == "train" else None}
     entry.update(invalid_reason=detail or status, platform=platform, **dict.fromkeys(FIGURES))
     entry.update(parity={case: "not run" for case in conf.parity}, kind=conf.kind, capped=conf.capped)
+    entry["capacity"] = conf.capacity
     entry.update(description=conf.description, transforms=conf.transforms(), run_status=status, detail=detail)
     entry["run_detail"] = detail  # the run's own (``detail`` becomes the checks' verdict)
     return entry
@@ -73,7 +77,8 @@ def finish_config(name: str, conf: Config, run: dict, platform: str) -> dict:
     if run.get("hlo") is not None:
         entry["hlo"] = run["hlo"]
     if conf.kind == "bandwidth":
-        entry["bandwidth"] = {k: report.get(k) for k in ("h2d_gb_per_s", "d2h_gb_per_s", "sizes")}
+        rates = ("h2d_gb_per_s", "d2h_gb_per_s", "both_gb_per_s", "eager_h2d_gb_per_s", "eager_d2h_gb_per_s")
+        entry["bandwidth"] = {k: report.get(k) for k in (*rates, "sizes")}
     return entry
 
 
@@ -90,10 +95,18 @@ def _figures(entry: dict) -> None:
     placed = (worker.get("placement_final") or {}).values()
     entry["host_bytes"] = sum(row.get("pinned_host", 0) for row in placed if isinstance(row, dict))
     entry["planner_device_bytes"] = (worker.get("planner") or {}).get("device_bytes")
+    if entry.get("capacity"):
+        entry["planner_device_bytes"] = ((worker.get("plan") or {}).get("predicted") or {}).get("device_bytes")
+    entry["xla_peak_bytes"] = (worker.get("step_memory") or {}).get("peak")
+    planned = entry["planner_device_bytes"]
+    entry["planner_vs_peak"] = planned / peak if planned and peak else None
+    entry["planner_vs_xla_peak"] = planned / entry["xla_peak_bytes"] if planned and entry["xla_peak_bytes"] else None
 
 
 def _against_reference(entry: dict, ref: dict | None, dtype: str) -> list[str]:
     """Loss at every step and the step-1 gradient against ``none``; the failures found."""
+    if entry.get("capacity"):
+        return capacity_failures(entry)
     if entry["name"] == "none" or entry.get("capped") or ref is None:
         entry["loss_max_rel_diff"] = 0.0 if entry["name"] == "none" else None
         note = (
@@ -137,7 +150,8 @@ def check_entry(entry: dict, ref: dict | None, parity: dict, dtype: str) -> None
         if result is not None and not result["passed"]:
             failures.append(f"parity pass failed for {case}: {'; '.join(result['failures'][:2])}")
     all_passed = entry["parity"] and all(v == "passed" for v in entry["parity"].values())
-    if not failures and not (entry["name"] == "none" or entry["grad_parity_ok"] or all_passed):
+    checked = entry["name"] == "none" or entry["grad_parity_ok"] or all_passed or entry.get("capacity")
+    if not failures and not checked:
         failures.append("unverified: neither the parity pass nor a comparison with none checked it")
     entry.update(valid=not failures, invalid_reason="; ".join(failures) or None)
     verdict = entry["invalid_reason"] or entry["run_detail"]
@@ -158,8 +172,23 @@ def apply_checks(configs: dict, parity: dict, dtype: str) -> None:
             check_entry(entry, ref, parity, dtype)
 
 
-#: Dense bfloat16 matrix peak in FLOP/s by device kind, from the vendors' datasheets (SXM parts).
-PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+def capacity_failures(entry: dict) -> list[str]:
+    """The capacity run's checks (another model: no reference): the plain step must not fit by
+    XLA's count, and the losses must be finite and fall (the mean of the last three below the first)."""
+    worker, failures = entry["worker"], []
+    plain = worker.get("plain_step") or {}
+    entry["plain_step_times_limit"] = plain.get("times_limit")
+    if plain.get("fits") is not False:
+        failures.append(f"the plain step was not shown not to fit ({plain.get('error') or plain.get('fits')})")
+    losses = worker.get("losses") or []
+    tail = losses[-3:]
+    fell = len(losses) >= 4 and all(math.isfinite(v) for v in losses) and sum(tail) / len(tail) < losses[0]
+    entry["loss_fell"] = fell
+    if not fell:
+        failures.append(f"the loss did not fall: {[round(v, 3) for v in losses]}")
+    entry["correctness"] = {"passed": None, "note": "another model (capacity run): checked by its losses"}
+    entry["grad_parity_ok"] = None
+    return failures
 
 
 def model_flops_per_token(model: dict) -> float | None:
@@ -178,32 +207,67 @@ def _mfu(entry: dict) -> float | None:
     bfloat16 peak (None for another compute dtype or an unknown device)."""
     worker = entry.get("worker") or {}
     model, tokens = worker.get("model") or {}, entry.get("tokens_per_s")
-    peak = PEAK_BF16_FLOPS.get((worker.get("device") or {}).get("device_kind"))
+    from transforms.plan._devices import profile_for_kind
+
+    profile = profile_for_kind((worker.get("device") or {}).get("device_kind") or "")
+    peak = profile.flops_bf16 if profile else None
     flops = model_flops_per_token(model)
     if not (tokens and peak and flops) or (model.get("config") or {}).get("compute_dtype") != "bfloat16":
         return None
     return tokens * flops / peak
 
 
-def derived(configs: dict, bandwidth: dict | None) -> None:
-    """Ratios to ``none``, and the bytes each step moves (from the compiled program) with the link
-    time they take at the measured bandwidth."""
+def link_rates(bandwidth: dict | None, device_kind: str | None) -> dict | None:
+    """GB/s per direction of the host link as the transforms use it: the in-program figures of this
+    run's ``bandwidth`` configuration, else the device profile's (``source`` says which)."""
+    if bandwidth and bandwidth.get("h2d_gb_per_s") and bandwidth.get("d2h_gb_per_s"):
+        both = bandwidth.get("both_gb_per_s") or min(bandwidth["h2d_gb_per_s"], bandwidth["d2h_gb_per_s"])
+        rates = {"h2d": bandwidth["h2d_gb_per_s"], "d2h": bandwidth["d2h_gb_per_s"], "both": both}
+        return {**rates, "source": "this run's bandwidth configuration (in-program copies)"}
+    from transforms.plan._devices import profile_for_kind
+
+    profile = profile_for_kind(device_kind or "")
+    if profile is None:
+        return None
+    rate = profile.link_bytes_per_s / 1e9
+    return {"h2d": rate, "d2h": rate, "both": rate, "source": f"device profile {profile.name}"}
+
+
+def link_time(h2d: int, d2h: int, rates: dict) -> float:
+    """Seconds the link needs for ``h2d`` and ``d2h`` bytes: the overlapping part at the rate of
+    both directions at once, the rest at the busier direction's own rate."""
+    common = min(h2d, d2h)
+    rest, rate = (h2d - common, rates["h2d"]) if h2d >= d2h else (d2h - common, rates["d2h"])
+    return common / 1e9 / rates["both"] + rest / 1e9 / rate
+
+
+def derived(configs: dict, bandwidth: dict | None, device_kind: str | None = None) -> None:
+    """Ratios to ``none``, the bytes each step moves (from the compiled program), the link time they
+    take at the in-program bandwidth, and each step against its bound: max(``none``'s step time,
+    the link time)."""
     none = configs.get("none") or {}
+    rates = link_rates(bandwidth, device_kind)
     for entry in configs.values():
         if entry.get("kind") == "bandwidth" or "worker" not in entry:
             continue
         for key, ratio in (("step_time_s", "step_ratio_vs_none"), ("peak_bytes", "peak_ratio_vs_none")):
             mine, base = entry.get(key), none.get(key)
-            entry[ratio] = mine / base if mine and base and not entry.get("capped") else None  # capped: another model
+            other = entry.get("capped") or entry.get("capacity")  # another model
+            entry[ratio] = mine / base if mine and base and not other else None
         entry["mfu"] = _mfu(entry)
         hlo, step = entry.get("hlo") or {}, entry.get("step_time_s")
         h2d, d2h = hlo.get("h2d_bytes_per_step"), hlo.get("d2h_bytes_per_step")
         moved = {"h2d_bytes_per_step": h2d, "d2h_bytes_per_step": d2h, "source": "compiled HLO (x loop trips)"}
         if step and h2d is not None and d2h is not None:
             moved["achieved_total_gb_per_s"] = (h2d + d2h) / step / 1e9
-            if bandwidth and bandwidth.get("h2d_gb_per_s") and bandwidth.get("d2h_gb_per_s"):
-                busy = max(h2d / 1e9 / bandwidth["h2d_gb_per_s"], d2h / 1e9 / bandwidth["d2h_gb_per_s"])
-                moved.update(link_time_s=busy, link_time_fraction_of_step=busy / step)
+            if rates:
+                busy = link_time(h2d, d2h, rates)
+                moved.update(link_time_s=busy, link_time_fraction_of_step=busy / step, link_source=rates["source"])
+                compute = none.get("step_time_s") if not entry.get("capacity") else None
+                bound = max(compute or 0.0, busy)
+                entry["bound_s"] = bound or None
+                entry["bound_by"] = "link" if busy >= (compute or 0.0) else "compute (none's step)"
+                entry["step_over_bound"] = step / bound if bound else None
         entry["transfers"] = moved
 
 
@@ -214,7 +278,7 @@ def refresh(results: dict, started: float) -> None:
     errors = results["analysis_errors"] = []
     for stage in (
         lambda: apply_checks(configs, results.get("parity") or {}, results["compute_dtype"]),
-        lambda: derived(configs, configs.get("bandwidth", {}).get("bandwidth")),
+        lambda: derived(configs, configs.get("bandwidth", {}).get("bandwidth"), results.get("device_kind")),
         lambda: results.__setitem__("goals", evaluate_goals(configs)),
     ):
         try:
