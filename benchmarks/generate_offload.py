@@ -69,6 +69,7 @@ def _measure(args) -> dict:
     decode_s = max(full - first, 1e-9)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     stats = memory_stats() or {}
+    bound = decode_bound(cfg, weight_bytes, args.batch, args.prompt, args.new, jax.devices()[0].device_kind)
     return {
         "placement": args.placement,
         "device_kind": jax.devices()[0].device_kind,
@@ -80,7 +81,28 @@ def _measure(args) -> dict:
         "decode_s": decode_s,
         "decode_tokens_per_s": args.batch * args.new / decode_s,
         "peak_bytes": stats.get("peak_bytes_in_use"),
+        **bound,
+        "fraction_of_hbm_bound": None
+        if not bound["hbm_bound_tokens_per_s"]
+        else args.batch * args.new / decode_s / bound["hbm_bound_tokens_per_s"],
         "tokens": tokens,
+    }
+
+
+def decode_bound(cfg, weight_bytes: int, batch: int, prompt: int, new: int, device_kind: str) -> dict:
+    """The decode rate device memory allows: per step every weight and the filled KV cache (at the
+    mean context of the timed tokens) are read once, at the device profile's memory bandwidth."""
+    from transforms.plan import profile_for_kind
+
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * head_dim * 2  # keys and values, bfloat16
+    step_bytes = weight_bytes + batch * per_token * (prompt + new / 2)
+    profile = profile_for_kind(device_kind)
+    rate = profile.memory_bytes_per_s if profile and profile.memory_bytes_per_s else None
+    return {
+        "decode_step_bytes": step_bytes,
+        "hbm_bytes_per_s": rate,
+        "hbm_bound_tokens_per_s": None if rate is None else batch * rate / step_bytes,
     }
 
 
@@ -91,9 +113,12 @@ def _row(r: dict, ref: dict | None) -> str:
         return f"{r[key] / ref[key]:.2f}"
 
     peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**30:.2f}"
+    bound = r.get("hbm_bound_tokens_per_s")
+    of_bound = "-" if not bound else f"{bound:.0f} ({r['decode_tokens_per_s'] / bound:.0%})"
     return (
         f"| {r['placement']} | {r['first_token_s'] * 1e3:.1f} | {ratio('first_token_s')} | "
-        f"{r['decode_tokens_per_s']:.1f} | {ratio('decode_tokens_per_s')} | {peak} | {ratio('peak_bytes')} |"
+        f"{r['decode_tokens_per_s']:.1f} | {ratio('decode_tokens_per_s')} | {of_bound} | "
+        f"{peak} | {ratio('peak_bytes')} |"
     )
 
 
@@ -136,8 +161,9 @@ def main(argv=None) -> int:
     head = (
         f"zoo.generate, {args.model} (bf16), batch {args.batch}, {args.prompt}-token prompts, "
         f"{args.new} decode tokens timed; {device}; ratios are of the device-weight row, same run\n\n"
-        "| weights | first token (ms) | ratio | decode tokens/s | ratio | peak device (GiB) | ratio |\n"
-        "|:---|---:|---:|---:|---:|---:|---:|\n"
+        "| weights | first token (ms) | ratio | decode tokens/s | ratio | HBM bound tokens/s (reached) "
+        "| peak device (GiB) | ratio |\n"
+        "|:---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     text = head + "\n".join(_row(r, ref) for r in rows) + "\n"
     text += "".join(f"\n{k}: FAILED: {v}\n" for k, v in errors.items())

@@ -887,3 +887,14 @@ def test_a_run_can_be_continued_into_its_results_file(tmp_path, allowed):
     ]
     with pytest.raises(SystemExit, match="measured on"):
         orchestrate.appended_results(args, {"device_kind": "TPU v5 lite"}, ["bandwidth"])
+
+
+def test_a_worker_over_the_host_memory_limit_is_killed_and_recorded():
+    """A TPU host dies with its memory: the parent kills a worker first, and says why."""
+    code = "import time; x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    returncode, stopped, peak = orchestrate._wait(proc, 30.0, 100 * 2**20)
+    assert returncode is not None and stopped.startswith("host memory") and peak > 100 * 2**20
+    run = {"returncode": returncode, "timed_out": False, "wall_s": 1.0, "report": {"phase": "first_step"}}
+    status, detail = results.classify({**run, "host_killed": stopped})
+    assert status == "crashed" and "out of host memory" in detail and "--host-limit-gib" in detail

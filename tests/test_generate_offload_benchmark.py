@@ -17,3 +17,15 @@ def test_both_placements_run_and_generate_the_same_tokens(tmp_path, capsys):
     assert rows[0]["weight_bytes"] == rows[1]["weight_bytes"] > 0
     table = capsys.readouterr().out
     assert "| device |" in table and "| pinned_host |" in table and "1.00" in table
+
+
+def test_decode_is_set_against_the_hbm_bound():
+    """Each decode step reads every weight and the filled cache once: longer contexts read more."""
+    import zoo
+
+    cfg = zoo.config_from_name("llama:1b")
+    short = generate_offload.decode_bound(cfg, 2 * 10**9, 8, 128, 64, "TPU v5 lite")
+    long = generate_offload.decode_bound(cfg, 2 * 10**9, 8, 1536, 64, "TPU v5 lite")
+    assert short["hbm_bytes_per_s"] == 819e9 and long["decode_step_bytes"] > short["decode_step_bytes"] > 2 * 10**9
+    assert short["hbm_bound_tokens_per_s"] * short["decode_step_bytes"] == 8 * 819e9
+    assert generate_offload.decode_bound(cfg, 10**9, 8, 128, 64, "cpu")["hbm_bound_tokens_per_s"] is None

@@ -104,6 +104,7 @@ _FLAGS = (
     ("--capacity-batch", WHOLE, None, "batch of the capacity run (default 8)"),
     ("--capacity-seq", WHOLE, None, "sequence length of the capacity run (default 2048)"),
     ("--capacity-steps", _number(int, 4), None, "timed train steps of the capacity run (default 20)"),
+    ("--host-limit-gib", POSITIVE, None, "kill a worker whose host memory passes this (default: no limit)"),
     ("--append", Path, None, "a results JSON of an earlier run on this device: run --configs into it"),
     ("--capped-ratio", POSITIVE, 2.25, "trainable state / device-memory cap (default 2.25)"),
     ("--pinned-host-gib", WHOLE, 100, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB of the capped run (default 100)"),

@@ -43,9 +43,47 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict) -> dict:
-    """Run one worker in a fresh process; whatever happens, return what is known. A training
-    worker's XLA dump is analysed here (``hlo.summarize_dump``), then deleted."""
+def group_rss(pgid: int) -> int:
+    """Resident host memory (bytes) of the processes of process group ``pgid`` (0 where /proc is missing)."""
+    total = 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{entry}/status") as f:
+                total += next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:")), 0)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def _wait(proc: subprocess.Popen, timeout: float, host_limit: int | None) -> tuple[int | None, str | None, int]:
+    """Wait for ``proc`` up to ``timeout`` s, killing its group past ``host_limit`` bytes of host
+    memory (None: no limit); returns (return code, why it was stopped or None, peak host RSS)."""
+    deadline, peak = time.monotonic() + timeout, 0
+    while True:
+        try:
+            return proc.wait(timeout=0.5), None, peak
+        except subprocess.TimeoutExpired:
+            pass
+        rss = group_rss(proc.pid)
+        peak = max(peak, rss)
+        if host_limit and rss > host_limit:
+            _kill_group(proc)
+            return proc.returncode, f"host memory {rss / GiB:.1f} GiB over --host-limit-gib {host_limit / GiB:g}", peak
+        if time.monotonic() > deadline:
+            _kill_group(proc)
+            return proc.returncode, "timeout", peak
+
+
+def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict, host_limit: int | None = None) -> dict:
+    """Run one worker in a fresh process; whatever happens, return what is known. A worker whose
+    host memory passes ``host_limit`` bytes is killed before it takes the machine down (a TPU host
+    dies with its memory). A training worker's XLA dump is analysed here (``hlo.summarize_dump``),
+    then deleted."""
     wdir = work_dir / name
     wdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path, dump_dir = wdir / "spec.json", wdir / "result.json", wdir / "xla_dump"
@@ -67,19 +105,16 @@ def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict)
         "--out",
         str(out_path),
     ]
-    started, timed_out = time.perf_counter(), False
+    started = time.perf_counter()
     with open(wdir / "stdout.txt", "wb") as so, open(wdir / "stderr.txt", "wb") as se:
         proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=env, cwd=ROOT, start_new_session=True)
         try:
-            returncode = proc.wait(timeout=max(timeout, 1.0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            returncode = proc.returncode
+            returncode, stopped, peak_rss = _wait(proc, max(timeout, 1.0), host_limit)
         except BaseException:
             _kill_group(proc)
             raise
-    run = {"returncode": returncode, "timed_out": timed_out, "wall_s": time.perf_counter() - started}
+    run = {"returncode": returncode, "timed_out": stopped == "timeout", "wall_s": time.perf_counter() - started}
+    run.update(host_peak_rss_bytes=peak_rss, host_killed=stopped if stopped not in (None, "timeout") else None)
     try:
         run["report"] = json.loads(out_path.read_text())
     except (OSError, ValueError) as err:
@@ -305,7 +340,8 @@ def run_config(run: Run, name: str, pending: int) -> None:
     test = {"test_crash": args.test_crash, "test_hang": args.test_hang}
     spec = worker_spec(args, conf, test=test, compile_cache=run.cache, attention=attention_fallback(run.results))
     try:
-        done = run_worker(name, spec, run.work_dir, timeout, worker_env(conf, args, run.capped))
+        limit = int(args.host_limit_gib * GiB) if args.host_limit_gib else None
+        done = run_worker(name, spec, run.work_dir, timeout, worker_env(conf, args, run.capped), limit)
         entry = finish_config(name, conf, done, run.results["platform"])
     except Exception:
         done = {"wall_s": 0.0}

@@ -34,6 +34,8 @@ def classify(run: dict) -> tuple[str, str]:
         if measured:
             return "measured", f"killed after {run['wall_s']:.0f} s during the extras; the measurements are complete"
         return "timeout", f"killed after {run['wall_s']:.0f} s in phase {phase!r}"
+    if run.get("host_killed"):
+        return "crashed", f"killed: {run['host_killed']} in phase {phase!r} (out of host memory)"
     if run["returncode"] != 0:
         exc = report.get("exception") or {}
         oom = exc.get("oom") if exc else re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM", stderr)
@@ -70,6 +72,7 @@ def finish_config(name: str, conf: Config, run: dict, platform: str) -> dict:
     entry.update(
         wall_s=run["wall_s"], returncode=run["returncode"], worker=report, platform=report.get("platform", platform)
     )
+    entry["host_peak_rss_bytes"] = run.get("host_peak_rss_bytes")
     entry.update(remat_policy=report.get("remat_policy"), accum=report.get("accum"))
     tail = run.get("stderr_tail", "")
     if tail:
