@@ -16,6 +16,8 @@ python -m transforms.plan llama:8b --generate --batch 8 --context 8192 --prompt 
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import sys
 
 from zoo import config_from_name, model_names
@@ -103,18 +105,85 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Flags that describe a custom device (``--device custom``); beside a named device they do nothing.
+CUSTOM_DEVICE_FLAGS = ("memory_gb", "link_gb_s", "tflops", "unified", "memory_bw_gb_s", "compute_capability")
+#: Flags of a training plan only, and of a generation plan only.
+TRAINING_ONLY = ("optimizer", "fsdp", "accum_steps", "clip_norm")
+GENERATION_ONLY = ("context", "prompt", "cache_dtype")
+
+
+def _given(argv) -> set[str]:
+    """The destinations of the flags ``argv`` names explicitly."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    return set(vars(parser.parse_args(argv)))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwritable(flag: str, value: str) -> str | None:
+    """Why ``value`` cannot be written as a file (``None`` if it can): checked before any work."""
+    path = pathlib.Path(value)
+    if not value or path.is_dir():
+        return f"{flag} {value!r} is a directory; give the path of a file to write"
+    ancestor = path.absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{flag} {value}: {ancestor} is a file, so nothing can go under it"
+    if not os.access(ancestor, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"{flag} {value}: not writable"
+    return None
+
+
+def _no_effect(args, given: set[str]) -> list[str]:
+    """A warning line for each flag given that changes nothing with the others."""
+    out = []
+    if args.device != "custom":
+        out += [
+            f"{_flag(n)} has no effect with --device {args.device} (it describes --device custom)"
+            for n in CUSTOM_DEVICE_FLAGS
+            if n in given
+        ]
+    if args.generate:
+        out += [
+            f"{_flag(n)} has no effect with --generate (it shapes a training step)" for n in TRAINING_ONLY if n in given
+        ]
+        if "seq" in given and "context" in given:
+            out.append(
+                f"--seq {args.seq} has no effect with --generate --context {args.context} (the context is the sequence)"
+            )
+    else:
+        out += [f"{_flag(n)} has no effect without --generate" for n in GENERATION_ONLY if n in given]
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if (args.name is None) == (args.model is None):
         parser.error("give the model once: python -m transforms.plan MODEL ... or --model MODEL")
     args.model = args.model or args.name
+    given = _given(argv)
+    warnings = _no_effect(args, given)
     if args.generate:
-        args.context = args.context or args.seq
+        if args.context is None:
+            args.context = args.seq
         if args.context is None:
             parser.error("--generate needs --context (prompt + new tokens)")
+        if args.png:
+            parser.error(f"--png {args.png}: a generation plan has no chart; drop --png (--json writes the plan)")
     elif args.seq is None:
         parser.error("--seq is required (or --generate with --context)")
+    for flag, value in (("--png", args.png), ("--json", args.json)):
+        if value is not None and (why := _unwritable(flag, value)):
+            parser.error(why)
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
     try:
         config = config_from_name(args.model)
         overrides = ("param_dtype", "compute_dtype", "attention", "loss_chunk", "max_seq_len")
@@ -162,7 +231,7 @@ def main(argv=None) -> int:
         return 2
     result.model = args.model + (f", {args.quantize}" if args.quantize else "")
     print(result)
-    if args.png and not args.generate:  # a generation plan has no chart
+    if args.png:
         result.save_png(args.png)
         print(f"\nwrote {args.png}")
     if args.json:

@@ -207,13 +207,47 @@ def _more_devices(ctx, batch: int, seq: int) -> list[str]:
     return []
 
 
+#: Candidates tried on each side of the fewest micro-batches that fit, looking for one that divides the batch.
+_DIVISOR_SCAN = 100_000
+
+
+def _divisor_at_least(n: int, low: int) -> int:
+    """The smallest divisor of ``n`` that is at least ``low`` (``n`` itself if none is found
+    among the `_DIVISOR_SCAN` candidates above ``low`` and the cofactors below ``n // low``)."""
+    for acc in range(low, min(n, low + _DIVISOR_SCAN)):
+        if n % acc == 0:
+            return acc
+    best_acc = n
+    for k in range(n // low, max(n // low - _DIVISOR_SCAN, 0), -1):
+        if n % k == 0:
+            best_acc = min(best_acc, n // k)
+            break
+    return best_acc
+
+
 def _accumulation(ctx, batch: int, seq: int) -> list[str]:
-    """The fewest micro-batches per step that fit (same global batch)."""
+    """The fewest micro-batches per step that fit (same global batch): found by bisection over
+    their number (fewer micro-batches hold more each), then the first that divides the batch."""
     per_device = batch // ctx.fsdp
-    for acc in range(ctx.accum_steps + 1, per_device + 1):
-        if per_device % acc == 0 and best(dataclasses.replace(ctx, accum_steps=acc).rows(batch, seq)) is not None:
-            return [f"would fit: accum_steps={acc} (micro-batches of {per_device // acc}, same global batch)"]
-    return []
+
+    def fits(acc: int) -> bool:
+        return best(dataclasses.replace(ctx, accum_steps=acc).rows(batch, seq)) is not None
+
+    low = ctx.accum_steps + 1
+    if low > per_device or not fits(per_device):
+        return []
+    # the fewest micro-batches that fit: bisection (fitting only gets easier with more of them)
+    hi = per_device
+    while low < hi:
+        mid = (low + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            low = mid + 1
+    acc = _divisor_at_least(per_device, low)
+    if acc != per_device and not fits(acc):
+        acc = per_device
+    return [f"would fit: accum_steps={acc} (micro-batches of {per_device // acc}, same global batch)"]
 
 
 def _sixteen_bit(ctx, batch: int, seq: int) -> list[str]:
