@@ -36,15 +36,34 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def tokenizer_config(directory) -> dict:
+    """The checkpoint's ``tokenizer_config.json`` (``{}`` without one); a file that is not a JSON
+    object is one line."""
+    path = pathlib.Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # JSON or UTF-8 errors
+        raise SystemExit(f"{path} is not readable JSON ({err}); download it again") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"{path} holds a JSON {type(config).__name__}, not an object; download it again")
+    return config
+
+
 def read_chat_template(directory) -> str:
     """The chat template of a Hugging Face checkpoint directory: ``chat_template.jinja``, else the
     ``chat_template`` field of ``tokenizer_config.json`` (a string, or a list of named templates,
     of which the one named ``default``). None is one line (`SystemExit`)."""
     directory = pathlib.Path(directory)
     if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    config_path = directory / "tokenizer_config.json"
-    template = json.loads(config_path.read_text()).get("chat_template") if config_path.is_file() else None
+        try:
+            return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise SystemExit(
+                f"{directory / 'chat_template.jinja'} is not UTF-8 text (byte {err.start}); download it again"
+            ) from None
+    template = tokenizer_config(directory).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -102,8 +121,7 @@ class ChatTemplate:
             raise SystemExit("chat rows are rendered with jinja2: pip install 'jinja2>=3.1.6'") from None
         self.directory = pathlib.Path(directory)
         self.tokenizer = tokenizer
-        config_path = self.directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = tokenizer_config(self.directory)
         self.special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
         try:
             self.template = _sandbox().from_string(read_chat_template(self.directory))

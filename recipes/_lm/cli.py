@@ -54,11 +54,30 @@ def positive(name: str, value: float, example: str) -> None:
 
 
 def at_least(name: str, value: int | float, low: int | float, why: str = "") -> None:
+    """``value`` (of the flag ``name``) is a number of at least ``low``, else one line saying so."""
     if not (isinstance(value, int) or math.isfinite(value)) or value < low:
         raise SystemExit(f"{flag(name)} {value}: must be at least {low}{why}")
 
 
+def at_most(name: str, value: int | float, high: int | float, why: str = "") -> None:
+    """``value`` (of the flag ``name``) is at most ``high``, else one line saying so (``why``: the reason)."""
+    if value > high:
+        raise SystemExit(f"{flag(name)} {value}: must be at most {high:,}{why}")
+
+
+def in_range(name: str, value: int, low: int, high: int, why: str = "") -> None:
+    """``low <= value <= high`` for the flag ``name``, else one line."""
+    if not low <= value <= high:
+        raise SystemExit(f"{flag(name)} {value}: must be from {low} to {high:,}{why}")
+
+
+def warn(line: str) -> None:
+    """A warning for the user: one line on stderr (``warning: ...``)."""
+    print(f"warning: {line}", file=sys.stderr)
+
+
 def choice(name: str, value, choices) -> None:
+    """``value`` (of the flag ``name``) is one of ``choices``, else one line listing them."""
     if value not in choices:
         raise SystemExit(f"{flag(name)} {value}: choose one of {', '.join(map(str, choices))}")
 

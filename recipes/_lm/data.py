@@ -98,6 +98,28 @@ def eos_token_id(directory, tokenizer) -> int | None:
     return None
 
 
+def load_tokenizer(directory):
+    """The ``tokenizers.Tokenizer`` of ``directory/tokenizer.json``; a missing ``tokenizers``
+    package or a file it cannot read (truncated, not UTF-8, another format) is one line."""
+    import zoo
+
+    try:
+        return zoo.hf.load_hf_tokenizer(directory)
+    except ImportError:
+        raise SystemExit(
+            f"{directory} has a tokenizer.json: reading it needs the tokenizers package: pip install tokenizers "
+            "(part of pip install -e '.[recipes]')"
+        ) from None
+    except FileNotFoundError as err:
+        raise SystemExit(f"{err}") from None
+    except Exception as err:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise SystemExit(
+            f"{pathlib.Path(directory) / 'tokenizer.json'} does not load ({first}); it is damaged or not a Hugging "
+            "Face tokenizers file: download it again"
+        ) from None
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (through ``zoo.hf.load_hf_tokenizer``), with the
     directory's end-of-sequence token."""
@@ -105,10 +127,8 @@ class HFTokenizer:
     name = "tokenizer.json"
 
     def __init__(self, directory):
-        import zoo
-
         self.directory = pathlib.Path(directory)
-        self._tok = zoo.hf.load_hf_tokenizer(directory)
+        self._tok = load_tokenizer(directory)
         self.vocab_size = self._tok.get_vocab_size()
         self.eos_id = eos_token_id(directory, self._tok)
 
@@ -162,18 +182,43 @@ def _field_value(record, field: str | None, where: str):
     raise SystemExit(f"{where} has no field {' or '.join(map(repr, names))} (its fields: {fields}; see --data-field)")
 
 
+def _opened(path: pathlib.Path, mode: str):
+    """``open(path, mode)``; a file that cannot be read is one line."""
+    try:
+        return open(path, mode)
+    except OSError as err:
+        raise SystemExit(f"--data: cannot read {path}: {err.strerror or err}") from None
+
+
+def _read_bytes(path: pathlib.Path) -> bytes:
+    with _opened(path, "rb") as f:
+        try:
+            return f.read()
+        except OSError as err:
+            raise SystemExit(f"--data: cannot read {path}: {err.strerror or err}") from None
+
+
 def jsonl_documents(path: pathlib.Path, field: str | None = None) -> list:
     """The document of every line of a JSON-lines file (see :func:`_field_value`): UTF-8 text, or
     a conversation's list of messages. All rows hold the same kind."""
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with _opened(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SystemExit(
+                    f"--data {path}: line {number} is not UTF-8 text (byte {e.start} of the line); re-encode the file "
+                    "as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"--data {path}: line {number} is not JSON ({e.msg})") from None
+            except RecursionError:
+                raise SystemExit(f"--data {path}: line {number} nests its JSON too deeply to read") from None
             # the first row says which kind the file holds: every other row has the same field
             kind = field or (("messages" if isinstance(docs[0], list) else "text") if docs else None)
             docs.append(_field_value(record, kind, f"--data {path}: line {number}"))
@@ -196,13 +241,41 @@ def is_dataset(source: str | None) -> bool:
     return bool(files) and all(p.suffix == ".parquet" for p in files)
 
 
+def _dataset_errors() -> tuple[type[BaseException], ...]:
+    """What ``datasets`` (and ``pyarrow`` under it) raise for a file they cannot read."""
+    import datasets
+
+    errors: list[type[BaseException]] = [ValueError, OSError, datasets.exceptions.DatasetGenerationError]
+    try:
+        import pyarrow
+
+        errors.append(pyarrow.ArrowException)
+    except ImportError:  # pragma: no cover - datasets depends on pyarrow
+        pass
+    return tuple(errors)
+
+
+def _unreadable(source: str, err: BaseException) -> SystemExit:
+    cause = err.__cause__ or err
+    first = (str(cause).splitlines() or [type(cause).__name__])[0]
+    return SystemExit(f"--data {source}: datasets cannot read it ({type(cause).__name__}: {first}); is it damaged?")
+
+
 def open_dataset(source: str):
     """The ``datasets.Dataset`` of ``source`` (see :func:`is_dataset`), memory-mapped: a
-    ``DatasetDict``'s ``train`` split; parquet files through the ``datasets`` cache."""
+    ``DatasetDict``'s ``train`` split; parquet files through the ``datasets`` cache. A file
+    ``datasets`` cannot read is one line."""
     try:
         import datasets
     except ImportError:
         raise SystemExit(f"--data {source}: reading it needs the datasets package: pip install datasets") from None
+    try:
+        return _open_dataset(datasets, source)
+    except _dataset_errors() as err:
+        raise _unreadable(source, err) from None
+
+
+def _open_dataset(datasets, source: str):
     path = pathlib.Path(source)
     saved = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
     if not saved:
@@ -230,7 +303,14 @@ def dataset_documents(source: str, field: str | None = None, batch_rows: int = 1
             "see --data-field)"
         )
     row = 0
-    for batch in dataset.select_columns([column]).iter(batch_size=batch_rows):
+    batches = iter(dataset.select_columns([column]).iter(batch_size=batch_rows))
+    while True:
+        try:
+            batch = next(batches, None)
+        except _dataset_errors() as err:
+            raise _unreadable(source, err) from None
+        if batch is None:
+            return
         for value in batch[column]:
             yield _field_value({column: value}, column, f"--data {source}: row {row}")
             row += 1
@@ -241,7 +321,7 @@ def _documents(files: list[pathlib.Path], order, limit: int | None, field: str |
     :func:`_take`)."""
     for idx in order:
         path = files[idx]
-        yield from jsonl_documents(path, field) if path.suffix == ".jsonl" else [path.read_bytes()]
+        yield from jsonl_documents(path, field) if path.suffix == ".jsonl" else [_read_bytes(path)]
 
 
 def _size(doc) -> int:
@@ -303,6 +383,8 @@ class Corpus:
         if source is None and limit is None:
             limit = STDLIB_BYTES
         self.notes = [] if limit is None else [f"reading at most {limit:,} bytes of text (--data-bytes)"]
+        #: lines for the user about data that trains less than it seems to (printed as warnings)
+        self.warnings: list[str] = []
         if is_dataset(source):
             docs = list(_take(dataset_documents(source, field), limit))
             self.notes.append(f"--data {source}: read through datasets (memory-mapped)")
@@ -330,6 +412,19 @@ class Corpus:
                 chunks.append(_reorder(template.encode(doc, assistant_only=train_on == "assistant")))
         if eos and texts:
             self.notes.append(f"{len(texts):,} documents, each followed by the end-of-sequence token {eos[0]}")
+        conversations = len(docs) - len(texts)
+        if template is not None and train_on == "assistant":
+            silent = sum(1 for d in docs if not isinstance(d, bytes) and not any(m["role"] == "assistant" for m in d))
+            if silent:
+                self.warnings.append(
+                    f"--data {source}: {silent:,} of {conversations:,} conversations have no assistant message, so "
+                    "they add nothing to the loss (--train-on all trains on every token)"
+                )
+        elif train_on == "all" and not conversations:
+            self.warnings.append(
+                f"--train-on all has no effect: --data {source or '(the standard library)'} holds "
+                "no conversations (every token of text is trained on)"
+            )
         if template is not None:
             self.notes.append(
                 f"{len(docs) - len(texts):,} conversations rendered with the chat template of {template.directory}; "
@@ -357,6 +452,12 @@ class Corpus:
         #: which tokens the loss covers (bool, parallel to train / val), or ``None``: every token
         self.train_mask = _masks(chunks) if masked else None
         self.val_mask = _masks(val) if masked else None
+        for name, mask in (("training", self.train_mask), ("validation", self.val_mask)):
+            if mask is not None and not mask.any():
+                raise SystemExit(
+                    f"--data {source}: the {name} split holds no assistant tokens, so its loss would cover nothing "
+                    "(and read 0.000); give conversations with assistant replies, more of them, or --train-on all"
+                )
         #: where each document starts in ``train`` and ``val`` (for packing, see :func:`segments_at`)
         splits = (("train", chunks), ("val", val))
         self.doc_starts = {name: np.cumsum([0] + [len(c[0]) for c in split[:-1]]) for name, split in splits}
@@ -443,17 +544,24 @@ class TokenCorpus:
             self.notes.append(f"validation: the last {len(self.val):,} tokens")
         self.vocab_size = tokenizer.vocab_size
         self.doc_starts = None  # documents end at the tokenizer's end-of-sequence token, if any
-        sample = _sample(self.train)
-        top = int(sample.max()) if sample.size else 0
-        if top >= tokenizer.vocab_size:
-            raise SystemExit(
-                f"--data {path}: token id {top} is outside the tokenizer's vocabulary of {tokenizer.vocab_size} "
-                "(wrong --data-dtype, or tokenized for another model?)"
-            )
+        self.path = path
+        self.warnings: list[str] = []
+        self.check_ids(_sample(self.train), "a sample of its tokens")
         # Bytes per token, from decoding a piece of the validation split (exact for that piece).
         piece = np.asarray(self.val[:100_000])
         text_bytes = len(tokenizer.decode(piece).encode())
         self.val_bytes_per_token = max(text_bytes, 1) / max(len(piece), 1)
+
+    def check_ids(self, ids: np.ndarray, where: str) -> None:
+        """Every id of ``ids`` (read from the file) is within the vocabulary, else one line: an
+        id beyond it would index past the embedding (a NaN loss, or silent garbage). The whole file
+        is never read: a sample up front, then each batch as it is drawn."""
+        top = int(ids.max()) if ids.size else 0
+        if top >= self.vocab_size:
+            raise SystemExit(
+                f"--data {self.path}: token id {top} is outside the tokenizer's vocabulary of {self.vocab_size} "
+                f"(found in {where}; wrong --data-dtype, or tokenized for another model?)"
+            )
 
     def check(self, seq: int) -> None:
         Corpus.check(self, seq)

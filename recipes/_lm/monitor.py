@@ -11,6 +11,7 @@ import time
 import jax
 
 import transforms
+from recipes._lm import files
 
 
 def peak_flops(compute_dtype: str) -> float | None:
@@ -89,15 +90,19 @@ class Progress:
 
 
 class MetricsLog:
-    """Append-only JSONL: one object per line, flushed, so a killed run keeps what it logged."""
+    """Append-only JSONL: one object per line, flushed, so a killed run keeps what it logged.
+
+    A resumed run rewinds to its checkpoint (``truncate_after``: its step): the records of later
+    steps are dropped by writing the kept ones to a new file that replaces the old in one step
+    (:func:`recipes._lm.files.write_text`), so a kill at any moment leaves the old log or the new
+    one, never an empty or half-written file."""
 
     def __init__(self, path: pathlib.Path, *, truncate_after: int | None = None):
         self.path = path
         if truncate_after is not None and path.exists():
-            # A resumed run rewinds to its checkpoint: drop records from the lost steps.
             keep = [r for r in read_jsonl(path) if r.get("step", 0) <= truncate_after]
-            path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        self.fh = path.open("a")
+            files.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+        self.fh = path.open("a", encoding="utf-8")
 
     def log(self, **record) -> None:
         self.fh.write(json.dumps(record) + "\n")
@@ -108,12 +113,16 @@ class MetricsLog:
 
 
 def read_jsonl(path) -> list[dict]:
+    """The JSON objects of a JSONL file, one per line; a line that is not one (cut short by a kill,
+    or damaged) is skipped."""
     records = []
-    for line in pathlib.Path(path).read_text().splitlines():
+    for line in pathlib.Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a kill
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):  # a line cut short by a kill
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
@@ -138,7 +147,8 @@ def plot_losses(records: list[dict], path: pathlib.Path, *, baseline: float, tit
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    with files.replacing(path) as tmp:  # a reader never sees half a picture
+        fig.savefig(tmp)
     plt.close(fig)
 
 
@@ -186,5 +196,6 @@ def plot_placement(where: dict[str, dict[str, int]], path: pathlib.Path, *, titl
     ax.grid(axis="y", alpha=0.3)
     fig.text(0.01, 0.01, "params, optimizer state: measured; gradients, activations: planner estimate", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    with files.replacing(path) as tmp:  # a reader never sees half a picture
+        fig.savefig(tmp)
     plt.close(fig)
