@@ -20,21 +20,25 @@ import jax.numpy as jnp
 
 import checkpointing
 import transforms
-from recipes._lm import cli
+from recipes._lm import cli, files
+from recipes._lm.flags import build_parser, check, saved_flags
+from recipes._lm.loading import is_run_dir, source_config
+from recipes._lm.memory import check_generation_memory
+from recipes._lm.run import Run
 from recipes._lm.run_setup import init_distributed, is_hf_dir, one_line_warnings, sample
-from recipes.train_lm import Run, build_parser, check, saved_flags
 
 #: The flags of ``recipes.train_lm`` that say what a Hugging Face directory is evaluated on.
 HF_FLAGS = ("data", "data_bytes", "data_dtype", "pack", "seq", "batch", "seed", "param_dtype", "compute_dtype", "mesh")
 
 
 def build_evaluate_parser() -> argparse.ArgumentParser:
+    """The evaluation's flags, and the training flags that describe a Hugging Face directory's data."""
     p = cli.Parser(prog="python -m recipes.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a train_lm run directory, or a Hugging Face checkpoint directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest intact one)")
     p.add_argument("--eval-batches", type=int, default=16, help="batches of the validation split")
     p.add_argument("--samples", type=int, default=3, help="continuations to sample (0: none)")
-    p.add_argument("--tokens", type=int, default=100, help="tokens per sample")
+    p.add_argument("--tokens", type=int, default=100, help="tokens per sample (at most the model's positions)")
     p.add_argument("--prompt", default=None, help="prompt of the samples (default: the run's)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument(
@@ -45,38 +49,62 @@ def build_evaluate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> dict:
-    args = build_evaluate_parser().parse_args(argv)
-    given = cli.given_flags(build_evaluate_parser(), argv)
-    init_distributed(None, None, None)
+def check_flags(args: argparse.Namespace, given: dict) -> tuple[argparse.Namespace, list[str]]:
+    """Every check before anything loads (`SystemExit`: one line): ``(the run's flags, warnings)``."""
     cli.at_least("eval_batches", args.eval_batches, 1)
     cli.at_least("samples", args.samples, 0)
     cli.at_least("tokens", args.tokens, 1)
+    if args.json is not None:
+        files.check_output_file("--json", args.json)
     source = pathlib.Path(args.source)
     hf_given = [cli.flag(name) for name in HF_FLAGS if name in given]
+    if is_run_dir(args.source):
+        if hf_given:
+            raise SystemExit(f"{' '.join(hf_given)}: {source} is a train_lm run, which brings its own flags; drop them")
+        cli.checkpoint_steps(source, args.step, str(source))
+        run_args = saved_flags(str(source))
+    elif is_hf_dir(args.source):
+        if args.step is not None:
+            raise SystemExit(f"--step {args.step}: {source} is a Hugging Face directory, which has no steps")
+        run_args = build_parser().parse_args(["--model", args.source])
+        for name in HF_FLAGS:
+            setattr(run_args, name, getattr(args, name))
+        check(run_args)
+    else:
+        raise SystemExit(
+            f"{source} is neither a train_lm run directory (with checkpoints/) nor a Hugging Face one (config.json)"
+        )
+    run_args.eval_batches = args.eval_batches
+    config = source_config(args.source, what="evaluate")
+    positions = config.max_seq_len
+    warnings = []
+    if args.samples:
+        cli.at_most("tokens", args.tokens, positions - 1, f" (the model holds {positions} positions, prompt included)")
+        check_generation_memory(config, batch=args.samples, context=positions, flags=f"--samples {args.samples}")
+    else:
+        warnings += [
+            f"{cli.flag(n)} has no effect with --samples 0 (nothing is sampled)"
+            for n in ("tokens", "prompt")
+            if n in given
+        ]
+    return run_args, warnings
+
+
+def main(argv=None) -> dict:
+    """Evaluate; returns the results (also written to ``--json``)."""
+    args = build_evaluate_parser().parse_args(argv)
+    given = cli.given_flags(build_evaluate_parser(), argv)
+    init_distributed(None, None, None)
+    source = pathlib.Path(args.source)
     with cli.LibraryLogs():
-        if (source / "checkpoints").is_dir():
-            if hf_given:
-                raise SystemExit(
-                    f"{' '.join(hf_given)}: {source} is a train_lm run, which brings its own flags; drop them"
-                )
-            cli.checkpoint_steps(source, args.step, str(source))
-            run_args = saved_flags(str(source))
-        elif is_hf_dir(args.source):
-            if args.step is not None:
-                raise SystemExit(f"--step {args.step}: {source} is a Hugging Face directory, which has no steps")
-            run_args = build_parser().parse_args(["--model", args.source])
-            for name in HF_FLAGS:
-                setattr(run_args, name, getattr(args, name))
-            check(run_args)
-        else:
-            raise SystemExit(
-                f"{source} is neither a train_lm run directory (with checkpoints/) nor a Hugging Face one (config.json)"
-            )
-        run_args.eval_batches = args.eval_batches
+        run_args, warnings = check_flags(args, given)
+        for line in warnings:
+            cli.warn(line)
         run = Run(run_args)
+        for line in run.warnings:
+            cli.warn(line)
         step = None
-        if (source / "checkpoints").is_dir():
+        if is_run_dir(args.source):
             with checkpointing.Checkpointer(source / "checkpoints") as ckpt:
                 step, state, meta = cli.restore(ckpt, run.state(), step=args.step, what=str(source))
             run.set_state(state, meta)
@@ -100,7 +128,7 @@ def main(argv=None) -> dict:
     result["quantize"] = args.quantize
     result["samples"] = samples
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
+        files.write_text(args.json, json.dumps(result, indent=2))
     return result
 
 

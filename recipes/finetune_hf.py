@@ -25,26 +25,23 @@ fine-tuning: a small learning rate, short warmup, no weight decay, float32 maste
   (``peft.PeftModel.from_pretrained(base, DIR)``), ``--export-merged DIR`` the merged full model.
 
 Each export also holds the tokenizer files and ``generation_config.json`` the checkpoint had, so
-``transformers`` loads it with its tokenizer.
+``transformers`` loads it with its tokenizer. An export never lands on what the run reads (the
+checkpoint, ``--data``) or on the run directory, nor on a non-empty directory without
+``--overwrite``; it is written beside its target and moved into place when complete.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import shutil
 
-import jax
-
-import transforms
-import zoo
 from recipes._lm import cli
+from recipes._lm.export import check_targets, export
+from recipes._lm.flags import build_parser as train_parser
+from recipes._lm.flags import resume_args
+from recipes._lm.run import default_out
 from recipes._lm.run_setup import is_hf_dir, one_line_warnings
-from recipes.train_lm import build_parser as train_parser
-from recipes.train_lm import main as train_main
-from recipes.train_lm import resume_args
-from zoo.nn import LoRALinear
+from recipes._lm.train import main as train_main
 
 DEFAULTS = {
     "lr": 1e-4,
@@ -56,76 +53,8 @@ DEFAULTS = {
     "sample_before": True,
     "prompt": "The",
 }
-
-#: Files besides the weights that make a model directory usable: tokenizers, generation defaults.
-SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
-#: config.json fields carried over to an export (token ids the weights do not hold).
-TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def source_dtype(directory: pathlib.Path) -> str | None:
-    """The dtype the checkpoint stores its weights in (``None`` if mixed)."""
-    tensors = zoo.hf.read_tensors(directory)
-    stored = {info.dtype for info in tensors.values()}
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    return names.get(stored.pop()) if len(stored) == 1 else None
-
-
-def copy_side_files(source: pathlib.Path, target: pathlib.Path) -> list[str]:
-    copied = []
-    for name in SIDE_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, target / name)
-            copied.append(name)
-    return copied
-
-
-def token_fields(source: pathlib.Path, vocab_size: int) -> dict:
-    """The special-token ids of the source ``config.json`` that fit the vocabulary."""
-    config = json.loads((source / "config.json").read_text())
-
-    def fits(v):
-        ids = v if isinstance(v, list) else [v]
-        return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)
-
-    return {k: config[k] for k in TOKEN_FIELDS if config.get(k) is not None and fits(config[k])}
-
-
-def has_adapters(model) -> bool:
-    return any(isinstance(n, LoRALinear) for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoRALinear)))
-
-
-def export(model, source: pathlib.Path, *, full: str | None, merged: str | None, dtype: str | None) -> None:
-    """Write ``model`` as asked: the full model (or, with adapters, the PEFT adapter) to ``full``,
-    the merged model to ``merged``; each with the checkpoint's tokenizer files."""
-    lora = has_adapters(model)
-    if merged and not lora:
-        raise SystemExit("--export-merged needs a LoRA run (--lora-rank); --export writes the full model")
-    dtype = dtype or source_dtype(source)
-    extra = token_fields(source, model.config.vocab_size)
-    if full:
-        if lora:
-            zoo.hf.save_peft_adapter(model, full, base_model_name_or_path=str(source.resolve()))
-            what = "PEFT adapter"
-        else:
-            zoo.save_hf(model, full, dtype=dtype, extra_config=extra)
-            what = f"model ({dtype or 'float32'})"
-        copied = copy_side_files(source, pathlib.Path(full))
-        print(f"exported the {what} to {full} (with {', '.join(copied) or 'no tokenizer files'})")
-    if merged:
-        zoo.save_hf(transforms.merge_lora(model), merged, dtype=dtype, extra_config=extra)
-        copied = copy_side_files(source, pathlib.Path(merged))
-        print(f"exported the merged model to {merged} (with {', '.join(copied) or 'no tokenizer files'})")
+#: The flags of this recipe besides the training ones.
+EXPORT_FLAGS = ("export", "export_merged", "export_dtype", "overwrite")
 
 
 def build_parser(defaults: dict | None = DEFAULTS) -> argparse.ArgumentParser:
@@ -142,25 +71,52 @@ def build_parser(defaults: dict | None = DEFAULTS) -> argparse.ArgumentParser:
     out.add_argument("--export", default=None, help="write the result here (the full model, or the LoRA adapter)")
     out.add_argument("--export-merged", default=None, help="with --lora-rank: write the merged full model here")
     out.add_argument("--export-dtype", default=None, help="dtype of exported weights (default: the checkpoint's)")
+    out.add_argument("--overwrite", action="store_true", help="let an export replace a directory that is not empty")
     train_parser(defaults, skip=("model",), parser=p.add_argument_group("training (as recipes.train_lm)"))
     return p
 
 
-def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
-    source = pathlib.Path(args.model)
+def check(args: argparse.Namespace, given: set[str]) -> list[str]:
+    """This recipe's own checks, before any work (`SystemExit`: one line); returns a warning for
+    each of its flags given without effect."""
+    import zoo
+
     if not is_hf_dir(args.model):
         raise SystemExit(f"{args.model} is not a Hugging Face checkpoint directory (no config.json)")
     if args.export_dtype is not None:
         cli.choice("export_dtype", args.export_dtype, zoo.DTYPES)
-    lora = args.lora_rank > 0 if not args.resume else resume_args(args.resume).get("lora_rank", 0) > 0
+    saved = resume_args(args.resume) if args.resume else None
+    lora = (saved or vars(args)).get("lora_rank", 0) > 0
     if args.export_merged and not lora:
         raise SystemExit("--export-merged needs --lora-rank (a LoRA run); --export writes the full model")
-    summary = train_main(argv, defaults=DEFAULTS, build=build_parser)
+    check_targets(
+        {"--export": args.export, "--export-merged": args.export_merged},
+        reads={"the checkpoint": args.model, "--data": (saved or vars(args)).get("data")},
+        run_dir=args.resume or args.out or default_out(args.model),
+        overwrite=args.overwrite,
+    )
+    warnings = []
+    exporting = args.export or args.export_merged
+    if "export_dtype" in given and not exporting:
+        warnings.append("--export-dtype has no effect without --export or --export-merged")
+    elif "export_dtype" in given and lora and not args.export_merged:
+        warnings.append("--export-dtype has no effect on a LoRA adapter (--export); it sets --export-merged's dtype")
+    if "overwrite" in given and not exporting:
+        warnings.append("--overwrite has no effect without --export or --export-merged")
+    return warnings
+
+
+def main(argv=None) -> dict:
+    """Fine-tune, then export; returns the training summary."""
+    args = build_parser().parse_args(argv)
+    given = set(cli.given_flags(build_parser(None), argv))
+    warnings = check(args, given)
+    summary = train_main(argv, defaults=DEFAULTS, build=build_parser, warnings=warnings)
     if (args.export or args.export_merged) and not summary.get("finished", True):
         print("not exported yet: the run stopped before its last step (export when it is resumed to the end)")
         return summary
     if (args.export or args.export_merged) and summary.get("model") is not None:
+        source = pathlib.Path(args.model)
         export(summary["model"], source, full=args.export, merged=args.export_merged, dtype=args.export_dtype)
     return summary
 

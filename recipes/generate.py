@@ -22,17 +22,18 @@ import time
 import jax
 import jax.numpy as jnp
 
-import checkpointing
 import transforms
 import zoo
 from recipes._lm import cli
-from recipes._lm.data import HFTokenizer
+from recipes._lm.flags import MAX_SEED
+from recipes._lm.loading import is_run_dir, load_for_inference, source_config
 from recipes._lm.run_setup import is_hf_dir, one_line_warnings
 
 CACHE_MEMORY_KINDS = ("device", "pinned_host")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The generation's flags."""
     p = cli.Parser(prog="python -m recipes.generate", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--model", required=True, help="a Hugging Face checkpoint directory or a train_lm run directory")
@@ -56,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check(args: argparse.Namespace) -> None:
-    """Every check of the flags, before anything loads or prints (`SystemExit`: one line)."""
+def check(args: argparse.Namespace, given: set[str] = frozenset()) -> list[str]:
+    """Every check of the flags, before anything loads or prints (`SystemExit`: one line); returns
+    a warning for each flag in ``given`` that has no effect."""
     path = pathlib.Path(args.model)
-    run = (path / "checkpoints").is_dir()
+    run = is_run_dir(args.model)
     if not run and not is_hf_dir(args.model):
         raise SystemExit(
             f"--model {args.model}: neither a Hugging Face checkpoint (config.json) nor a train_lm run (checkpoints/)"
@@ -73,6 +75,7 @@ def check(args: argparse.Namespace) -> None:
         cli.at_least("top_k", args.top_k, 1)
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1], e.g. --top-p 0.9")
+    cli.in_range("seed", args.seed, 0, MAX_SEED)
     if args.dtype is not None:
         if run:
             raise SystemExit(f"--dtype {args.dtype}: applies to a Hugging Face directory; a run keeps its own dtype")
@@ -81,45 +84,30 @@ def check(args: argparse.Namespace) -> None:
         if not run:
             raise SystemExit(f"--step {args.step}: {args.model} is a Hugging Face directory, which has no steps")
         cli.checkpoint_steps(path, args.step, args.model)
+    if is_hf_dir(args.model) and not (path / "tokenizer.json").is_file():
+        raise SystemExit(f"--model {args.model}: no tokenizer.json to encode the prompt and decode the text")
+    config = source_config(args.model, what="--model")
+    positions = config.max_seq_len
+    cli.at_most(
+        "max_new_tokens",
+        args.max_new_tokens,
+        positions - 1,
+        f" (the model holds {positions} positions, prompt included)",
+    )
+    if args.top_k is not None:
+        cli.at_most("top_k", args.top_k, config.vocab_size, f" (the vocabulary has {config.vocab_size} tokens)")
+    if args.temperature == 0:
+        return [
+            f"{cli.flag(n)} has no effect without --temperature above 0 (greedy decoding draws nothing)"
+            for n in ("top_k", "top_p", "seed")
+            if n in given
+        ]
+    return []
 
 
 def load(source: str, *, step: int | None, dtype: str | None, quantize: str | None = None):
-    """``(model, tokenizer, eos_id)`` of a Hugging Face directory or a ``train_lm`` run directory
-    (with ``quantize``, the layers' weights quantized: a checkpoint's as they load)."""
-    path = pathlib.Path(source)
-    if is_hf_dir(source):
-        if not (path / "tokenizer.json").is_file():
-            raise SystemExit(f"--model {source}: no tokenizer.json to encode the prompt and decode the text")
-        try:
-            model = zoo.load_hf(source, dtype=dtype, quantize=quantize)
-        except (ValueError, FileNotFoundError) as err:
-            raise SystemExit(f"--model {source}: {err}") from None
-        tokenizer = HFTokenizer(source)
-        return model, tokenizer, tokenizer.eos_id
-    if (path / "checkpoints").is_dir():
-        from recipes.train_lm import Run, saved_flags
-
-        run = Run(saved_flags(source))
-        with checkpointing.Checkpointer(path / "checkpoints") as ckpt:
-            _, state, meta = cli.restore(ckpt, run.state(), step=step, what=f"--model {source}")
-        run.set_state(state, meta)
-        model = run.model
-        if quantize is not None:
-            try:
-                model = transforms.quantize(transforms.merge_lora(model) if _has_lora(model) else model, quantize)
-            except ValueError as err:
-                raise SystemExit(f"--quantize {quantize}: {err}") from None
-        return model, run.tokenizer, getattr(run.tokenizer, "eos_id", None)
-    raise SystemExit(
-        f"--model {source}: neither a Hugging Face checkpoint (config.json) nor a train_lm run (checkpoints/)"
-    )
-
-
-def _has_lora(model) -> bool:
-    return any(
-        isinstance(n, zoo.nn.LoRALinear)
-        for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, zoo.nn.LoRALinear))
-    )
+    """``(model, tokenizer, eos_id)``: see :func:`recipes._lm.loading.load_for_inference`."""
+    return load_for_inference(source, step=step, dtype=dtype, quantize=quantize)
 
 
 class _Printer:
@@ -150,8 +138,10 @@ class _Printer:
 
 
 def main(argv=None, *, out=None) -> dict:
+    """Generate, streaming the text to ``out`` (default stdout); returns the ids and the text."""
     args = build_parser().parse_args(argv)
-    check(args)
+    for line in check(args, set(cli.given_flags(build_parser(), argv))):
+        cli.warn(line)
     out = sys.stdout if out is None else out
     with cli.LibraryLogs():
         model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype, quantize=args.quantize)

@@ -17,7 +17,8 @@ import pytest
 import zoo
 from recipes import finetune_hf
 from recipes._lm import chat, data
-from recipes.train_lm import Run, batch_loss, saved_flags
+from recipes._lm.flags import saved_flags
+from recipes._lm.run import Run, batch_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecation notices
 

@@ -136,7 +136,8 @@ def test_segments_at_numbers_the_documents_of_each_window_from_either_boundary()
 
 
 def test_train_lm_packs_by_default_and_no_pack_keeps_one_stream(tmp_path):
-    from recipes.train_lm import Run, build_parser
+    from recipes._lm.flags import build_parser
+    from recipes._lm.run import Run
 
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document number {i}."}) + "\n" for i in range(200)))
@@ -162,7 +163,8 @@ def test_packed_mixture_of_experts_loss_and_metrics_equal_the_plain_loss_of_each
 
 
 def test_pack_refuses_a_pretokenized_file_without_an_end_token(tmp_path):
-    from recipes.train_lm import Run, build_parser
+    from recipes._lm.flags import build_parser
+    from recipes._lm.run import Run
 
     data = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint16).tofile(data)

@@ -23,7 +23,10 @@ import pytest
 import checkpointing
 import zoo
 from recipes import evaluate, finetune_hf, generate, train_lm
+from recipes._lm import flags as run_flags
 from recipes._lm import monitor
+from recipes._lm.run import Run
+from recipes._lm.run_setup import lr_schedule
 
 ROOT = pathlib.Path(__file__).parents[1]
 STEPS = 10
@@ -197,7 +200,7 @@ def test_a_non_finite_loss_stops_the_run_and_a_lower_lr_continues_it(tmp_path, s
     assert f"--resume {out} --lr 1e+29" in message  # what to do, as a command
     ckpt = checkpointing.Checkpointer(out / "checkpoints")
     assert ckpt.latest_step() == 3
-    like = train_lm.Run(train_lm.parse(["--resume", str(out)]))
+    like = Run(run_flags.parse(["--resume", str(out)]))
     _, state, _ = ckpt.restore(like.state())
     assert all(np.isfinite(x).all() for x in leaves(state["model"]))
     ckpt.close()
@@ -209,9 +212,9 @@ def test_a_non_finite_loss_stops_the_run_and_a_lower_lr_continues_it(tmp_path, s
     assert all(np.isfinite(loss) for loss in resumed["losses"].values())
     # From the resumed step on, the rates are those of the new flags' cosine at each step.
     logged = {r["step"]: r["lr"] for r in monitor.read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"}
-    schedule = train_lm.lr_schedule(lr=1e-3, warmup=4, steps=STEPS)
+    schedule = lr_schedule(lr=1e-3, warmup=4, steps=STEPS)
     assert [logged[s] for s in range(4, STEPS + 1)] == [float(schedule(s - 1)) for s in range(4, STEPS + 1)]
-    assert train_lm.resume_args(str(out))["lr"] == 1e-3  # the checkpoints it wrote hold the new flag
+    assert run_flags.resume_args(str(out))["lr"] == 1e-3  # the checkpoints it wrote hold the new flag
 
 
 def test_extending_steps_equals_a_run_of_the_extended_length_and_keeps_the_fixed_flags(tmp_path, small, capsys):
@@ -228,7 +231,7 @@ def test_extending_steps_equals_a_run_of_the_extended_length_and_keeps_the_fixed
     assert_same_params(extended["model"], straight["model"])
     # The learning rate of each resumed step is the schedule of the new flags at that step.
     logged = {r["step"]: r["lr"] for r in monitor.read_jsonl(tmp_path / "short" / "metrics.jsonl") if "lr" in r}
-    schedule = train_lm.lr_schedule(lr=3e-3, warmup=4, steps=10, kind="constant")
+    schedule = lr_schedule(lr=3e-3, warmup=4, steps=10, kind="constant")
     assert [logged[s] for s in range(7, 11)] == [float(schedule(s - 1)) for s in range(7, 11)]
     # What cannot change mid-run is refused by name, with why; resuming the finished run says so.
     with pytest.raises(SystemExit, match=r"--batch 4: a resumed run keeps its --batch \(8\): the batch of each step"):

@@ -18,6 +18,9 @@ import pytest
 
 import checkpointing
 from recipes import evaluate, finetune_hf, generate, train_lm
+from recipes._lm import flags as run_flags
+from recipes._lm import run as run_module
+from recipes._lm.run_setup import lr_schedule
 from transforms.plan.__main__ import main as plan_main
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -44,7 +47,7 @@ def paths(tmp_path_factory):
     (text / "a.txt").write_text("def main():\n    return 0\n" * 200)
     run = root / "run"
     flags = ["--data", str(text), "--steps", "6", "--batch", "8", "--seq", "32", "--warmup", "2", "--out", str(run)]
-    saved = vars(train_lm.parse(flags))
+    saved = vars(run_flags.parse(flags))
     with checkpointing.Checkpointer(run / "checkpoints", async_save=False) as ckpt:
         ckpt.save(6, {"w": jnp.zeros(4)}, metadata={"args": saved, "step": 6})
     hf = root / "hf"
@@ -214,7 +217,7 @@ def test_an_unexpected_error_keeps_its_traceback(paths, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(train_lm, "open_corpus", broken)
+    monkeypatch.setattr(run_module, "open_corpus", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         train_lm.main(["--data", paths["text"], "--out", str(paths["root"] / "bug")])
 
@@ -244,28 +247,28 @@ def test_help_lists_every_flag_a_recipe_takes(capsys):
 
 
 def test_every_flag_is_either_changeable_on_resume_kept_or_of_one_invocation():
-    kept = [name for names in train_lm.KEPT.values() for name in names]
-    groups = [*train_lm.RUN_CONTROL, *train_lm.CHANGEABLE, *kept]
+    kept = [name for names in run_flags.KEPT.values() for name in names]
+    groups = [*run_flags.RUN_CONTROL, *run_flags.CHANGEABLE, *kept]
     flags = [a.dest for a in train_lm.build_parser()._actions if a.dest != "help"]
     assert sorted(groups) == sorted(flags)  # each flag in exactly one group
 
 
 def test_a_run_shorter_than_its_warmup_is_warned_about(paths):
     flags = ["--data", paths["text"], "--steps", "5", "--warmup", "40"]
-    _, changes, warnings = train_lm.parse_run(flags)
-    assert changes == [] and len(warnings) == 1
-    assert warnings[0].startswith("--steps 5 is shorter than --warmup 40: the warmup is cut to 4 steps")
-    assert train_lm.parse_run([*flags, "--warmup", "5"])[2] == []
+    parsed = run_flags.parse_run(flags)
+    assert parsed.changes == [] and len(parsed.warnings) == 1
+    assert parsed.warnings[0].startswith("--steps 5 is shorter than --warmup 40: the warmup is cut to 4 steps")
+    assert run_flags.parse_run([*flags, "--warmup", "5"]).warnings == []
 
 
-@pytest.mark.parametrize("kind", train_lm.SCHEDULES)
+@pytest.mark.parametrize("kind", run_flags.SCHEDULES)
 def test_each_schedule_warms_up_to_lr_then_decays_to_a_tenth_or_stays(kind):
-    schedule = train_lm.lr_schedule(lr=1.0, warmup=4, steps=20, kind=kind)
+    schedule = lr_schedule(lr=1.0, warmup=4, steps=20, kind=kind)
     rates = [float(schedule(count)) for count in range(21)]
     assert rates[0] == 0.0 and rates[2] == pytest.approx(0.5) and rates[4] == pytest.approx(1.0)
     assert rates[20] == pytest.approx(1.0 if kind == "constant" else 0.1)
     assert all(a >= b for a, b in itertools.pairwise(rates[4:]))  # no rise after the warmup
     if kind == "linear":
         assert rates[12] == pytest.approx(0.55)  # halfway through the decay
-    no_warmup = train_lm.lr_schedule(lr=1.0, warmup=0, steps=20, kind=kind)
+    no_warmup = lr_schedule(lr=1.0, warmup=0, steps=20, kind=kind)
     assert float(no_warmup(0)) == pytest.approx(1.0)

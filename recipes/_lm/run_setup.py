@@ -1,4 +1,5 @@
-"""Model, mesh, processes, optimizer and offload choices for the language-model recipes."""
+"""Model, mesh, processes and optimizer of the language-model recipes (the offload set is
+:mod:`recipes._lm.offload`'s)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from jax.sharding import PartitionSpec as P
 import transforms
 import zoo
 from zoo import sharding
-
-OFFLOADABLE = ("params", "opt_state", "activations")
 
 
 def one_line_warnings() -> None:
@@ -48,6 +47,8 @@ def parse_mesh(spec: str | None):
         name, _, value = part.partition("=")
         if name not in sharding.MESH_AXES or not value.isdigit() or int(value) < 1:
             raise SystemExit(f"--mesh: bad entry {part!r}; use e.g. data=2,fsdp=4,tensor=1 (axes {sharding.MESH_AXES})")
+        if name in sizes:
+            raise SystemExit(f"--mesh {spec}: the axis {name} is given twice; give each axis once")
         sizes[name] = int(value)
     if math.prod(sizes.values()) != jax.device_count():
         raise SystemExit(f"--mesh {spec} has {math.prod(sizes.values())} devices but there are {jax.device_count()}")
@@ -201,29 +202,6 @@ def make_optimizer(
     schedule = lr_schedule(lr=lr, warmup=warmup, steps=steps, kind=kind)
     adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=mask)
     return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)
-
-
-def parse_offload(spec: str) -> set[str]:
-    chosen = {x for x in spec.split(",") if x}
-    unknown = chosen - set(OFFLOADABLE)
-    if unknown:
-        raise SystemExit(
-            f"--offload {spec}: unknown {', '.join(sorted(unknown))}; choose some of {', '.join(OFFLOADABLE)}"
-        )
-    return chosen
-
-
-def apply_offload(model, optimizer, offload: set[str], activations: str, prefetch: bool = False):
-    if "params" in offload:
-        model = transforms.offload_params(model, prefetch=prefetch)
-    if "activations" in offload:
-        if activations in transforms.ACTIVATION_PRESETS:
-            model = transforms.offload_activations(model, policy=activations)
-        else:
-            model = transforms.offload_activations(model, names=tuple(activations.split(",")))
-    if "opt_state" in offload:
-        optimizer = transforms.offload_opt_state(optimizer)
-    return model, optimizer
 
 
 def put_batch(tokens: np.ndarray, mesh, global_shape):

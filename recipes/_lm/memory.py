@@ -1,0 +1,110 @@
+"""Sizes checked against this machine before anything is allocated: a training step (``--batch``,
+``--seq``) or a generation batch (``--samples``, ``--batch-size``) whose planner estimate exceeds
+the memory there is one line, not an out-of-memory crash (or a swapping machine) later.
+
+The estimates are :func:`transforms.plan`'s and :func:`transforms.plan.plan_generate`'s for a
+device with this machine's memory; only what cannot fit is refused (the planner is within about
+15% of XLA's own count on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+import transforms
+from recipes._lm.offload import OffloadSpec
+
+
+def machine_memory() -> tuple[int | None, int]:
+    """``(device bytes, host bytes)`` of this process's first device and of the machine: the
+    device's own limit where its backend reports one (``None`` on the CPU, whose device memory is
+    the host's)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    device = jax.local_devices()[0]
+    stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
+    return stats.get("bytes_limit"), ram
+
+
+def memory_need(prediction: dict, *, lora: bool) -> tuple[int, int]:
+    """``(device, host)`` bytes per device of a planner prediction; with LoRA, without the base's
+    gradients and optimizer state (the planner counts a full fine-tuning, the adapters are small)."""
+    skip = ("gradients", "optimizer state") if lora else ()
+    device = max(sum(v for k, v in phase.items() if k not in skip) for phase in prediction["phases"].values())
+    host = sum(v for k, v in prediction["host"].items() if k not in skip)
+    return device, host
+
+
+def check_memory(args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None) -> None:
+    """Refuse a step that cannot fit this machine by the planner's estimate (``--batch``, ``--seq``
+    far beyond it): one line before anything is allocated, not an out-of-memory crash later."""
+    device_limit, ram = machine_memory()
+    shape = dict(mesh.shape) if mesh is not None else {}
+    data, fsdp = shape.get("data", 1), shape.get("fsdp", 1)
+    machine = _machine_device(device_limit, ram)
+    try:
+        estimate = transforms.plan(
+            config,
+            batch=args.batch // data,
+            seq=args.seq,
+            device=machine,
+            fsdp=fsdp,
+            accum_steps=args.accum,
+            quantize=getattr(args, "quantize", None),
+        )
+        if spec.plan:
+            chosen = plan.candidate if plan is not None else None
+            if chosen is None:
+                return  # the plan's own refusal says what does not fit
+            prediction = estimate.predict(params=chosen.params, opt_state=chosen.opt_state, activations=chosen.policy)
+        else:
+            prediction = spec.predict(estimate)
+    except (ValueError, TypeError):
+        return  # a shape the planner does not model (the run's own checks come later)
+    device, host = memory_need(prediction, lora=lora)
+    local = 1 if mesh is None else min(mesh.devices.size, jax.local_device_count())  # the devices this process uses
+    if device_limit is None:  # the CPU: every device's bytes, host or not, are the machine's memory
+        need, have, where = (device + host) * local, ram, "this machine's memory"
+    elif device > device_limit:
+        need, have, where = device, device_limit, "the device's memory"
+    else:
+        need, have, where = host * local, ram, "this machine's host memory"
+    if need > have:
+        raise SystemExit(
+            f"--batch {args.batch} --seq {args.seq}: one step needs about {transforms.format_bytes(need)} (the "
+            f"planner's estimate for {args.model} with {spec.label}), more than {where} "
+            f"({transforms.format_bytes(have)}); lower --batch or --seq, raise --accum, or offload more"
+        )
+
+
+def _machine_device(device_limit: int | None, ram: int):
+    return transforms.custom_device(memory_gb=(device_limit or ram) / 2**30, link_gb_s=10, tflops=1, memory_bw_gb_s=100)
+
+
+def check_generation_memory(config, *, batch: int, context: int, flags: str, quantize: str | None = None) -> None:
+    """Refuse generating ``batch`` sequences of ``context`` positions at once when the smallest
+    placement the planner knows (weights and KV cache on the device or in host memory) needs more
+    memory than this machine has; ``flags``: the flags that set the sizes, for the message."""
+    from transforms.plan import plan_generate
+
+    device_limit, ram = machine_memory()
+    try:
+        result = plan_generate(
+            config, batch=batch, context=context, device=_machine_device(device_limit, ram), quantize=quantize
+        ).to_dict()
+    except (ValueError, TypeError):
+        return  # a shape the planner does not model: the generation's own checks apply
+    placements = result["placements"]
+    if device_limit is None:
+        need = min(p["device_bytes"] + p["host_bytes"] for p in placements)
+        have, where = ram, "this machine's memory"
+    else:
+        need = min(p["device_bytes"] for p in placements)
+        have, where = device_limit, "the device's memory"
+    if need > have:
+        raise SystemExit(
+            f"{flags}: generating {batch:,} sequences of up to {context:,} positions at once needs about "
+            f"{transforms.format_bytes(need)} (the planner's estimate), more than {where} "
+            f"({transforms.format_bytes(have)}); ask for fewer"
+        )

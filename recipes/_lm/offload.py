@@ -1,0 +1,187 @@
+"""Where a training run keeps its state: ``--offload``, ``--activations``, ``--prefetch`` and
+``--plan``, parsed once into an :class:`OffloadSpec` that checks them, applies them and tells the
+planner what they are.
+
+``--offload`` names any of:
+
+- ``params``: the weights in host memory, copied to the device per layer (``offload_params``);
+- ``opt_state``: the optimizer state in host memory, the update on the device leaf by leaf
+  (``offload_opt_state``);
+- ``opt_state_stream``: the optimizer state in host memory and the update streamed layer by layer
+  (``offload_opt_state(stream=True)``; the global-norm clip of ``--clip`` becomes its
+  ``clip_norm`` pass);
+- ``activations``: the activations ``--activations`` names (a preset or names) go to host memory.
+
+``--prefetch`` (with ``params``) copies layer i+1's weights while layer i computes. ``--plan
+DEVICE`` lets the planner choose instead of ``--offload``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import transforms
+import zoo
+from recipes._lm.run_setup import make_optimizer
+
+#: What ``--offload`` may name.
+OFFLOADABLE = ("params", "opt_state", "opt_state_stream", "activations")
+#: ``--activations``' default (a preset).
+DEFAULT_ACTIVATIONS = "block_input"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSpec:
+    """The offload set of a run, from its flags (:meth:`parse`).
+
+    **Fields:**
+
+    - `params`: weights in host memory.
+    - `opt_state`: ``None`` (on the device), ``"offload"`` or ``"stream"`` (the streamed update).
+    - `activations`: ``None`` (not offloaded), a preset name of ``transforms.offload_activations``,
+      or a tuple of activation names.
+    - `prefetch`: the weights' copies one layer ahead.
+    - `plan`: a device profile name: the planner chooses the transforms (the others are then unset).
+    """
+
+    params: bool = False
+    opt_state: str | None = None
+    activations: str | tuple[str, ...] | None = None
+    prefetch: bool = False
+    plan: str | None = None
+
+    @classmethod
+    def parse(
+        cls,
+        offload: str = "",
+        activations: str = DEFAULT_ACTIVATIONS,
+        prefetch: bool = False,
+        plan: str | None = None,
+        *,
+        given: frozenset[str] | set[str] = frozenset(),
+    ) -> tuple[OffloadSpec, list[str]]:
+        """``(spec, warnings)`` from the flags' values; ``given``: the flags the command line named
+        (a flag given without effect is a warning). A bad combination is one line (`SystemExit`)."""
+        offload = offload or ""
+        chosen = [x.strip() for x in offload.split(",") if x.strip()]
+        unknown = [x for x in chosen if x not in OFFLOADABLE]
+        if unknown:
+            raise SystemExit(
+                f"--offload {offload}: unknown {', '.join(unknown)}; choose some of {', '.join(OFFLOADABLE)}"
+            )
+        if "opt_state" in chosen and "opt_state_stream" in chosen:
+            raise SystemExit(
+                f"--offload {offload}: opt_state and opt_state_stream are two ways to offload the optimizer state; "
+                "give one (opt_state_stream streams the update layer by layer)"
+            )
+        if plan and chosen:
+            raise SystemExit(f"--plan {plan} chooses the offload transforms itself: give either --plan or --offload")
+        if prefetch and not plan and "params" not in chosen:
+            raise SystemExit("--prefetch needs --offload params (it schedules the copies of host-resident weights)")
+        warnings = []
+        acts = None
+        if "activations" in chosen:
+            acts = activations if activations in transforms.ACTIVATION_PRESETS else cls._names(activations)
+        elif "activations" in given:
+            why = f"--plan {plan} chooses the activation policy" if plan else "--offload does not name activations"
+            warnings.append(f"--activations {activations} has no effect: {why}")
+        opt = "stream" if "opt_state_stream" in chosen else "offload" if "opt_state" in chosen else None
+        spec = cls(params="params" in chosen, opt_state=opt, activations=acts, prefetch=prefetch, plan=plan or None)
+        return spec, warnings
+
+    @staticmethod
+    def _names(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in (text or "").split(",") if n.strip())
+        if not names:
+            raise SystemExit(
+                f"--activations {text!r}: give a preset ({', '.join(transforms.ACTIVATION_PRESETS)}) or activation "
+                "names"
+            )
+        return names
+
+    @classmethod
+    def of(cls, args) -> OffloadSpec:
+        """The spec of a run's flags (``args.offload``, ``.activations``, ``.prefetch``, ``.plan``)."""
+        return cls.parse(
+            getattr(args, "offload", ""),
+            getattr(args, "activations", DEFAULT_ACTIVATIONS),
+            getattr(args, "prefetch", False),
+            getattr(args, "plan", None),
+        )[0]
+
+    @property
+    def any(self) -> bool:
+        """Whether anything is offloaded (or the planner chooses)."""
+        return bool(self.params or self.opt_state or self.activations or self.plan)
+
+    @property
+    def label(self) -> str:
+        """What the run offloads, in words (``--plan`` names its device)."""
+        if self.plan:
+            return f"--plan {self.plan}"
+        parts = []
+        if self.params:
+            parts.append("params" + (" (prefetch)" if self.prefetch else ""))
+        if self.opt_state:
+            parts.append("opt_state" + (" (streamed update)" if self.opt_state == "stream" else ""))
+        if self.activations:
+            acts = self.activations if isinstance(self.activations, str) else ",".join(self.activations)
+            parts.append(f"activations ({acts})")
+        return ", ".join(parts) or "no offload"
+
+    def check_model(self, config, model_name: str) -> None:
+        """The activation names against the model's own (its abstract form: nothing allocated)."""
+        if not isinstance(self.activations, tuple):
+            return
+        valid = zoo.nn.checkpoint_names(zoo.abstract_model(config))
+        unknown = [n for n in self.activations if n not in valid]
+        if unknown:
+            raise SystemExit(
+                f"--activations {','.join(self.activations)}: {model_name} names no activation "
+                f"{', '.join(map(repr, unknown))}; give a preset ({', '.join(transforms.ACTIVATION_PRESETS)}) or some "
+                f"of {', '.join(valid)}"
+            )
+
+    def apply(self, model, hyper: dict, *, clip: float, plan=None):
+        """``(model, optimizer, warnings)``: AdamW of ``hyper`` (see ``make_optimizer``) clipped to
+        the global norm ``clip``, and the model, with the transforms applied (``plan``: the
+        planner's result for ``--plan``). Refusals of the transforms are one line."""
+        warnings = []
+        try:
+            if plan is not None:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
+                model, optimizer = plan.apply(model, make_optimizer(**hyper, clip=None), clip_norm=clip)
+                if self.prefetch:
+                    if plan.candidate is not None and plan.candidate.params:
+                        model = zoo.nn.with_prefetch(model, True)
+                    else:
+                        warnings.append(f"--prefetch has no effect: --plan {self.plan} keeps the weights on the device")
+                return model, optimizer, warnings
+            if self.params:
+                model = transforms.offload_params(model, prefetch=self.prefetch)
+            if isinstance(self.activations, str):
+                model = transforms.offload_activations(model, policy=self.activations)
+            elif self.activations:
+                model = transforms.offload_activations(model, names=self.activations)
+            if self.opt_state == "stream":
+                optimizer = transforms.offload_opt_state(
+                    make_optimizer(**hyper, clip=None), stream=True, clip_norm=clip
+                )
+            else:
+                optimizer = make_optimizer(**hyper, clip=clip)
+                if self.opt_state == "offload":
+                    optimizer = transforms.offload_opt_state(optimizer)
+        except (ValueError, TypeError) as err:
+            raise SystemExit(f"offload ({self.label}): {err}") from None
+        return model, optimizer, warnings
+
+    def predict(self, plan) -> dict:
+        """The planner's bytes and times (``plan.predict``) for the transforms this spec applies;
+        for ``--plan``, those of its choice (``{}`` when nothing fits)."""
+        if self.plan:
+            c = plan.candidate
+            return plan.predict(params=c.params, opt_state=c.opt_state, activations=c.policy) if c else {}
+        acts = self.activations
+        if isinstance(acts, tuple):
+            acts = {n: "offload" for n in acts}
+        opt = {"stream": "stream", "offload": True}.get(self.opt_state, False)
+        return plan.predict(params=self.params, opt_state=opt, activations=acts)
