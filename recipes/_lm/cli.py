@@ -157,29 +157,38 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+#: The loggers of the libraries underneath whose records stay off the terminal: absl's (orbax reports
+#: there, e.g. a missing metadata file it then does without) and datasets' (a file it cannot read is
+#: logged before the exception the recipe turns into its one line).
+LIBRARY_LOGGERS = ("absl", "datasets")
+
+
 class LibraryLogs:
-    """Keeps the log records of the libraries underneath (absl's: orbax reports there, e.g. a
-    missing metadata file it then does without) off the terminal: appended to a file once
-    :meth:`to` names one (with those that came before), dropped if none is named. Use as a
-    context manager."""
+    """Keeps the log records of the libraries underneath (`LIBRARY_LOGGERS`) off the terminal:
+    appended to a file once :meth:`to` names one (with those that came before), dropped if none is
+    named. Use as a context manager."""
 
     def __init__(self):
         self.handler = _ToFile()
 
     def __enter__(self) -> LibraryLogs:
-        logger = logging.getLogger("absl")
-        self._saved = logger.propagate, list(logger.handlers)
-        logger.propagate = False
-        logger.handlers = [self.handler]
+        self._saved = {}
+        for name in LIBRARY_LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved[name] = logger.propagate, list(logger.handlers)
+            logger.propagate = False
+            logger.handlers = [self.handler]
         return self
 
     def to(self, path: pathlib.Path) -> None:
+        """Send the records, those held so far first, to the file ``path``."""
         self.handler.path = path
         self.handler.write([])
 
     def __exit__(self, *exc) -> None:
-        logger = logging.getLogger("absl")
-        logger.propagate, logger.handlers = self._saved
+        for name, (propagate, handlers) in self._saved.items():
+            logger = logging.getLogger(name)
+            logger.propagate, logger.handlers = propagate, handlers
         self.handler.close()
 
 

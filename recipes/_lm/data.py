@@ -35,7 +35,9 @@ windows are one stream, attention crosses document boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import pathlib
 import sysconfig
 
@@ -255,6 +257,19 @@ def _dataset_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+@contextlib.contextmanager
+def _quiet_datasets():
+    """Keep ``datasets``' own log records (it logs a file it cannot read before raising) off the
+    terminal: the one line the recipe prints says it."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _unreadable(source: str, err: BaseException) -> SystemExit:
     cause = err.__cause__ or err
     first = (str(cause).splitlines() or [type(cause).__name__])[0]
@@ -270,7 +285,8 @@ def open_dataset(source: str):
     except ImportError:
         raise SystemExit(f"--data {source}: reading it needs the datasets package: pip install datasets") from None
     try:
-        return _open_dataset(datasets, source)
+        with _quiet_datasets():
+            return _open_dataset(datasets, source)
     except _dataset_errors() as err:
         raise _unreadable(source, err) from None
 
@@ -306,7 +322,8 @@ def dataset_documents(source: str, field: str | None = None, batch_rows: int = 1
     batches = iter(dataset.select_columns([column]).iter(batch_size=batch_rows))
     while True:
         try:
-            batch = next(batches, None)
+            with _quiet_datasets():
+                batch = next(batches, None)
         except _dataset_errors() as err:
             raise _unreadable(source, err) from None
         if batch is None:

@@ -260,7 +260,7 @@ def check_output_file(flag: str, value: str) -> None:
     """``value`` (given as ``flag``) can be written as a file: one line (`SystemExit`) if not."""
     path = pathlib.Path(value)
     if not value or path.is_dir():
-        raise SystemExit(f"{flag} {value!r}: is a directory; give the path of a file to write")
+        raise SystemExit(f"{flag} {value or repr(value)}: is a directory; give the path of a file to write")
     if path.exists() and not os.access(path, os.W_OK):
         raise SystemExit(f"{flag} {value}: the file exists and is not writable; choose another path")
     _check_parent(flag, value, path.parent)

@@ -2,9 +2,9 @@
 ``--seq``) or a generation batch (``--samples``, ``--batch-size``) whose planner estimate exceeds
 the memory there is one line, not an out-of-memory crash (or a swapping machine) later.
 
-The estimates are :func:`transforms.plan`'s and :func:`transforms.plan.plan_generate`'s for a
-device with this machine's memory; only what cannot fit is refused (the planner is within about
-15% of XLA's own count on the CPU).
+The estimates are :func:`transforms.plan`'s and :func:`transforms.plan.plan_generate`'s for the
+transforms the command line asked for; only what cannot fit this machine is refused (on the CPU
+the planner is within about 15% of XLA's own count).
 """
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ def check_memory(args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None
     device_limit, ram = machine_memory()
     shape = dict(mesh.shape) if mesh is not None else {}
     data, fsdp = shape.get("data", 1), shape.get("fsdp", 1)
-    machine = _machine_device(device_limit, ram)
     try:
         estimate = transforms.plan(
             config,
             batch=args.batch // data,
             seq=args.seq,
-            device=machine,
+            device=_estimating_device(),
             fsdp=fsdp,
             accum_steps=args.accum,
             quantize=getattr(args, "quantize", None),
@@ -78,8 +77,16 @@ def check_memory(args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None
         )
 
 
-def _machine_device(device_limit: int | None, ram: int):
-    return transforms.custom_device(memory_gb=(device_limit or ram) / 2**30, link_gb_s=10, tflops=1, memory_bw_gb_s=100)
+#: The device the estimates are made for: memory without bound, so that the planner answers
+#: for any size at once (with nothing fitting it would also search for what would fit); the
+#: estimate is then held against this machine's memory here.
+_UNBOUNDED_GB = 1e18
+
+
+def _estimating_device():
+    return transforms.custom_device(
+        memory_gb=_UNBOUNDED_GB, host_memory_gb=_UNBOUNDED_GB, link_gb_s=10, tflops=1, memory_bw_gb_s=100
+    )
 
 
 def check_generation_memory(config, *, batch: int, context: int, flags: str, quantize: str | None = None) -> None:
@@ -91,7 +98,7 @@ def check_generation_memory(config, *, batch: int, context: int, flags: str, qua
     device_limit, ram = machine_memory()
     try:
         result = plan_generate(
-            config, batch=batch, context=context, device=_machine_device(device_limit, ram), quantize=quantize
+            config, batch=batch, context=context, device=_estimating_device(), quantize=quantize
         ).to_dict()
     except (ValueError, TypeError):
         return  # a shape the planner does not model: the generation's own checks apply

@@ -253,7 +253,7 @@ def _train(run: Run, out: pathlib.Path, ckpt, start: int, parsed, recipe_args, s
             log.close()
     summary["final_step"] = last
     summary["finished"] = last == args.steps
-    summary["model"] = run.model
+    summary["model"], summary["opt_state"] = run.model, run.opt_state
     if last < args.steps:
         say(f"stopped after step {last} of {args.steps}; continue with: --resume {out}")
         return summary

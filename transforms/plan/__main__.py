@@ -129,7 +129,7 @@ def _unwritable(flag: str, value: str) -> str | None:
     """Why ``value`` cannot be written as a file (``None`` if it can): checked before any work."""
     path = pathlib.Path(value)
     if not value or path.is_dir():
-        return f"{flag} {value!r} is a directory; give the path of a file to write"
+        return f"{flag} {value or repr(value)}: is a directory; give the path of a file to write"
     ancestor = path.absolute().parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
