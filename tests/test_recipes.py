@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import checkpointing
+import transforms
 import zoo
 from recipes import evaluate, finetune_hf, generate, train_lm
 from recipes._lm import flags as run_flags
@@ -84,6 +85,15 @@ def test_straight_run_writes_its_log_and_plots(straight):
         image = plt.imread(out / name)
         assert image.shape[0] > 200 and image.shape[1] > 300
         assert image.std() > 0.05  # not a blank canvas
+
+
+def test_the_streamed_update_trains_as_the_update_on_the_device(tmp_path, straight, small):
+    out = tmp_path / "run"
+    streamed = train_lm.main([*small, "--offload", "opt_state_stream", "--stop-after", "3", "--out", str(out)])
+    assert isinstance(streamed["opt_state"], transforms.StreamedState)  # --offload opt_state_stream streams
+    for step in (1, 2, 3):
+        assert streamed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5), step
+    assert run_flags.resume_args(str(out))["offload"] == "opt_state_stream"
 
 
 def test_resume_matches_the_uninterrupted_run_and_a_corrupted_checkpoint_falls_back(tmp_path, straight, small, capsys):

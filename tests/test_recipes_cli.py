@@ -10,14 +10,17 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import checkpointing
-from recipes import evaluate, finetune_hf, generate, train_lm
+from recipes import evaluate, finetune_hf, generate, lm_eval, train_lm
+from recipes._lm import cli, data, files
 from recipes._lm import flags as run_flags
 from recipes._lm import run as run_module
 from recipes._lm.run_setup import lr_schedule
@@ -272,3 +275,341 @@ def test_each_schedule_warms_up_to_lr_then_decays_to_a_tenth_or_stays(kind):
         assert rates[12] == pytest.approx(0.55)  # halfway through the decay
     no_warmup = lr_schedule(lr=1.0, warmup=0, steps=20, kind=kind)
     assert float(no_warmup(0)) == pytest.approx(1.0)
+
+
+# --- the second pass: bad bytes, output paths, ranges, sizes, live runs, exports -------------------
+
+WORDS = ["def", "main", "return", "x", "hi", "ok", "user", "assistant", "<eos>", "<|user|>", "<|assistant|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def _hf_with_tokenizer(directory: pathlib.Path, *, config: dict | None = None) -> pathlib.Path:
+    """A Hugging Face directory (no weights) with a small word-level tokenizer and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config or HF_CONFIG))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *WORDS])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bad(paths):
+    """Files a user may hand the recipes that are broken or wrong in some way, and a live run."""
+    root = paths["root"] / "bad"
+    root.mkdir()
+    out = {}
+    out["latin1"] = root / "latin1.jsonl"
+    out["latin1"].write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    out["nested"] = root / "nested.jsonl"
+    out["nested"].write_text('{"text": "fine"}\n{"text": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
+    out["parquet"] = root / "broken.parquet"
+    out["parquet"].write_bytes(b"PAR1" + bytes(range(256)) * 8)
+    out["bin"] = root / "tokens.bin"
+    (np.arange(50_000) % 300).astype(np.uint16).tofile(out["bin"])
+    lines = [json.dumps({"messages": [{"role": "user", "content": "hi " * 20}]}) for _ in range(60)]
+    out["no_assistant"] = root / "no_assistant.jsonl"
+    out["no_assistant"].write_text("\n".join(lines) + "\n")
+    out["chat_hf"] = _hf_with_tokenizer(root / "chat_hf")
+    out["eos_hf"] = _hf_with_tokenizer(root / "eos_hf", config={**HF_CONFIG, "eos_token_id": 4096})
+    (out["eos_hf"] / "tokenizer_config.json").write_text("{}")  # the id then comes from config.json
+    out["cut_tok"] = _hf_with_tokenizer(root / "cut_tok")
+    text = (out["cut_tok"] / "tokenizer.json").read_text()
+    (out["cut_tok"] / "tokenizer.json").write_text(text[: len(text) // 2])
+    out["cut_tok_config"] = _hf_with_tokenizer(root / "cut_tok_config")
+    (out["cut_tok_config"] / "tokenizer_config.json").write_text('{"chat_template": "{{')
+    out["latin1_template"] = _hf_with_tokenizer(root / "latin1_template")
+    (out["latin1_template"] / "chat_template.jinja").write_bytes(b"caf\xe9 {{ messages }}")
+    chat = root / "chat.jsonl"
+    chat.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+    )
+    out["chat"] = chat
+    # a run whose saved flags were edited by hand
+    for name, edit in (("edited_steps", {"steps": "six"}), ("edited_offload", {"offload": 42})):
+        saved = {**vars(run_flags.parse(["--data", paths["text"], "--out", str(root / name)])), **edit}
+        with checkpointing.Checkpointer(root / name / "checkpoints", async_save=False) as ckpt:
+            ckpt.save(6, {"w": jnp.zeros(4)}, metadata={"args": saved, "step": 6})
+    out["edited_steps"], out["edited_offload"] = root / "edited_steps", root / "edited_offload"
+    # a file where a directory goes, a directory with something in it
+    out["file"] = root / "a_file"
+    out["file"].write_text("x")
+    out["full"] = root / "full"
+    out["full"].mkdir()
+    (out["full"] / "keep.txt").write_text("precious")
+    # two live runs: one resumable, one a fresh directory in use
+    live = root / "live"
+    shutil.copytree(paths["run"], live)
+    busy = root / "busy"
+    busy.mkdir()
+    locks = [files.RunLock(live, what="test").acquire(), files.RunLock(busy, what="test").acquire()]
+    out["live"], out["busy"] = live, busy
+    yield {k: str(v) for k, v in out.items()}
+    for lock in locks:
+        lock.release()
+
+
+def more_cases(p, b):
+    """``(id, main, argv, what the line says)``: the second pass's mistakes, each one line before any
+    work: bad bytes, unwritable outputs, values out of range, sizes beyond this machine, a live run
+    directory, exports that would overwrite what the run reads."""
+    new = ["--data", p["text"], "--steps", "6", "--batch", "4", "--seq", "16", "--out", str(p["root"] / "new")]
+    run, hf, root = p["run"], p["hf"], p["root"]
+    t = [
+        ("seed-negative", ["--seed", "-1"], "--seed -1: must be from 0 to 4,294,967,295"),
+        ("seed-huge", ["--seed", str(2**40)], f"--seed {2**40}: must be from 0 to 4,294,967,295"),
+        ("offload-both", ["--offload", "opt_state,opt_state_stream"], "opt_state and opt_state_stream are two ways"),
+        ("activations-empty", ["--offload", "activations", "--activations", ","], "--activations ',': give a preset"),
+        ("out-is-file", ["--out", b["file"]], f"--out {b['file']}: is a file, not a directory"),
+        ("out-under-file", ["--out", b["file"] + "/run"], "is a file, so nothing can go under it"),
+        ("out-live", ["--out", b["busy"]], f"the run directory {b['busy']} is in use by pid {os.getpid()}"),
+        ("batch-absurd", ["--batch", "1000000000"], "--batch 1000000000 --seq 16: one step needs about"),
+        ("eval-batches-absurd", ["--eval-batches", "1000000"], "--eval-batches 1000000: 1,000,000 batches of 4 x 16"),
+        ("lora-rank-absurd", ["--lora-rank", "100000"], "--lora-rank 100000: above the width of the narrowest"),
+        ("coordinator", ["--coordinator", "nohost"], "--coordinator nohost: give HOST:PORT"),
+        ("processes-zero", ["--coordinator", "h:1", "--num-processes", "0"], "--num-processes 0: must be at least 1"),
+        (
+            "process-id",
+            ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+            "--process-id 2: must be",
+        ),
+        ("mesh-twice", ["--mesh", "data=2,data=4"], "the axis data is given twice"),
+        ("jsonl-latin1", ["--data", b["latin1"]], "line 2 is not UTF-8 text"),
+        ("jsonl-nested", ["--data", b["nested"]], "line 2 nests its JSON too deeply"),
+        ("parquet-broken", ["--data", b["parquet"]], "datasets cannot read it"),
+        ("bin-ids", ["--data", b["bin"], "--data-dtype", "uint16"], "token id 299 is outside the tokenizer's vocab"),
+        ("chat-bytes", ["--data", b["chat"]], "holds conversations ('messages')"),
+    ]
+    table = [(name, train_lm.main, [*new, *argv], what) for name, argv, what in t]
+    table += [
+        ("resume-live", train_lm.main, ["--resume", b["live"]], f"--resume {b['live']}: the run directory"),
+        ("resume-edited", train_lm.main, ["--resume", b["edited_steps"]], "--steps holds 'six', not an integer"),
+        ("resume-edited-text", train_lm.main, ["--resume", b["edited_offload"]], "--offload holds 42, not text"),
+    ]
+    chat, data = [b["chat_hf"], "--data", b["no_assistant"], "--seq", "16", "--batch", "4"], ["--data", p["text"]]
+    ft = [
+        ("tokenizer-cut", [b["cut_tok"], *data], "tokenizer.json does not load"),
+        ("tokenizer-config-cut", [b["cut_tok_config"], "--data", b["chat"]], "tokenizer_config.json is not readable"),
+        ("template-latin1", [b["latin1_template"], "--data", b["chat"]], "chat_template.jinja is not UTF-8 text"),
+        ("eos-beyond", [b["eos_hf"], *data], "end-of-sequence token id 4096 (eos_token_id) is outside"),
+        ("chat-no-assistant", chat, "holds no assistant tokens, so its loss would cover nothing"),
+        ("export-onto-source", [hf, *data, "--export", hf], f"--export {hf}: it overlaps the checkpoint"),
+        ("export-around-source", [hf, *data, "--export", str(root), "--overwrite"], "it overlaps the checkpoint"),
+        ("export-into-source", [hf, *data, "--export", hf + "/out"], "it overlaps the checkpoint"),
+        ("export-onto-data", [hf, *data, "--export", p["text"]], "it overlaps --data"),
+        ("export-not-empty", [hf, *data, "--export", b["full"]], "the directory is not empty; give --overwrite"),
+        ("export-file", [hf, *data, "--export", b["file"]], "is a file, not a directory"),
+        ("export-run-dir", [hf, *data, "--out", str(root / "ft"), "--export", str(root / "ft")], "the run directory"),
+        (
+            "exports-overlap",
+            [hf, *data, "--lora-rank", "2", "--export", str(root / "e"), "--export-merged", str(root / "e")],
+            "the two exports overlap",
+        ),
+    ]
+    table += [(name, finetune_hf.main, argv, what) for name, argv, what in ft]
+    ev = [
+        ("json-dir", [run, "--json", str(root)], f"--json {root!s}"),
+        ("json-under-file", [run, "--json", b["file"] + "/r.json"], "is a file, so nothing can go under it"),
+        ("tokens-absurd", [run, "--tokens", "100000"], "--tokens 100000: must be at most 127"),
+        ("samples-absurd", [run, "--samples", "1000000000"], "generating 1,000,000,000 sequences"),
+        ("eval-batches-split", [run, "--eval-batches", "1000000"], "would read the"),
+    ]
+    table += [(f"evaluate-{name}", evaluate.main, argv, what) for name, argv, what in ev]
+    gen = [
+        ("max-new-tokens", ["--max-new-tokens", "100000"], "--max-new-tokens 100000: must be at most 127"),
+        ("seed", ["--seed", "-5"], "--seed -5: must be from 0"),
+        ("top-k", ["--temperature", "1", "--top-k", "1000"], "--top-k 1000: must be at most 256"),
+    ]
+    table += [(f"generate-{n}", generate.main, ["--model", run, "--prompt", "x", *a], w) for n, a, w in gen]
+    table.append(("generate-tokenizer-cut", generate.main, ["--model", b["cut_tok"], "--prompt", "x"], "does not load"))
+    lm = [
+        ("fewshot", ["--num-fewshot", "-2"], "--num-fewshot -2: must be at least 0"),
+        ("limit-fraction", ["--limit", "1.5"], "--limit 1.5: give a whole number"),
+        ("output-file", ["--output-path", b["file"]], "is a file, not a directory"),
+        ("step-preset", ["--step", "3"], "--step 3: llama:tiny is not a train_lm run directory"),
+        ("max-gen-toks", ["--max-gen-toks", "1000"], "--max-gen-toks 1000: must be at most 127"),
+        ("max-length", ["--max-length", "100000"], "--max-length 100000: must be at most 128"),
+        ("batch-size", ["--batch-size", "1000000000"], "--batch-size 1000000000: generating"),
+    ]
+    table += [(f"lm-eval-{n}", lm_eval.main, ["llama:tiny", "--tasks", "t", *a], w) for n, a, w in lm]
+    table.append(
+        ("lm-eval-dtype-run", lm_eval.main, [run, "--tasks", "t", "--dtype", "bfloat16"], "keeps its own dtype")
+    )
+    plan = [
+        ("png-dir", ["--png", str(root)], "is a directory"),
+        ("json-under-file", ["--json", b["file"] + "/p.json"], "is a file, so nothing can go under it"),
+        ("png-generate", ["--generate", "--context", "64", "--png", str(root / "p.png")], "has no chart"),
+    ]
+    table += [(f"plan-{n}", plan_main, ["llama:tiny", "--batch", "1", "--seq", "8", *a], w) for n, a, w in plan]
+    return table
+
+
+MORE = [
+    "seed-negative", "seed-huge", "offload-both", "activations-empty", "out-is-file", "out-under-file", "out-live",
+    "batch-absurd", "eval-batches-absurd", "lora-rank-absurd", "coordinator", "processes-zero", "process-id",
+    "mesh-twice", "jsonl-latin1", "jsonl-nested", "parquet-broken", "bin-ids", "chat-bytes", "resume-live",
+    "resume-edited", "resume-edited-text", "tokenizer-cut", "tokenizer-config-cut", "template-latin1", "eos-beyond",
+    "chat-no-assistant", "export-onto-source", "export-around-source", "export-into-source", "export-onto-data",
+    "export-not-empty", "export-file", "export-run-dir", "exports-overlap", "evaluate-json-dir",
+    "evaluate-json-under-file", "evaluate-tokens-absurd", "evaluate-samples-absurd", "evaluate-eval-batches-split",
+    "generate-max-new-tokens", "generate-seed", "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot",
+    "lm-eval-limit-fraction", "lm-eval-output-file", "lm-eval-step-preset", "lm-eval-max-gen-toks",
+    "lm-eval-max-length", "lm-eval-batch-size", "lm-eval-dtype-run", "plan-png-dir", "plan-json-under-file",
+    "plan-png-generate",
+]  # fmt: skip
+
+
+def test_the_second_table_names_each_case_once(paths, bad):
+    assert [name for name, *_ in more_cases(paths, bad)] == MORE and len(set(MORE)) == len(MORE) >= 40
+
+
+@pytest.mark.parametrize("name", MORE)
+def test_each_mistake_of_the_second_pass_is_one_line_before_any_work(name, paths, bad, capfd):
+    main, argv, what = {n: rest for n, *rest in more_cases(paths, bad)}[name]
+    before = sorted(p.relative_to(paths["root"]) for p in paths["root"].rglob("*"))
+    capfd.readouterr()
+    status, out, err = run_main(main, argv, capfd)
+    assert status not in (0, None), err
+    assert out == "", out  # nothing printed before the check
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert what in err, err
+    assert "Traceback" not in err
+    after = sorted(p.relative_to(paths["root"]) for p in paths["root"].rglob("*"))
+    assert after == before  # nothing written, nothing removed
+    assert (bad_full := pathlib.Path(bad["full"]) / "keep.txt").read_text() == "precious", bad_full
+
+
+def _warnings_of(capfd) -> list[str]:
+    return [line.removeprefix("warning: ") for line in capfd.readouterr().err.splitlines()]
+
+
+def warning_cases(p, b):
+    """``(id, call, what the one warning says)``: flags that are legal but have no effect with the
+    others; ``call(capfd)`` runs the recipe's checks (the planner: its whole command, which is cheap)
+    and returns the warning lines."""
+    new = ["--data", p["text"], "--steps", "6", "--batch", "4", "--seq", "16", "--warmup", "2"]
+    run, hf = p["run"], p["hf"]
+
+    def train(*argv):
+        return lambda capfd: run_flags.parse_run([*new, *argv]).warnings
+
+    def gen(*argv):
+        def call(capfd):
+            full = ["--model", run, "--prompt", "x", *argv]
+            return generate.check(
+                generate.build_parser().parse_args(full), set(cli.given_flags(generate.build_parser(), full))
+            )
+
+        return call
+
+    def ev(*argv):
+        def call(capfd):
+            args = evaluate.build_evaluate_parser().parse_args([run, *argv])
+            return evaluate.check_flags(args, cli.given_flags(evaluate.build_evaluate_parser(), [run, *argv]))[1]
+
+        return call
+
+    def ft(*argv):
+        def call(capfd):
+            full = [hf, "--data", p["text"], *argv]
+            args = finetune_hf.build_parser().parse_args(full)
+            return finetune_hf.check(args, set(cli.given_flags(finetune_hf.build_parser(None), full)))
+
+        return call
+
+    def plan(*argv):
+        def call(capfd):
+            assert plan_main(["llama:tiny", "--batch", "1", *argv]) == 0
+            return _warnings_of(capfd)
+
+        return call
+
+    def corpus(source, tokenizer, train_on):
+        return lambda capfd: data.open_corpus(source, tokenizer(), limit=None, seed=0, train_on=train_on).warnings
+
+    mixed = p["root"] / "mixed_chat.jsonl"
+    silent = {"messages": [{"role": "user", "content": "hi " * 30}]}
+    spoken = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok " * 30}]}
+    mixed.write_text("\n".join(json.dumps(r) for r in [silent, *[spoken] * 30]) + "\n")
+    return [
+        ("lora-alpha", train("--lora-alpha", "4"), "--lora-alpha has no effect without --lora-rank"),
+        ("lora-targets", train("--lora-targets", "q_proj"), "--lora-targets has no effect without --lora-rank"),
+        ("lora-dropout", train("--lora-dropout", "0.1"), "--lora-dropout has no effect without --lora-rank"),
+        ("base-dtype", train("--base-dtype", "bfloat16"), "--base-dtype has no effect without --lora-rank"),
+        ("base-dtype-preset", train("--lora-rank", "2", "--base-dtype", "bfloat16"), "with --model llama:tiny"),
+        ("activations", train("--activations", "q_proj"), "--activations q_proj has no effect: --offload does not"),
+        ("activations-plan", train("--plan", "h100", "--activations", "q_proj"), "--plan h100 chooses the activation"),
+        ("prompt-quiet", train("--quiet-samples", "--prompt", "x"), "--prompt has no effect with --quiet-samples"),
+        ("sample-quiet", train("--quiet-samples", "--sample-before"), "--sample-before has no effect with --quiet"),
+        ("stop-after", train("--stop-after", "10"), "--stop-after 10 has no effect: the run ends at --steps 6 first"),
+        ("generate-top-k", gen("--top-k", "5"), "--top-k has no effect without --temperature above 0"),
+        ("generate-top-p", gen("--top-p", "0.9"), "--top-p has no effect without --temperature above 0"),
+        ("generate-seed", gen("--seed", "3"), "--seed has no effect without --temperature above 0"),
+        ("evaluate-tokens", ev("--samples", "0", "--tokens", "5"), "--tokens has no effect with --samples 0"),
+        ("evaluate-prompt", ev("--samples", "0", "--prompt", "x"), "--prompt has no effect with --samples 0"),
+        ("export-dtype", ft("--export-dtype", "bfloat16"), "--export-dtype has no effect without --export"),
+        (
+            "export-dtype-adapter",
+            ft("--lora-rank", "2", "--export", str(p["root"] / "adapter"), "--export-dtype", "bfloat16"),
+            "--export-dtype has no effect on a LoRA adapter",
+        ),
+        ("overwrite", ft("--overwrite"), "--overwrite has no effect without --export or --export-merged"),
+        ("train-on-text", corpus(p["text"], data.ByteTokenizer, "all"), "--train-on all has no effect"),
+        (
+            "conversation-silent",
+            corpus(str(mixed), lambda: data.HFTokenizer(b["chat_hf"]), "assistant"),
+            "1 of 31 conversations have no assistant message",
+        ),
+        ("plan-custom", plan("--seq", "8", "--memory-gb", "24"), "--memory-gb has no effect with --device h100"),
+        ("plan-train-only", plan("--generate", "--context", "64", "--fsdp", "1"), "--fsdp has no effect with --gen"),
+        ("plan-seq", plan("--generate", "--context", "64", "--seq", "8"), "--seq 8 has no effect with --generate"),
+        ("plan-generate-only", plan("--seq", "8", "--prompt", "4"), "--prompt has no effect without --generate"),
+    ]
+
+
+WARNINGS = [
+    "lora-alpha", "lora-targets", "lora-dropout", "base-dtype", "base-dtype-preset", "activations",
+    "activations-plan", "prompt-quiet", "sample-quiet", "stop-after", "generate-top-k", "generate-top-p",
+    "generate-seed", "evaluate-tokens", "evaluate-prompt", "export-dtype", "export-dtype-adapter", "overwrite",
+    "train-on-text", "conversation-silent", "plan-custom", "plan-train-only", "plan-seq", "plan-generate-only",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", WARNINGS)
+def test_a_flag_without_effect_is_one_warning_line_and_the_command_goes_on(name, paths, bad, capfd):
+    cases = {n: (call, what) for n, call, what in warning_cases(paths, bad)}
+    assert list(cases) == WARNINGS
+    call, what = cases[name]
+    capfd.readouterr()
+    lines = call(capfd)
+    assert len(lines) == 1 and what in lines[0], lines
+
+
+def test_the_same_commands_without_those_flags_warn_of_nothing(paths, bad, capfd):
+    new = ["--data", paths["text"], "--steps", "6", "--batch", "4", "--seq", "16", "--warmup", "2"]
+    assert run_flags.parse_run(new).warnings == []
+    assert run_flags.parse_run([*new, "--lora-rank", "2", "--lora-alpha", "4", "--quiet-samples"]).warnings == []
+    args = generate.build_parser().parse_args(["--model", paths["run"], "--prompt", "x", "--temperature", "1"])
+    assert generate.check(args, {"top_k", "top_p", "seed"}) == []
+    assert data.open_corpus(paths["text"], data.ByteTokenizer(), limit=None, seed=0).warnings == []
+    assert plan_main(["llama:tiny", "--batch", "1", "--seq", "8", "--device", "custom", *CUSTOM]) == 0
+    assert _warnings_of(capfd) == []
+
+
+CUSTOM = ["--memory-gb", "24", "--link-gb-s", "25", "--tflops", "100"]
+
+
+def test_the_planner_answers_an_absurd_batch_promptly(capfd):
+    import time
+
+    start = time.perf_counter()
+    assert plan_main(["llama:8b", "--batch", "1000000000000000", "--seq", "8"]) == 0
+    assert time.perf_counter() - start < 30
+    out = capfd.readouterr().out
+    assert "nothing fits" in out and "would fit: batch=" in out
