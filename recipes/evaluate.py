@@ -79,7 +79,9 @@ def check_flags(args: argparse.Namespace, given: dict) -> tuple[argparse.Namespa
     positions = config.max_seq_len
     warnings = []
     if args.samples:
-        cli.at_most("tokens", args.tokens, positions - 1, f" (the model holds {positions} positions, prompt included)")
+        if "tokens" in given:  # the default is cut to what the positions hold after the prompt
+            why = f" (the model holds {positions} positions, prompt included)"
+            cli.at_most("tokens", args.tokens, positions - 1, why)
         check_generation_memory(config, batch=args.samples, context=positions, flags=f"--samples {args.samples}")
     else:
         warnings += [

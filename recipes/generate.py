@@ -30,6 +30,8 @@ from recipes._lm.loading import is_run_dir, load_for_inference, source_config
 from recipes._lm.run_setup import is_hf_dir, one_line_warnings
 
 CACHE_MEMORY_KINDS = ("device", "pinned_host")
+#: New tokens generated unless --max-new-tokens says otherwise (fewer where the model holds fewer).
+DEFAULT_NEW_TOKENS = 100
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--model", required=True, help="a Hugging Face checkpoint directory or a train_lm run directory")
     a("--prompt", required=True, help="the text to continue")
-    a("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
+    a(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate at most (default: {DEFAULT_NEW_TOKENS}, or what the model's positions hold after "
+        "the prompt)",
+    )
     a("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     a("--top-k", type=int, default=None, help="sample among the k likeliest tokens (with --temperature > 0)")
     a("--top-p", type=float, default=None, help="sample among the likeliest tokens of this total probability")
@@ -68,7 +76,8 @@ def check(args: argparse.Namespace, given: set[str] = frozenset()) -> list[str]:
         )
     if not args.prompt:
         raise SystemExit("--prompt '': give some text to continue")
-    cli.at_least("max_new_tokens", args.max_new_tokens, 1)
+    if args.max_new_tokens is not None:
+        cli.at_least("max_new_tokens", args.max_new_tokens, 1)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise SystemExit(f"--temperature {args.temperature}: must be 0 (greedy) or above, e.g. --temperature 0.8")
     if args.top_k is not None:
@@ -88,12 +97,11 @@ def check(args: argparse.Namespace, given: set[str] = frozenset()) -> list[str]:
         raise SystemExit(f"--model {args.model}: no tokenizer.json to encode the prompt and decode the text")
     config = source_config(args.model, what="--model")
     positions = config.max_seq_len
-    cli.at_most(
-        "max_new_tokens",
-        args.max_new_tokens,
-        positions - 1,
-        f" (the model holds {positions} positions, prompt included)",
-    )
+    if "max_new_tokens" in given:
+        why = f" (the model holds {positions} positions, prompt included)"
+        cli.at_most("max_new_tokens", args.max_new_tokens, positions - 1, why)
+    else:  # the default asks for what the model holds after the prompt, at most DEFAULT_NEW_TOKENS
+        args.max_new_tokens = None
     if args.top_k is not None:
         cli.at_most("top_k", args.top_k, config.vocab_size, f" (the vocabulary has {config.vocab_size} tokens)")
     if args.temperature == 0:
@@ -148,7 +156,16 @@ def main(argv=None, *, out=None) -> dict:
     if args.offload == "params":
         model = transforms.offload_params(model)
     prompt = tokenizer.encode(args.prompt.encode())
+    positions = model.config.max_seq_len
+    if args.max_new_tokens is None:
+        args.max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, positions - len(prompt)))
     key = jax.random.key(args.seed) if args.temperature > 0 else None
+    if eos is not None and not 0 <= eos < model.config.vocab_size:
+        cli.warn(
+            f"the end-of-sequence token id {eos} of {args.model} is outside its vocabulary of "
+            f"{model.config.vocab_size}: generation cannot stop at it (fix eos_token_id in its config files)"
+        )
+        eos = None
     stop = () if args.no_stop or eos is None else (eos,)
     printer = _Printer(tokenizer, out, args.prompt)
     start = time.perf_counter()
@@ -165,8 +182,8 @@ def main(argv=None, *, out=None) -> dict:
             cache_memory_kind=args.cache_memory_kind,
             on_token=printer,
         )
-    except (ValueError, TypeError) as err:
-        raise SystemExit(f"generate: {err}") from None
+    except (ValueError, TypeError) as err:  # zoo.generate's own messages begin "generate:"
+        raise SystemExit(str(err) if str(err).startswith("generate") else f"generate: {err}") from None
     seconds = time.perf_counter() - start
     printer.finish()
     ids = [int(t) for t in new]

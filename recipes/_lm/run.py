@@ -98,6 +98,26 @@ def check_eval_batches(eval_batches: int, batch: int, seq: int, val_tokens: int)
         )
 
 
+def check_batch_split(args: argparse.Namespace, mesh) -> None:
+    """Each micro-batch's rows split evenly over the mesh's batch axes (``data`` and ``fsdp``)."""
+    if mesh is None:
+        return
+    shards = dict(mesh.shape).get("data", 1) * dict(mesh.shape).get("fsdp", 1)
+    micro = args.batch // args.accum
+    if micro % shards:
+        if args.accum > 1:
+            rows, what = (
+                f"each micro-batch's {micro} rows (--batch {args.batch} / --accum {args.accum})",
+                "--batch / --accum",
+            )
+        else:
+            rows, what = f"a batch's {micro} rows", "--batch"
+        raise SystemExit(
+            f"--mesh {args.mesh}: {rows} do not split evenly over its {shards} data x fsdp devices; make {what} a "
+            f"multiple of {shards}"
+        )
+
+
 def default_out(model: str) -> str:
     """``runs/<model>-<time>``."""
     name = pathlib.Path(model).name if is_hf_dir(model) else model.replace(":", "-")
@@ -133,6 +153,7 @@ class Run:
                 compute_dtype=args.compute_dtype,
             )
         self.mesh = parse_mesh(args.mesh)
+        check_batch_split(args, self.mesh)
         self.lora = getattr(args, "lora_rank", 0) > 0
         self.offload.check_model(self.config, args.model)
         if self.lora:

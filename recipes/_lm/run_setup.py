@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pathlib
@@ -89,6 +90,10 @@ def hf_config(directory: str):
     an unsupported ``model_type`` or setting is one line, before anything is loaded."""
     try:
         return zoo.hf.config_from_hf(zoo.hf.read_config(pathlib.Path(directory)))
+    except json.JSONDecodeError as err:
+        raise SystemExit(
+            f"--model {directory}: its config.json is not readable JSON ({err}); download it again"
+        ) from None
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"--model {directory}: {err}") from None
 
