@@ -380,6 +380,8 @@ def more_cases(p, b):
             "--process-id 2: must be",
         ),
         ("mesh-twice", ["--mesh", "data=2,data=4"], "the axis data is given twice"),
+        ("mesh-split", ["--mesh", "data=8"], "--mesh data=8: a batch's 4 rows do not split evenly over its 8"),
+        ("mesh-split-accum", ["--mesh", "fsdp=8", "--batch", "16", "--accum", "4"], "each micro-batch's 4 rows"),
         ("jsonl-latin1", ["--data", b["latin1"]], "line 2 is not UTF-8 text"),
         ("jsonl-nested", ["--data", b["nested"]], "line 2 nests its JSON too deeply"),
         ("parquet-broken", ["--data", b["parquet"]], "datasets cannot read it"),
@@ -453,7 +455,7 @@ def more_cases(p, b):
 MORE = [
     "seed-negative", "seed-huge", "offload-both", "activations-empty", "out-is-file", "out-under-file", "out-live",
     "batch-absurd", "eval-batches-absurd", "lora-rank-absurd", "coordinator", "processes-zero", "process-id",
-    "mesh-twice", "jsonl-latin1", "jsonl-nested", "parquet-broken", "bin-ids", "chat-bytes", "resume-live",
+    "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1", "jsonl-nested", "parquet-broken", "bin-ids", "chat-bytes", "resume-live",
     "resume-edited", "resume-edited-text", "tokenizer-cut", "tokenizer-config-cut", "template-latin1", "eos-beyond",
     "chat-no-assistant", "export-onto-source", "export-around-source", "export-into-source", "export-onto-data",
     "export-not-empty", "export-file", "export-run-dir", "exports-overlap", "evaluate-json-dir",
