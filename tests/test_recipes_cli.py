@@ -455,15 +455,15 @@ def more_cases(p, b):
 MORE = [
     "seed-negative", "seed-huge", "offload-both", "activations-empty", "out-is-file", "out-under-file", "out-live",
     "batch-absurd", "eval-batches-absurd", "lora-rank-absurd", "coordinator", "processes-zero", "process-id",
-    "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1", "jsonl-nested", "parquet-broken", "bin-ids", "chat-bytes", "resume-live",
-    "resume-edited", "resume-edited-text", "tokenizer-cut", "tokenizer-config-cut", "template-latin1", "eos-beyond",
-    "chat-no-assistant", "export-onto-source", "export-around-source", "export-into-source", "export-onto-data",
-    "export-not-empty", "export-file", "export-run-dir", "exports-overlap", "evaluate-json-dir",
-    "evaluate-json-under-file", "evaluate-tokens-absurd", "evaluate-samples-absurd", "evaluate-eval-batches-split",
-    "generate-max-new-tokens", "generate-seed", "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot",
-    "lm-eval-limit-fraction", "lm-eval-output-file", "lm-eval-step-preset", "lm-eval-max-gen-toks",
-    "lm-eval-max-length", "lm-eval-batch-size", "lm-eval-dtype-run", "plan-png-dir", "plan-json-under-file",
-    "plan-png-generate",
+    "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1", "jsonl-nested", "parquet-broken", "bin-ids",
+    "chat-bytes", "resume-live", "resume-edited", "resume-edited-text", "tokenizer-cut", "tokenizer-config-cut",
+    "template-latin1", "eos-beyond", "chat-no-assistant", "export-onto-source", "export-around-source",
+    "export-into-source", "export-onto-data", "export-not-empty", "export-file", "export-run-dir",
+    "exports-overlap", "evaluate-json-dir", "evaluate-json-under-file", "evaluate-tokens-absurd",
+    "evaluate-samples-absurd", "evaluate-eval-batches-split", "generate-max-new-tokens", "generate-seed",
+    "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot", "lm-eval-limit-fraction", "lm-eval-output-file",
+    "lm-eval-step-preset", "lm-eval-max-gen-toks", "lm-eval-max-length", "lm-eval-batch-size", "lm-eval-dtype-run",
+    "plan-png-dir", "plan-json-under-file", "plan-png-generate",
 ]  # fmt: skip
 
 
