@@ -340,6 +340,9 @@ def bad(paths):
     # a file where a directory goes, a directory with something in it
     out["file"] = root / "a_file"
     out["file"].write_text("x")
+    out["orphan"] = root / "orphan"  # a run that stopped before its first checkpoint
+    out["orphan"].mkdir()
+    (out["orphan"] / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
     out["full"] = root / "full"
     out["full"].mkdir()
     (out["full"] / "keep.txt").write_text("precious")
@@ -368,6 +371,7 @@ def more_cases(p, b):
         ("activations-empty", ["--offload", "activations", "--activations", ","], "--activations ',': give a preset"),
         ("out-is-file", ["--out", b["file"]], f"--out {b['file']}: is a file, not a directory"),
         ("out-under-file", ["--out", b["file"] + "/run"], "is a file, so nothing can go under it"),
+        ("out-orphan", ["--out", b["orphan"]], "already holds another run's metrics.jsonl (and no checkpoint"),
         ("out-live", ["--out", b["busy"]], f"the run directory {b['busy']} is in use by pid {os.getpid()}"),
         ("batch-absurd", ["--batch", "1000000000"], "--batch 1000000000 --seq 16: one step needs about"),
         ("eval-batches-absurd", ["--eval-batches", "1000000"], "--eval-batches 1000000: 1,000,000 batches of 4 x 16"),
@@ -453,17 +457,17 @@ def more_cases(p, b):
 
 
 MORE = [
-    "seed-negative", "seed-huge", "offload-both", "activations-empty", "out-is-file", "out-under-file", "out-live",
-    "batch-absurd", "eval-batches-absurd", "lora-rank-absurd", "coordinator", "processes-zero", "process-id",
-    "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1", "jsonl-nested", "parquet-broken", "bin-ids",
-    "chat-bytes", "resume-live", "resume-edited", "resume-edited-text", "tokenizer-cut", "tokenizer-config-cut",
-    "template-latin1", "eos-beyond", "chat-no-assistant", "export-onto-source", "export-around-source",
-    "export-into-source", "export-onto-data", "export-not-empty", "export-file", "export-run-dir",
-    "exports-overlap", "evaluate-json-dir", "evaluate-json-under-file", "evaluate-tokens-absurd",
-    "evaluate-samples-absurd", "evaluate-eval-batches-split", "generate-max-new-tokens", "generate-seed",
-    "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot", "lm-eval-limit-fraction", "lm-eval-output-file",
-    "lm-eval-step-preset", "lm-eval-max-gen-toks", "lm-eval-max-length", "lm-eval-batch-size", "lm-eval-dtype-run",
-    "plan-png-dir", "plan-json-under-file", "plan-png-generate",
+    "seed-negative", "seed-huge", "offload-both", "activations-empty", "out-is-file", "out-under-file",
+    "out-orphan", "out-live", "batch-absurd", "eval-batches-absurd", "lora-rank-absurd", "coordinator",
+    "processes-zero", "process-id", "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1", "jsonl-nested",
+    "parquet-broken", "bin-ids", "chat-bytes", "resume-live", "resume-edited", "resume-edited-text",
+    "tokenizer-cut", "tokenizer-config-cut", "template-latin1", "eos-beyond", "chat-no-assistant",
+    "export-onto-source", "export-around-source", "export-into-source", "export-onto-data", "export-not-empty",
+    "export-file", "export-run-dir", "exports-overlap", "evaluate-json-dir", "evaluate-json-under-file",
+    "evaluate-tokens-absurd", "evaluate-samples-absurd", "evaluate-eval-batches-split", "generate-max-new-tokens",
+    "generate-seed", "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot", "lm-eval-limit-fraction",
+    "lm-eval-output-file", "lm-eval-step-preset", "lm-eval-max-gen-toks", "lm-eval-max-length",
+    "lm-eval-batch-size", "lm-eval-dtype-run", "plan-png-dir", "plan-json-under-file", "plan-png-generate",
 ]  # fmt: skip
 
 
@@ -615,3 +619,11 @@ def test_the_planner_answers_an_absurd_batch_promptly(capfd):
     assert time.perf_counter() - start < 30
     out = capfd.readouterr().out
     assert "nothing fits" in out and "would fit: batch=" in out
+
+
+def test_an_output_path_under_new_directories_is_written_after_the_check(tmp_path, capfd):
+    target = tmp_path / "new" / "deeper" / "plan.json"
+    assert plan_main(["llama:tiny", "--batch", "1", "--seq", "8", "--json", str(target)]) == 0
+    assert json.loads(target.read_text())["batch"] == 1
+    files.write_text(tmp_path / "other" / "r.json", "{}")
+    assert (tmp_path / "other" / "r.json").read_text() == "{}"

@@ -55,7 +55,8 @@ def _fsync_dir(directory: pathlib.Path) -> None:
 @contextlib.contextmanager
 def replacing(path, *, suffix: str | None = None):
     """Yield a temporary path beside ``path`` to write; on a clean exit it is flushed to disk and
-    moved over ``path`` in one step (`os.replace`, keeping the old file's permissions); on an
+    moved over ``path`` in one step (`os.replace`, keeping the old file's permissions; missing
+    parent directories are made first); on an
     error it is removed and ``path`` is left as it was. ``suffix``: the temporary's suffix
     (default: ``path``'s, for writers that choose a format from it, as matplotlib's ``savefig``).
 
@@ -67,6 +68,7 @@ def replacing(path, *, suffix: str | None = None):
     ```
     """
     path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(
         prefix=f".{path.name}.", suffix=path.suffix if suffix is None else suffix, dir=path.parent
     )

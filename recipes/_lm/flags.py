@@ -410,18 +410,32 @@ def check(args: argparse.Namespace, *, given: set[str] = frozenset()) -> tuple[O
     return offload, warnings
 
 
+#: What a run writes into its directory (a new run there would replace them).
+RUN_FILES = ("metrics.jsonl", "args.json", "loss.png", "placement.png", "tensorboard", "wandb")
+
+
 def check_out(args: argparse.Namespace) -> None:
-    """The run directory: writable, and (for a new run) not another run's."""
+    """The run directory: writable, and (for a new run) not another run's: neither its checkpoints
+    nor the files it wrote (checked by the lead process, before any is written)."""
     if args.out is None:
         return
     files.check_output_dir("--resume" if args.resume else "--out", args.out)
-    if not args.resume and (pathlib.Path(args.out) / "checkpoints").is_dir():
-        with checkpointing.Checkpointer(pathlib.Path(args.out) / "checkpoints") as ckpt:
+    out = pathlib.Path(args.out)
+    if args.resume or jax.process_index() != 0:
+        return
+    if (out / "checkpoints").is_dir():
+        with checkpointing.Checkpointer(out / "checkpoints") as ckpt:
             if ckpt.steps():
                 raise SystemExit(
                     f"--out {args.out} already holds checkpoints: continue it with --resume {args.out}, "
                     "or choose a new --out"
                 )
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found:
+        raise SystemExit(
+            f"--out {args.out} already holds another run's {', '.join(found)} (and no checkpoint to continue from): "
+            "a new run would replace them; choose a new --out, or move them away first"
+        )
 
 
 def no_effect(args: argparse.Namespace, given) -> list[str]:

@@ -231,6 +231,9 @@ def main(argv=None) -> int:
         return 2
     result.model = args.model + (f", {args.quantize}" if args.quantize else "")
     print(result)
+    for path in (args.png, args.json):  # checked writable up front; their new parents are made here
+        if path:
+            pathlib.Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
     if args.png:
         result.save_png(args.png)
         print(f"\nwrote {args.png}")
