@@ -80,9 +80,20 @@ def finish_config(name: str, conf: Config, run: dict, platform: str) -> dict:
     if run.get("hlo") is not None:
         entry["hlo"] = run["hlo"]
     if conf.kind == "bandwidth":
-        rates = ("h2d_gb_per_s", "d2h_gb_per_s", "both_gb_per_s", "eager_h2d_gb_per_s", "eager_d2h_gb_per_s")
+        rates = ("h2d_gb_per_s", "d2h_gb_per_s", "d2h_fresh_gb_per_s", "both_gb_per_s")
+        rates += ("eager_h2d_gb_per_s", "eager_d2h_gb_per_s")
         entry["bandwidth"] = {k: report.get(k) for k in (*rates, "sizes")}
     return entry
+
+
+def device_peak(stats: dict | None) -> int | None:
+    """The peak device memory a process used, from ``memory_stats()``: ``peak_bytes_in_use`` (a
+    GPU's allocator counts every buffer there), plus ``peak_bytes_reserved`` where the backend
+    keeps one (a TPU counts its programs' temporaries apart, as reserved scratch space, and
+    ``peak_bytes_in_use`` alone misses them)."""
+    if not stats or stats.get("peak_bytes_in_use") is None:
+        return None
+    return stats["peak_bytes_in_use"] + (stats.get("peak_bytes_reserved") or 0)
 
 
 def _figures(entry: dict) -> None:
@@ -90,8 +101,8 @@ def _figures(entry: dict) -> None:
     worker = entry["worker"]
     timing = worker.get("timing") or {}
     entry.update(step_time_s=timing.get("median_s"), tokens_per_s=timing.get("tokens_per_s"))
-    peak = entry["peak_bytes"] = (worker.get("memory_stats") or {}).get("peak_bytes_in_use")
-    init_peak = (worker.get("memory_stats_after_init") or {}).get("peak_bytes_in_use")
+    peak = entry["peak_bytes"] = device_peak(worker.get("memory_stats"))
+    init_peak = device_peak(worker.get("memory_stats_after_init"))
     # The peak counts from the process start: when training never went above the initialisation's
     # peak, the training's own peak is at most this figure (not equal to it).
     entry["peak_set_by_init"] = None if peak is None or init_peak is None else peak <= init_peak
@@ -223,7 +234,11 @@ def _mfu(entry: dict) -> float | None:
 def link_rates(bandwidth: dict | None, device_kind: str | None) -> dict | None:
     """GB/s per direction of the host link as the transforms use it: the in-program figures of this
     run's ``bandwidth`` configuration, else the device profile's (``source`` says which)."""
-    if bandwidth and bandwidth.get("h2d_gb_per_s") and bandwidth.get("d2h_gb_per_s"):
+    # Results written before "d2h_fresh" was measured timed device-to-host copies into fresh pinned
+    # buffers only, which the host's page faults slow far below what a train step's donated
+    # write-back reaches: those are not the link the transforms use.
+    measured = bandwidth and bandwidth.get("d2h_fresh_gb_per_s") is not None
+    if measured and bandwidth.get("h2d_gb_per_s") and bandwidth.get("d2h_gb_per_s"):
         both = bandwidth.get("both_gb_per_s") or min(bandwidth["h2d_gb_per_s"], bandwidth["d2h_gb_per_s"])
         rates = {"h2d": bandwidth["h2d_gb_per_s"], "d2h": bandwidth["d2h_gb_per_s"], "both": both}
         return {**rates, "source": "this run's bandwidth configuration (in-program copies)"}
