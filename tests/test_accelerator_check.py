@@ -851,22 +851,35 @@ def test_each_step_is_set_against_its_bound():
         assert "tpu-v5e" in slow["transfers"]["link_source"]
 
 
-def test_an_accelerator_run_is_sized_for_its_device():
-    """The reference fits the device it runs on, and the capacity model's plain step does not."""
+def test_an_accelerator_run_is_sized_for_its_device(monkeypatch):
+    """The reference fits the device it runs on; the capacity run's plain step does not, and its
+    plan fits the device and what the runtime leaves of the host's RAM."""
+    import dataclasses
+
     import transforms
 
     v5e, h200 = transforms.DEVICE_PROFILES["tpu-v5e"], transforms.DEVICE_PROFILES["h200"]
-    assert cli.sized_for(v5e) == {"plan_device": "tpu-v5e", "model": "llama:small", "capacity_model": "llama:1b"}
+    sized = cli.sized_for(v5e)  # the profile's 48 GiB host: llama:1b's streamed state fits
+    assert sized == {"plan_device": "tpu-v5e", "model": "llama:small", **CAPACITY_1B}
     assert cli.sized_for(h200)["model"] == "llama:1b"
+    # A 45 GiB host keeps too little beside the TPU runtime's 13.5 GiB for llama:1b's state.
+    small_host = cli.sized_for(dataclasses.replace(v5e, host_memory_bytes=45 * 2**30))
+    assert (small_host["capacity_model"], small_host["capacity_batch"]) == ("llama:small", 32)
+    from transforms.plan import _devices
+
+    monkeypatch.setattr(_devices, "host_memory_bytes", lambda: 48 * 2**30)
     args = cli.parse_args(["--out", "/tmp"])
     cli.apply_defaults(args, reduced=False, device_kind="TPU v5 lite")
-    assert (args.model, args.capacity_model, args.plan_device, args.deadline) == (
-        "llama:small",
+    assert (args.model, args.plan_device, args.deadline) == ("llama:small", "tpu-v5e", 540.0)
+    assert (args.capacity_model, args.capacity_batch, args.capacity_seq, args.capacity_steps) == (
         "llama:1b",
-        "tpu-v5e",
-        540.0,
+        8,
+        2048,
+        20,
     )
-    assert (args.capacity_batch, args.capacity_seq, args.capacity_steps) == (8, 2048, 20)
+
+
+CAPACITY_1B = {"capacity_model": "llama:1b", "capacity_batch": 8, "capacity_seq": 2048}
 
 
 def test_a_run_can_be_continued_into_its_results_file(tmp_path, allowed):

@@ -198,14 +198,18 @@ def _check(args: argparse.Namespace) -> str | None:
 #: Candidate models of an accelerator run, largest first: the reference (``none``, no offload) runs
 #: the first whose plain step the planner fits in 90% of the device's budget, at batch 8 x 1024.
 MAIN_MODELS = ("llama:1b", "llama:small", "llama:tiny")
-#: Candidates of the capacity run, smallest first: the first whose plain step needs >= 2x the
-#: device's budget (planner) and whose planned step fits, at batch 8 x 2048.
-CAPACITY_MODELS = ("llama:1b", "llama:3b", "llama:8b")
+#: Candidates of the capacity run, (model, batch, seq) in order: the first whose plain step needs >=
+#: 2x the device's budget (planner) and whose planned step fits the device and the host's RAM (the
+#: runtime's share counted). llama:small at 32 x 2048 is the last resort of a host too small for a
+#: larger model's state (with fp32 AdamW and a streamed update, llama:1b needs about 29 GiB of it).
+CAPACITY_CANDIDATES = (("llama:1b", 8, 2048), ("llama:3b", 8, 2048), ("llama:8b", 8, 2048), ("llama:small", 32, 2048))
 
 
-def sized_for(profile, batch: int = 8, seq: int = 1024, capacity_batch: int = 8, capacity_seq: int = 2048) -> dict:
-    """The sizes of an accelerator run on ``profile`` (a :class:`transforms.DeviceProfile`): the
-    model of the reference run and of the capacity run, and the planner profile of the predictions."""
+def sized_for(profile, batch: int = 8, seq: int = 1024, capacity: tuple | None = None) -> dict:
+    """The sizes of an accelerator run on ``profile`` (a :class:`transforms.DeviceProfile`, its host
+    memory this machine's): the model of the reference run, the model, batch and sequence of the
+    capacity run (``capacity``: given, else the first of :data:`CAPACITY_CANDIDATES` that fits),
+    and the planner profile of the predictions."""
     import transforms
 
     from .configs import make_config
@@ -220,10 +224,10 @@ def sized_for(profile, batch: int = 8, seq: int = 1024, capacity_batch: int = 8,
         if need <= 0.9 * p.device_budget or name == MAIN_MODELS[-1]:
             out["model"] = name
             break
-    for name in CAPACITY_MODELS:
-        p, need = plain(name, capacity_batch, capacity_seq)
-        if need >= 2 * p.device_budget and p.fits:
-            out["capacity_model"] = name
+    for name, b, s in [capacity] if capacity else CAPACITY_CANDIDATES:
+        p, need = plain(name, b, s)
+        if capacity or (need >= 2 * p.device_budget and p.fits):
+            out.update(capacity_model=name, capacity_batch=b, capacity_seq=s)
             break
     return out
 
@@ -246,9 +250,16 @@ def apply_defaults(args: argparse.Namespace, *, reduced: bool, device_kind: str 
 
         profile = profile_for_kind(device_kind)
         if profile is not None:
-            given = {"batch": args.batch, "seq": args.seq, "capacity_batch": args.capacity_batch}
-            given["capacity_seq"] = args.capacity_seq
-            chosen.update(sized_for(profile, **{k: v or chosen[k] for k, v in given.items()}))
+            import dataclasses
+
+            from transforms.plan._devices import host_memory_bytes
+
+            host = host_memory_bytes()  # the parent runs on the accelerator's host
+            profile = dataclasses.replace(profile, host_memory_bytes=host) if host else profile
+            capacity = None
+            if args.capacity_model:
+                capacity = (args.capacity_model, args.capacity_batch or 8, args.capacity_seq or 2048)
+            chosen.update(sized_for(profile, args.batch or chosen["batch"], args.seq or chosen["seq"], capacity))
             chosen["deadline"] = 540.0 if profile.platform == "tpu" else chosen["deadline"]
     chosen.setdefault("plan_device", "h200")  # a reduced pass plans for a named profile
     for key, value in chosen.items():

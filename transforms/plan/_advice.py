@@ -46,8 +46,11 @@ def budget_notes(profile: DeviceProfile, b: Budgets) -> list[str]:
         notes.append("host memory: unknown for this profile (pass host_memory_gb=...); not checked")
     else:
         source = "given" if b.host_memory_given else "profile's typical system"
+        runtime = profile.host_runtime_bytes
+        held = f", of which the runtime holds {format_bytes(runtime)}" if runtime else ""
         notes.append(
-            f"host memory: {format_bytes(b.host_memory)} per device ({source}); budget {format_bytes(b.host_budget)}"
+            f"host memory: {format_bytes(b.host_memory)} per device ({source}{held}); "
+            f"budget {format_bytes(b.host_budget)}"
         )
     return notes
 

@@ -107,7 +107,9 @@ def _budgets(profile: DeviceProfile, margin: float, host_memory_gb, environ) -> 
         host_memory = int(host_memory_gb * GiB)
     else:
         host_memory = profile.host_memory_bytes
-    host_budget = None if host_memory is None else int(host_memory * (1 - margin))
+    # The accelerator's runtime holds part of the host's RAM once the device is open (13.5 GiB on a
+    # TPU v5e host): what is left of it is what the plan may fill.
+    host_budget = None if host_memory is None else int(max(host_memory - profile.host_runtime_bytes, 0) * (1 - margin))
     if profile.unified:
         host_budget = 0  # nothing may be offloaded: it is the same memory
     return Budgets(
