@@ -111,3 +111,21 @@ def test_the_runtimes_host_share_is_not_planned_for():
     host = large.to_dict()["shown"]["host_bytes"]
     assert 45 * 2**30 * 0.9 > host > (45 * 2**30 - transforms.DEVICE_PROFILES["tpu-v5e"].host_runtime_bytes) * 0.9
     assert any("the runtime holds 13.50 GiB" in n for n in small.notes)
+
+
+def test_progress_shows_host_memory_beside_device_memory(monkeypatch):
+    """The progress line counts a TPU's reserved program scratch as device memory, and the
+    process's resident host memory, which offloaded state fills."""
+    from recipes._lm import monitor
+
+    class StatsDevice(FakeDevice):
+        def memory_stats(self):
+            return {"bytes_in_use": 3 * 2**30, "bytes_reserved": 2**30}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [StatsDevice("tpu", "TPU v5 lite")])
+    used = monitor.memory_in_use()
+    assert used["dev"] == 4 * 2**30 and used["host"] > 10 * 2**20
+    progress = monitor.Progress(total=2, initial=0, tokens_per_step=8, flops_per_token=1.0, peak=None, log_every=1)
+    rates = progress.update(1, 2.5)
+    progress.close()
+    assert rates["dev_mem_bytes"] == 4 * 2**30 and rates["host_mem_bytes"] > 0
