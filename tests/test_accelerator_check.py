@@ -57,6 +57,10 @@ CONFIG_FIELDS = (
     "remat_policy",
     "valid",
     "invalid_reason",
+    "xla_peak_bytes",
+    "planner_vs_peak",
+    "peak_set_by",
+    "step_over_bound",
 )
 
 
@@ -294,6 +298,9 @@ def test_the_results_have_every_field_per_configuration(allowed):
         assert set(CONFIG_FIELDS) <= set(entry), name
         assert entry["platform"] == "cpu"
     assert data["configs"]["none"]["valid"] is True, data["configs"]["none"]
+    # XLA's count of the step, and the planner's largest term at its peak.
+    none = data["configs"]["none"]
+    assert none["xla_peak_bytes"] > 0 and none["peak_set_by"] in dict(none["worker"]["planner"]["peak_terms"])
     for name in ("none", "params"):  # params: measured, then made invalid by the parity pass
         entry = data["configs"][name]
         worker = entry["worker"]

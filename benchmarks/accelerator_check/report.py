@@ -105,6 +105,11 @@ def markdown(results: dict) -> str:
             f"{_num(g['ratio'], '{:.2f}')} | {verdict} | {g['note']} |"
         )
     details = [f"- {n}: remat {e.get('remat_policy')}" for n, e in results["configs"].items() if e.get("remat_policy")]
+    for n, e in results["configs"].items():
+        terms = ((e.get("worker") or {}).get("planner") or {}).get("peak_terms")
+        if terms:
+            what = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in terms)
+            details.append(f"- {n}: peak set by (planner, {e['worker']['planner'].get('peak_phase')}): {what}")
     details += [f"- {n}: {e['status']} - {e['detail']}" for n, e in results["configs"].items() if e.get("detail")]
     return "\n".join([*lines, "", *details]) + "\n"
 

@@ -18,7 +18,7 @@ from .tolerances import GATED_STEPS, loss_max_rel_diff, tolerance
 SPEED_FIELDS = ("step_time_s", "tokens_per_s")
 #: The headline fields of every configuration, null until measured and checked.
 FIGURES = ("step_time_s", "tokens_per_s", "peak_bytes", "peak_set_by_init", "host_bytes", "planner_device_bytes")
-FIGURES += ("xla_peak_bytes", "planner_vs_peak", "planner_vs_xla_peak", "bound_s", "step_over_bound")
+FIGURES += ("xla_peak_bytes", "planner_vs_peak", "planner_vs_xla_peak", "peak_set_by", "bound_s", "step_over_bound")
 FIGURES += ("loss_max_rel_diff", "loss_max_rel_diff_all_steps", "grad_parity_ok", "remat_policy")
 
 
@@ -112,6 +112,8 @@ def _figures(entry: dict) -> None:
     if entry.get("capacity"):
         entry["planner_device_bytes"] = ((worker.get("plan") or {}).get("predicted") or {}).get("device_bytes")
     entry["xla_peak_bytes"] = (worker.get("step_memory") or {}).get("peak")
+    terms = (worker.get("planner") or {}).get("peak_terms") or []
+    entry["peak_set_by"] = terms[0][0] if terms else None
     planned = entry["planner_device_bytes"]
     entry["planner_vs_peak"] = planned / peak if planned and peak else None
     entry["planner_vs_xla_peak"] = planned / entry["xla_peak_bytes"] if planned and entry["xla_peak_bytes"] else None

@@ -69,6 +69,13 @@ def step_memory(step, model, state, tokens) -> dict:
     return out
 
 
+def peak_terms(predicted: dict, n: int = 3) -> list[list]:
+    """The ``n`` largest components of the planner's device peak, ``[[name, bytes], ...]``: which
+    term sets a configuration's peak (parameters, gradients, optimizer state, saved activations...)."""
+    phase = (predicted.get("phases") or {}).get(predicted.get("peak_phase")) or {}
+    return [[k, int(v)] for k, v in sorted(phase.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def tree_nbytes(tree) -> int:
     import jax
 
@@ -385,6 +392,7 @@ def _extras(spec: dict, conf: Config, cfg, report: dict, mu, model, optimizer, s
         predicted = plan.predict(params=conf.params, opt_state=opt, activations=activations)
         keys = ("device_bytes", "host_bytes", "host_to_device_bytes", "device_to_host_bytes", "step_s", "fits")
         report["planner"] = {k: predicted.get(k) for k in keys}
+        report["planner"].update(peak_phase=predicted.get("peak_phase"), peak_terms=peak_terms(predicted))
         report["planner"].update(device=spec["plan_device"], device_budget_bytes=plan.device_budget)
     except Exception as err:
         report["planner"] = {"error": f"{type(err).__name__}: {err}"}
