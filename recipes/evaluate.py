@@ -56,6 +56,12 @@ def check_flags(args: argparse.Namespace, given: dict) -> tuple[argparse.Namespa
     cli.at_least("tokens", args.tokens, 1)
     if args.json is not None:
         files.check_output_file("--json", args.json)
+        target = pathlib.Path(args.json)
+        if target.exists() and files.overlap(target, args.source):
+            raise SystemExit(
+                f"--json {args.json}: the file is part of {args.source}, which is being evaluated; write the results "
+                "elsewhere"
+            )
     source = pathlib.Path(args.source)
     hf_given = [cli.flag(name) for name in HF_FLAGS if name in given]
     if is_run_dir(args.source):

@@ -372,6 +372,7 @@ def more_cases(p, b):
         ("out-is-file", ["--out", b["file"]], f"--out {b['file']}: is a file, not a directory"),
         ("out-under-file", ["--out", b["file"] + "/run"], "is a file, so nothing can go under it"),
         ("out-orphan", ["--out", b["orphan"]], "already holds another run's metrics.jsonl (and no checkpoint"),
+        ("out-in-data", ["--out", p["text"] + "/run"], "it lies in --data"),
         ("out-live", ["--out", b["busy"]], f"the run directory {b['busy']} is in use by pid {os.getpid()}"),
         ("batch-absurd", ["--batch", "1000000000"], "--batch 1000000000 --seq 16: one step needs about"),
         ("eval-batches-absurd", ["--eval-batches", "1000000"], "--eval-batches 1000000: 1,000,000 batches of 4 x 16"),
@@ -422,6 +423,7 @@ def more_cases(p, b):
     ev = [
         ("json-dir", [run, "--json", str(root)], f"--json {root!s}"),
         ("json-under-file", [run, "--json", b["file"] + "/r.json"], "is a file, so nothing can go under it"),
+        ("json-in-source", [hf, "--json", hf + "/config.json"], "the file is part of"),
         ("tokens-absurd", [run, "--tokens", "100000"], "--tokens 100000: must be at most 127"),
         ("samples-absurd", [run, "--samples", "1000000000"], "generating 1,000,000,000 sequences"),
         ("eval-batches-split", [run, "--eval-batches", "1000000"], "would read the"),
@@ -458,16 +460,17 @@ def more_cases(p, b):
 
 MORE = [
     "seed-negative", "seed-huge", "offload-both", "activations-empty", "out-is-file", "out-under-file",
-    "out-orphan", "out-live", "batch-absurd", "eval-batches-absurd", "lora-rank-absurd", "coordinator",
-    "processes-zero", "process-id", "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1", "jsonl-nested",
-    "parquet-broken", "bin-ids", "chat-bytes", "resume-live", "resume-edited", "resume-edited-text",
+    "out-orphan", "out-in-data", "out-live", "batch-absurd", "eval-batches-absurd", "lora-rank-absurd",
+    "coordinator", "processes-zero", "process-id", "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1",
+    "jsonl-nested", "parquet-broken", "bin-ids", "chat-bytes", "resume-live", "resume-edited", "resume-edited-text",
     "tokenizer-cut", "tokenizer-config-cut", "template-latin1", "eos-beyond", "chat-no-assistant",
     "export-onto-source", "export-around-source", "export-into-source", "export-onto-data", "export-not-empty",
     "export-file", "export-run-dir", "exports-overlap", "evaluate-json-dir", "evaluate-json-under-file",
-    "evaluate-tokens-absurd", "evaluate-samples-absurd", "evaluate-eval-batches-split", "generate-max-new-tokens",
-    "generate-seed", "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot", "lm-eval-limit-fraction",
-    "lm-eval-output-file", "lm-eval-step-preset", "lm-eval-max-gen-toks", "lm-eval-max-length",
-    "lm-eval-batch-size", "lm-eval-dtype-run", "plan-png-dir", "plan-json-under-file", "plan-png-generate",
+    "evaluate-json-in-source", "evaluate-tokens-absurd", "evaluate-samples-absurd", "evaluate-eval-batches-split",
+    "generate-max-new-tokens", "generate-seed", "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot",
+    "lm-eval-limit-fraction", "lm-eval-output-file", "lm-eval-step-preset", "lm-eval-max-gen-toks",
+    "lm-eval-max-length", "lm-eval-batch-size", "lm-eval-dtype-run", "plan-png-dir", "plan-json-under-file",
+    "plan-png-generate",
 ]  # fmt: skip
 
 

@@ -430,6 +430,17 @@ def check_out(args: argparse.Namespace) -> None:
                     f"--out {args.out} already holds checkpoints: continue it with --resume {args.out}, "
                     "or choose a new --out"
                 )
+    reads = {"--data": args.data, "the checkpoint (--model)": args.model if is_hf_dir(args.model) else None}
+    for what, read in reads.items():
+        if (
+            read
+            and pathlib.Path(read).is_dir()
+            and (out.resolve() == pathlib.Path(read).resolve() or pathlib.Path(read).resolve() in out.resolve().parents)
+        ):
+            raise SystemExit(
+                f"--out {args.out}: it lies in {what} ({read}), which the run reads: its files would be read as "
+                "data or mixed with the model's; choose a directory outside it"
+            )
     found = [name for name in RUN_FILES if (out / name).exists()]
     if found:
         raise SystemExit(
