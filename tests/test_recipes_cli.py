@@ -378,6 +378,7 @@ def more_cases(p, b):
         ("eval-batches-absurd", ["--eval-batches", "1000000"], "--eval-batches 1000000: 1,000,000 batches of 4 x 16"),
         ("lora-rank-absurd", ["--lora-rank", "100000"], "--lora-rank 100000: above the width of the narrowest"),
         ("coordinator", ["--coordinator", "nohost"], "--coordinator nohost: give HOST:PORT"),
+        ("coordinator-alone", ["--coordinator", "127.0.0.1:12399"], "the multi-process runtime did not start"),
         ("processes-zero", ["--coordinator", "h:1", "--num-processes", "0"], "--num-processes 0: must be at least 1"),
         (
             "process-id",
@@ -461,16 +462,16 @@ def more_cases(p, b):
 MORE = [
     "seed-negative", "seed-huge", "offload-both", "activations-empty", "out-is-file", "out-under-file",
     "out-orphan", "out-in-data", "out-live", "batch-absurd", "eval-batches-absurd", "lora-rank-absurd",
-    "coordinator", "processes-zero", "process-id", "mesh-twice", "mesh-split", "mesh-split-accum", "jsonl-latin1",
-    "jsonl-nested", "parquet-broken", "bin-ids", "chat-bytes", "resume-live", "resume-edited", "resume-edited-text",
-    "tokenizer-cut", "tokenizer-config-cut", "template-latin1", "eos-beyond", "chat-no-assistant",
-    "export-onto-source", "export-around-source", "export-into-source", "export-onto-data", "export-not-empty",
-    "export-file", "export-run-dir", "exports-overlap", "evaluate-json-dir", "evaluate-json-under-file",
-    "evaluate-json-in-source", "evaluate-tokens-absurd", "evaluate-samples-absurd", "evaluate-eval-batches-split",
-    "generate-max-new-tokens", "generate-seed", "generate-top-k", "generate-tokenizer-cut", "lm-eval-fewshot",
-    "lm-eval-limit-fraction", "lm-eval-output-file", "lm-eval-step-preset", "lm-eval-max-gen-toks",
-    "lm-eval-max-length", "lm-eval-batch-size", "lm-eval-dtype-run", "plan-png-dir", "plan-json-under-file",
-    "plan-png-generate",
+    "coordinator", "coordinator-alone", "processes-zero", "process-id", "mesh-twice", "mesh-split",
+    "mesh-split-accum", "jsonl-latin1", "jsonl-nested", "parquet-broken", "bin-ids", "chat-bytes", "resume-live",
+    "resume-edited", "resume-edited-text", "tokenizer-cut", "tokenizer-config-cut", "template-latin1", "eos-beyond",
+    "chat-no-assistant", "export-onto-source", "export-around-source", "export-into-source", "export-onto-data",
+    "export-not-empty", "export-file", "export-run-dir", "exports-overlap", "evaluate-json-dir",
+    "evaluate-json-under-file", "evaluate-json-in-source", "evaluate-tokens-absurd", "evaluate-samples-absurd",
+    "evaluate-eval-batches-split", "generate-max-new-tokens", "generate-seed", "generate-top-k",
+    "generate-tokenizer-cut", "lm-eval-fewshot", "lm-eval-limit-fraction", "lm-eval-output-file",
+    "lm-eval-step-preset", "lm-eval-max-gen-toks", "lm-eval-max-length", "lm-eval-batch-size", "lm-eval-dtype-run",
+    "plan-png-dir", "plan-json-under-file", "plan-png-generate",
 ]  # fmt: skip
 
 

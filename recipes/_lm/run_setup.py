@@ -34,7 +34,14 @@ def init_distributed(coordinator: str | None, num_processes: int | None, process
         return
     if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    try:
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    except (ValueError, RuntimeError) as err:  # missing counts, an unreachable coordinator (after its timeout)
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise SystemExit(
+            f"--coordinator {coordinator}: the multi-process runtime did not start ({first}); give --num-processes N "
+            "and --process-id I on every process, and a HOST:PORT that process 0 can listen on"
+        ) from None
 
 
 def parse_mesh(spec: str | None):
