@@ -24,6 +24,7 @@ from recipes._lm import cli, data, files
 from recipes._lm import flags as run_flags
 from recipes._lm import run as run_module
 from recipes._lm.run_setup import lr_schedule
+from transforms.plan import __main__ as plan_cli
 from transforms.plan.__main__ import main as plan_main
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -495,22 +496,17 @@ def test_each_mistake_of_the_second_pass_is_one_line_before_any_work(name, paths
     assert (bad_full := pathlib.Path(bad["full"]) / "keep.txt").read_text() == "precious", bad_full
 
 
-def _warnings_of(capfd) -> list[str]:
-    return [line.removeprefix("warning: ") for line in capfd.readouterr().err.splitlines()]
-
-
 def warning_cases(p, b):
     """``(id, call, what the one warning says)``: flags that are legal but have no effect with the
-    others; ``call(capfd)`` runs the recipe's checks (the planner: its whole command, which is cheap)
-    and returns the warning lines."""
+    others; ``call()`` runs the recipe's checks (nothing is built or loaded) and returns the warning lines."""
     new = ["--data", p["text"], "--steps", "6", "--batch", "4", "--seq", "16", "--warmup", "2"]
     run, hf = p["run"], p["hf"]
 
     def train(*argv):
-        return lambda capfd: run_flags.parse_run([*new, *argv]).warnings
+        return lambda: run_flags.parse_run([*new, *argv]).warnings
 
     def gen(*argv):
-        def call(capfd):
+        def call():
             full = ["--model", run, "--prompt", "x", *argv]
             return generate.check(
                 generate.build_parser().parse_args(full), set(cli.given_flags(generate.build_parser(), full))
@@ -519,14 +515,14 @@ def warning_cases(p, b):
         return call
 
     def ev(*argv):
-        def call(capfd):
+        def call():
             args = evaluate.build_evaluate_parser().parse_args([run, *argv])
             return evaluate.check_flags(args, cli.given_flags(evaluate.build_evaluate_parser(), [run, *argv]))[1]
 
         return call
 
     def ft(*argv):
-        def call(capfd):
+        def call():
             full = [hf, "--data", p["text"], *argv]
             args = finetune_hf.build_parser().parse_args(full)
             return finetune_hf.check(args, set(cli.given_flags(finetune_hf.build_parser(None), full)))
@@ -534,14 +530,14 @@ def warning_cases(p, b):
         return call
 
     def plan(*argv):
-        def call(capfd):
-            assert plan_main(["llama:tiny", "--batch", "1", *argv]) == 0
-            return _warnings_of(capfd)
+        def call():
+            full = ["llama:tiny", "--batch", "1", *argv]
+            return plan_cli._no_effect(plan_cli.build_parser().parse_args(full), plan_cli._given(full))
 
         return call
 
     def corpus(source, tokenizer, train_on):
-        return lambda capfd: data.open_corpus(source, tokenizer(), limit=None, seed=0, train_on=train_on).warnings
+        return lambda: data.open_corpus(source, tokenizer(), limit=None, seed=0, train_on=train_on).warnings
 
     mixed = p["root"] / "mixed_chat.jsonl"
     silent = {"messages": [{"role": "user", "content": "hi " * 30}]}
@@ -597,8 +593,15 @@ def test_a_flag_without_effect_is_one_warning_line_and_the_command_goes_on(name,
     assert list(cases) == WARNINGS
     call, what = cases[name]
     capfd.readouterr()
-    lines = call(capfd)
+    lines = call()
     assert len(lines) == 1 and what in lines[0], lines
+
+
+def test_the_planner_prints_its_warning_and_its_plan(capfd):
+    assert plan_main(["llama:tiny", "--batch", "1", "--seq", "8", "--tflops", "100"]) == 0
+    out, err = capfd.readouterr()
+    assert err == "warning: --tflops has no effect with --device h100 (it describes --device custom)\n"
+    assert "llama:tiny" in out and "Notes:" in out
 
 
 def test_the_same_commands_without_those_flags_warn_of_nothing(paths, bad, capfd):
@@ -608,8 +611,9 @@ def test_the_same_commands_without_those_flags_warn_of_nothing(paths, bad, capfd
     args = generate.build_parser().parse_args(["--model", paths["run"], "--prompt", "x", "--temperature", "1"])
     assert generate.check(args, {"top_k", "top_p", "seed"}) == []
     assert data.open_corpus(paths["text"], data.ByteTokenizer(), limit=None, seed=0).warnings == []
-    assert plan_main(["llama:tiny", "--batch", "1", "--seq", "8", "--device", "custom", *CUSTOM]) == 0
-    assert _warnings_of(capfd) == []
+    for argv in (["--seq", "8", "--device", "custom", *CUSTOM], ["--generate", "--context", "64", "--prompt", "8"]):
+        full = ["llama:tiny", "--batch", "1", *argv]
+        assert plan_cli._no_effect(plan_cli.build_parser().parse_args(full), plan_cli._given(full)) == []
 
 
 CUSTOM = ["--memory-gb", "24", "--link-gb-s", "25", "--tflops", "100"]
