@@ -185,6 +185,7 @@ class RunLock:
         )
 
     def acquire(self) -> RunLock:
+        """Take the lock and write this process as its holder; held by a live run: one line (`SystemExit`)."""
         import fcntl
 
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())

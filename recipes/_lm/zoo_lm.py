@@ -41,11 +41,13 @@ class Tokens:
         self.bos_id = self._tok.token_to_id(bos) if isinstance(bos, str) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text`` (the tokenizer's special tokens added unless told not to)."""
         if self._tok is None:
             return list(text.encode())
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
+        """The text of ``ids``."""
         ids = [int(i) for i in ids]
         if self._tok is None:
             return bytes(ids).decode("utf-8", "replace")
@@ -114,17 +116,21 @@ class ZooLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
+        """The end-of-text id lm-eval appends (the tokenizer's, else a newline byte)."""
         return BYTE_PREFIX if self.tokens.eos_id is None else self.tokens.eos_id
 
     @property
     def prefix_token_id(self) -> int:
+        """The id before an empty context: the beginning-of-sequence token, else the end-of-text one."""
         return self.tokens.bos_id if self.tokens.bos_id is not None else self.eot_token_id
 
     @property
     def tokenizer_name(self) -> str:
+        """A name for lm-eval's cache keys."""
         return str(self.tokens.directory or "bytes").replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """The ids of ``string`` as lm-eval's ``hf`` model encodes them."""
         if add_special_tokens is None:  # as lm-eval's hf model: none twice when the text has the BOS
             bos = None if self.tokens.bos_id is None else self.tokens.decode([self.tokens.bos_id])
             add_special_tokens = not (bos and string.startswith(bos))
