@@ -1,0 +1,122 @@
+"""compact_state: an optimizer whose state is stored in fewer bits (bfloat16, or 8 bits per value).
+
+Offloaded optimizer state crosses the host link every step, twice; stored in 16 or 8 bits it crosses
+it in a half or a quarter of the bytes, and takes that much less host memory. The math stays in
+float32: ``update`` expands the stored state, runs the wrapped optimizer's update, and stores the
+new state again.
+
+- ``"bfloat16"``: every floating state leaf rounded to bfloat16 (8 bits of mantissa: a relative
+  error of at most 2**-9 per value).
+- ``"float8"``: blockwise 8-bit codes. Each block of ``block_size`` values along the last axis (the
+  whole row where the last axis does not split into blocks) stores ``c / s`` as float8 (e4m3: 3
+  bits of mantissa, exponents down to 2**-9) with ``c = sign(x) * sqrt(|x|)`` and one float32
+  scale ``s = max|c| / 448`` per block. The exponent keeps the small values of a block apart from
+  zero, and the square root halves a second moment's dynamic range in log scale: values 7 decades
+  below their block's largest keep the mantissa's precision (within 14%), and none rounds to zero
+  before about 11 decades. (Linear int8 codes, tried first, lose the
+  small second moments of a block to zero, and Adam then takes huge steps: 1.5x the loss.) Blocks
+  never cross the leading axes, so a stack's state quantizes the same per layer as whole (the
+  streamed update of :func:`transforms.offload_opt_state` accepts it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._memory import is_floating
+
+#: The storage formats of :func:`compact_state`.
+STATE_DTYPES = ("bfloat16", "float8")
+_F8 = jnp.float8_e4m3fn
+_F8_MAX = 448.0
+
+
+class Float8Block(NamedTuple):
+    """One state leaf in 8 bits: ``codes`` (the leaf's shape, float8 e4m3) and ``scales`` (float32,
+    one per block of the last axis)."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+
+def _block(last: int, block_size: int) -> int:
+    return block_size if last % block_size == 0 else last
+
+
+def _encode_f8(x: jax.Array, block_size: int) -> Float8Block:
+    x = x.astype(jnp.float32)
+    b = _block(x.shape[-1], block_size)
+    c = jnp.sign(x) * jnp.sqrt(jnp.abs(x))
+    blocks = c.reshape(*x.shape[:-1], x.shape[-1] // b, b)
+    scales = jnp.max(jnp.abs(blocks), axis=-1) / _F8_MAX
+    safe = jnp.where(scales > 0, scales, 1.0)
+    codes = jnp.clip(blocks / safe[..., None], -_F8_MAX, _F8_MAX).astype(_F8)
+    return Float8Block(codes.reshape(x.shape), scales)
+
+
+def _decode_f8(q: Float8Block, dtype) -> jax.Array:
+    shape = q.codes.shape
+    b = shape[-1] // q.scales.shape[-1]
+    c = q.codes.reshape(*shape[:-1], shape[-1] // b, b).astype(jnp.float32) * q.scales[..., None]
+    return (jnp.sign(c) * c * c).reshape(shape).astype(dtype)
+
+
+def _stored(x) -> bool:
+    """The state leaves stored compactly: floating arrays with at least one dimension (moments);
+    step counters and scalar hyperparameters keep their type."""
+    return is_floating(x) and x.ndim > 0
+
+
+def compact_state(
+    optimizer: optax.GradientTransformation, dtype: str = "bfloat16", *, block_size: int = 256
+) -> optax.GradientTransformation:
+    """``optimizer`` with its floating-point state (moments) stored as ``dtype``: ``"bfloat16"`` or
+    ``"float8"`` (blockwise 8-bit codes of the square root, one float32 scale per ``block_size``
+    values of the last axis; see the module docstring). The update itself runs in float32 (the
+    wrapped optimizer's own dtypes). Compose it with :func:`transforms.offload_opt_state` to move
+    a half (bfloat16) or about a quarter (float8) of the optimizer state's bytes over the host link
+    each step, streamed or not.
+
+    **Example:**
+
+    ```python
+    import optax, transforms
+    opt = transforms.offload_opt_state(transforms.compact_state(optax.adamw(1e-3), "float8"))
+    ```
+    """
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"compact_state: unknown dtype {dtype!r}; choose one of {STATE_DTYPES}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"compact_state: block_size must be a positive int, got {block_size!r}")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"compact_state: optimizer must be an optax.GradientTransformation, got {type(optimizer)}")
+
+    def store(state):
+        def one(x):
+            if not _stored(x):
+                return x
+            return x.astype(jnp.bfloat16) if dtype == "bfloat16" else _encode_f8(x, block_size)
+
+        return jax.tree.map(one, state)
+
+    def expand(stored, like):
+        def one(s, ref):
+            if isinstance(s, Float8Block):
+                return _decode_f8(s, ref.dtype)
+            return s.astype(ref.dtype) if _stored(ref) else s
+
+        return jax.tree.map(one, stored, like, is_leaf=lambda n: isinstance(n, Float8Block))
+
+    def init(params):
+        return store(optimizer.init(params))
+
+    def update(updates, state, params=None, **extra: Any):
+        like = jax.eval_shape(optimizer.init, params if params is not None else updates)
+        new_updates, new_state = optimizer.update(updates, expand(state, like), params, **extra)
+        return new_updates, store(new_state)
+
+    return optax.GradientTransformationExtraArgs(init, update)
