@@ -85,6 +85,7 @@ def cases(p):
         (["--offload", "weights"], "--offload weights: unknown weights; choose some of params"),
         (["--offload", "activations", "--activations", "nosuchname"], "--activations nosuchname: llama:tiny names no"),
         (["--plan", "nosuchgpu"], "--plan nosuchgpu: unknown device profile 'nosuchgpu'"),
+        (["--plan", "auto"], "--plan auto: device='auto': JAX runs on the CPU (no accelerator)"),
         (["--plan", "h100", "--offload", "params"], "give either --plan or --offload"),
         (["--prefetch"], "--prefetch needs --offload params"),
         (["--mesh", "fsdp=3"], "--mesh fsdp=3 has 3 devices but there are 8"),

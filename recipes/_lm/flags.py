@@ -173,7 +173,8 @@ def build_parser(
         "--plan",
         metavar="DEVICE",
         default=None,
-        help=f"apply the planner's choice ({', '.join(transforms.DEVICE_PROFILES)})",
+        help=f"apply the planner's choice for a device profile ({', '.join(transforms.DEVICE_PROFILES)}) or auto "
+        "(the running device and this machine's RAM)",
     )
     a("--eval-every", type=int, default=50, help="validation loss every N steps (and at the end)")
     a("--eval-batches", type=int, default=8, help="batches of the validation split per evaluation")
@@ -400,10 +401,15 @@ def check(args: argparse.Namespace, *, given: set[str] = frozenset()) -> tuple[O
             "of --accum"
         )
     offload, warnings = OffloadSpec.parse(args.offload, args.activations, args.prefetch, args.plan, given=given)
-    if args.plan and args.plan not in transforms.DEVICE_PROFILES:
+    if args.plan == "auto":  # the running accelerator's profile; on a CPU, one line saying there is none
+        try:
+            transforms.detect_device()
+        except ValueError as err:
+            raise SystemExit(f"--plan auto: {err}") from None
+    elif args.plan and args.plan not in transforms.DEVICE_PROFILES:
         raise SystemExit(
             f"--plan {args.plan}: unknown device profile {args.plan!r}; choose one of "
-            f"{', '.join(transforms.DEVICE_PROFILES)}"
+            f"{', '.join(transforms.DEVICE_PROFILES)}, or auto (the running device)"
         )
     check_out(args)
     warnings += no_effect(args, given)
