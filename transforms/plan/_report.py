@@ -84,7 +84,8 @@ def _header(plan) -> list[str]:
         f"{spec.compute_dtype} compute), {spec.n_layers} layers, d_model {spec.d_model}, vocab {spec.vocab_size}",
         f"Device: {dev.description}: {format_bytes(dev.memory_bytes)}, {dev.link} "
         f"{dev.link_bytes_per_s / 1e9:.0f} GB/s per direction ({dev.link_peak_bytes_per_s / 1e9:.0f} peak), "
-        f"{dev.flops_bf16 / 1e12:.0f} TFLOP/s bf16, {dev.flops_tf32 / 1e12:.0f} TFLOP/s tf32",
+        f"{dev.flops_bf16 / 1e12:.0f} TFLOP/s bf16, {dev.flops_tf32 / 1e12:.0f} TFLOP/s "
+        + ("f32 (bf16 passes)" if dev.platform == "tpu" else "tf32"),
         f"Budget per device: {format_bytes(plan.device_budget)} device"
         + ("" if plan.host_budget is None else f", {format_bytes(plan.host_budget)} host"),
         "",
