@@ -130,6 +130,10 @@ class DeviceProfile:
       ``"NVIDIA H200"``): :func:`profile_for_kind` and ``device="auto"`` find the profile by them.
     - `host_runtime_bytes`: host memory the accelerator's runtime holds once the device is open
       (the planner counts it against ``host_memory_bytes``).
+    - `heap_overhead`: the planner's allowance for packing the program's temporaries into device
+      memory, as a fraction of them: 0.15 on a GPU (XLA's buffer assignment and the allocator leave
+      gaps; measured on an H200), 0 on a TPU (a v5e's compiled steps held within 2% of the live bytes
+      the planner counts, where 0.15 put it 13-23% above them).
 
     Make a custom one with :func:`custom_device`.
     """
@@ -150,6 +154,7 @@ class DeviceProfile:
     platform: str = "gpu"
     device_kinds: tuple[str, ...] = ()
     host_runtime_bytes: int = 0
+    heap_overhead: float = 0.15
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
@@ -255,6 +260,7 @@ def _tpu(
         flops_tf32=tflops * 1e12,  # float32 matmuls run as bf16 passes at JAX's default precision
         host_memory_bytes=host_gib * GiB,
         platform="tpu",
+        heap_overhead=0.0,
         device_kinds=kinds,
         host_runtime_bytes=int(runtime_gib * GiB),
         link_peak_bytes_per_s=TPU_LINK_GB_S * GB,

@@ -239,7 +239,7 @@ def plan_generate(
     margin: float | int = 0.10,
     host_memory_gb: float | int | None = None,
     compute_efficiency: float | int = 1.0,
-    heap_overhead: float | int = 0.15,
+    heap_overhead: float | int | None = None,
     environ: Mapping[str, str] | None = None,
     quantize: str | None = None,
 ) -> GeneratePlan:
@@ -288,8 +288,8 @@ def plan_generate(
     batch, context, prompt = _check_shape(model.spec, batch, context, prompt)
     margin = fraction("margin", margin)
     efficiency = fraction("compute_efficiency", compute_efficiency, low_open=True, high_closed=True)
-    heap_overhead = fraction("heap_overhead", heap_overhead)
     profile = get_device(device)
+    heap_overhead = fraction("heap_overhead", profile.heap_overhead if heap_overhead is None else heap_overhead)
     if profile.memory_bytes_per_s is None:
         raise ValueError(
             f"plan_generate: device {profile.name!r} has no memory bandwidth; pass "

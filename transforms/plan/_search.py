@@ -137,7 +137,7 @@ def plan(
     margin: float | int = 0.10,
     host_memory_gb: float | int | None = None,
     compute_efficiency: float | int = 1.0,
-    heap_overhead: float | int = 0.15,
+    heap_overhead: float | int | None = None,
     clip_norm: float | int | None = None,
     environ: Mapping[str, str] | None = None,
     quantize: str | None = None,
@@ -174,7 +174,8 @@ def plan(
     - `host_memory_gb`: host memory per device in GiB (default: the profile's).
     - `compute_efficiency`: fraction of the peak FLOP/s achieved (default 1.0: peak).
     - `heap_overhead`: allowance for XLA's heap packing, as a fraction of the temporaries
-      (default 0.15; 0 gives the live peak alone). See ``transforms/plan/_bytes.py``.
+      (default: the device profile's, 0.15 on a GPU and 0 on a TPU; 0 gives the live peak alone).
+      See ``transforms/plan/_bytes.py``.
     - `clip_norm`: the gradients are clipped to this global norm (default ``None``: no clipping).
       The streamed update then makes a first pass over the layers for the norm (host-resident
       gradients cross the link once more), which the plan counts; :meth:`Plan.apply` adds the
@@ -205,8 +206,8 @@ def plan(
     batch, seq, fsdp, accum_steps = check_steps(model.spec, batch=batch, seq=seq, fsdp=fsdp, accum_steps=accum_steps)
     margin = fraction("margin", margin)
     compute_efficiency = fraction("compute_efficiency", compute_efficiency, low_open=True, high_closed=True)
-    heap_overhead = fraction("heap_overhead", heap_overhead)
     profile = get_device(device)
+    heap_overhead = fraction("heap_overhead", profile.heap_overhead if heap_overhead is None else heap_overhead)
     clip_norm = clip_norm_value(clip_norm, "plan")
     optimizer, opt_name, notes = resolve_optimizer(optimizer)
     parts = global_parts(optimizer)
