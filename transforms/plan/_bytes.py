@@ -42,9 +42,10 @@ compute in float32):
   batch: the causal mask and its fill value, ``H*S*S*(1 + 4)`` (written-out scores: two float32
   fills, ``H*S*S*8``).
 - *Weights in host memory, no activation policy* (:func:`transforms.offload_params` makes the
-  stack save matmul outputs and named values, never a weight copy): ``block_input``, the three
-  projections, the float32 scores ``H*S*S*4``, ``attn_context``, ``attn_residual``, the gate/up
-  outputs and ``mlp_hidden``, and the input of each post-norm (a sub-layer's last matmul output,
+  stack save the projections' outputs and named values, never a weight copy, and recompute the
+  attention's own matmuls): ``block_input``, the three projections, blockwise attention's float32
+  log-normaliser ``H*S*4`` (xla's scores are not kept), ``attn_context``, ``attn_residual``, the
+  gate/up outputs and ``mlp_hidden``, and the input of each post-norm (a sub-layer's last matmul output,
   ``S*d*c``, which its backward reads).
 - *An activation policy* (:func:`transforms.offload_activations`): exactly the named values it
   saves (device) or offloads (host), each ``S*width*c`` with the width the model's
@@ -385,7 +386,9 @@ def dots_layer_items(g: Geometry, S: int) -> dict[str, int]:
         "q_proj": _sd(S, g.q, c),
         "k_proj": _sd(S, g.kv, c),
         "v_proj": _sd(S, g.kv, c),
-        "attention scores (float32)": g.heads * S * (4 if g.blockwise(S) else S * 4),
+        # The attention's own matmuls (batched over heads) are recomputed, not saved: blockwise
+        # keeps its float32 log-normaliser per query and head, xla nothing of its scores.
+        "attention scores (float32)": g.heads * S * 4 if g.blockwise(S) else 0,
         "attn_context": _sd(S, g.q, c),
         "attn_residual": _sd(S, g.d, c),
         # With experts, the grouped matmuls' outputs per (token, expert) pair: gate and up, and the
