@@ -190,13 +190,7 @@ def test_host_weights_save_no_more_than_device_weights_for_the_backward_pass():
     attention's own matmuls: blockwise attention keeps no (queries x keys) scores, and the
     residuals are no larger than with the weights on the device (saving every matmul kept each
     layer's scores block by block: 8.9 GiB against 6.3 on a TPU v5e)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
     from jax._src.ad_checkpoint import saved_residuals
-
-    import transforms
-    import zoo
 
     from zoo.nn import DEFAULT_ATTENTION_BLOCK as B
 
