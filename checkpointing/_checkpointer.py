@@ -2,14 +2,18 @@
 
 Layout of one checkpoint (an orbax step directory ``<directory>/<step>``):
 
-- item ``state``: the array leaves of the saved pytree, as a flat dict from each leaf's key, its
-  tree path joined with ``.`` (see ``_keys``), to the array: ``{"model": llama, "opt_state":
-  adam_state}`` gives ``model.stack.layers.attn.q_proj.weight``,
-  ``opt_state.0.mu.stack.layers.attn.q_proj.weight``, ... Typed PRNG keys are stored as their key
-  data. Non-array leaves are not saved; they come back from the ``like`` tree on restore.
-- item ``meta``: JSON with the format (``checkpointing.Checkpointer/2``), the step, the user's
-  metadata and, for every saved leaf, its key, path, shape, dtype and a fingerprint of its values
-  (see ``_fingerprint``).
+- item ``state``: the array leaves of the saved pytree, each under its key, its tree path joined
+  with ``.`` (see ``_keys``): ``{"model": llama, "opt_state": adam_state}`` gives
+  ``model.stack.layers.attn.q_proj.weight``, ``opt_state.0.mu.stack.layers.attn.q_proj.weight``,
+  ... Each is a Zarr array of its bytes, written and read block by block (see ``_stream``), with
+  the fingerprint of every array beside them. Typed PRNG keys are stored as their key data.
+  Non-array leaves are not saved; they come back from the ``like`` tree on restore.
+- item ``meta``: JSON with the format (``checkpointing.Checkpointer/3``), the step, the user's
+  metadata and, for every saved leaf, its key, path, shape and dtype.
+
+Checkpoints of the format before (``checkpointing.Checkpointer/2``: the same keys in orbax's own
+array layout in the item ``state``, the fingerprints in ``meta``) are still read, with orbax, a
+few arrays at a time; the record's format says which reader a checkpoint takes.
 
 A restore pairs the leaves of ``like`` with the saved ones by key, so a checkpoint outlives a leaf
 added to or removed from another part of the tree (``strict=False``). Checkpoints in the earlier
@@ -31,12 +35,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ._errors import CorruptCheckpointError, Damaged, UnknownFormat, brief, resource_error
-from ._fingerprint import fingerprints
+from ._handler import StreamedArrays
 from ._keys import ArrayLeaves, array_leaves, listing
 from ._match import match
 from ._quiet import QuietAbandonedReads
-from ._read import STATE, finish_leaf, read_arrays, target_of
-from ._record import check_record, record
+from ._read import finish_leaf, read_arrays, target_of
+from ._record import FORMAT, check_record, record
+from ._stream import BLOCK_BYTES, ITEM, array_share, read_fingerprints, read_leaf, record_digest, total_shares
 
 __all__ = ["Checkpointer", "CorruptCheckpointError"]
 
@@ -79,14 +84,38 @@ def _all_processes(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array(ok, dtype=np.int32))))
 
 
-def _verify(entries: dict[str, dict], arrays: dict[str, Any]) -> str | None:
-    """``None`` if every array read matches its saved fingerprint, else a description of the first few."""
-    keys = list(arrays)
-    found = fingerprints([arrays[key] for key in keys])
-    bad = [key for key, fingerprint in zip(keys, found, strict=True) if fingerprint != entries[key]["fingerprint"]]
+def _verify(expected: dict[str, list[int]], shares: dict[str, list[int]]) -> str | None:
+    """``None`` if every array read matches its saved fingerprint (``shares``: this process's
+    share of each; all processes call this together), else a description of the first few."""
+    keys = list(shares)
+    found = total_shares([shares[key] for key in keys])
+    bad = [key for key, fingerprint in zip(keys, found, strict=True) if list(fingerprint) != expected.get(key)]
     if not bad:
         return None
     return f"the values read for {len(bad)} leaves differ from those saved ({listing(bad, limit=5)})"
+
+
+def _donate(leaf) -> None:
+    """Free a leaf of ``like`` whose values a restore is about to replace (``donate=True``)."""
+    if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+        leaf.delete()
+
+
+def _groups(keys: list[str], entries: dict[str, dict], most: int) -> list[list[str]]:
+    """``keys`` in runs of consecutive keys whose arrays hold at most ``most`` bytes together (a
+    larger array alone)."""
+    groups, size = [[]], 0
+    for key in keys:
+        entry = entries[key]
+        stored = ("data_shape", "data_dtype") if "key_impl" in entry else ("shape", "dtype")
+        shape, dtype = (entry[name] for name in stored)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * jax.numpy.dtype(dtype).itemsize
+        if groups[-1] and size + nbytes > most:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return [g for g in groups if g]
 
 
 class Checkpointer:
@@ -94,8 +123,14 @@ class Checkpointer:
 
     - :meth:`save` writes the array leaves of a pytree (Equinox models, optax states, dicts;
       JAX arrays, typed PRNG key arrays and NumPy arrays; other leaves are skipped) and a
-      JSON-serialisable ``metadata`` dict. With ``async_save`` it returns once the arrays are
-      copied; the writing goes on in the background.
+      JSON-serialisable ``metadata`` dict.
+    - Saves and restores stream: each array goes through host memory in blocks of at most
+      ``block_bytes``, a few at a time, whether it lives on the device or in host memory, so a
+      save or restore needs a few blocks of host memory beyond the state itself (about 130 MiB
+      measured with the default), never a second copy of the state. A save returns once its
+      arrays are written; with ``async_save`` only the commit of the checkpoint goes on in the
+      background (holding the arrays for a background write would need the host copy that
+      streaming avoids).
     - Each array is stored under its tree path joined with ``.``: for ``{"model": llama,
       "opt_state": adam_state}``, ``model.stack.layers.attn.q_proj.weight`` and
       ``opt_state.0.mu.stack.layers.attn.q_proj.weight`` (field names, dict keys and indices; each
@@ -103,9 +138,11 @@ class Checkpointer:
       other characters, are a `ValueError` that names them.
     - :meth:`restore` reads a checkpoint into the placements of a live state ``like``, matching
       leaves by key: every leaf comes back with the sharding *and* memory kind of its counterpart
-      in ``like`` (offloaded leaves directly into ``pinned_host``), read shard by shard, never
-      staged whole on the device. With ``strict=False`` the tree may have gained or lost leaves
-      since the save (a LoRA fine-tune of a base model's checkpoint).
+      in ``like`` (offloaded leaves directly into ``pinned_host``), read shard by shard and block
+      by block, never staged whole on the device or the host. With ``donate=True`` each leaf of
+      ``like`` is freed just before its replacement is read, so that restoring into the live
+      state never holds two copies of it. With ``strict=False`` the tree may have gained or lost
+      leaves since the save (a LoRA fine-tune of a base model's checkpoint).
     - Only complete checkpoints are listed or restored: a save killed midway leaves an unfinished
       temporary directory that is ignored. The newest ``keep`` checkpoints are kept, older ones
       are deleted once a newer save is complete.
@@ -121,7 +158,11 @@ class Checkpointer:
 
     - `directory`: where the checkpoints live (created if missing), one sub-directory per step.
     - `keep`: how many complete checkpoints to keep.
-    - `async_save`: write in the background (:meth:`wait` or :meth:`close` to finish).
+    - `async_save`: commit each checkpoint in the background (:meth:`wait` or :meth:`close` to
+      finish).
+    - `block_bytes`: the largest piece of an array that a save or restore holds in host memory
+      at a time (default 16 MiB); larger shards are moved in slabs along their leading
+      dimensions.
 
     **Example:**
 
@@ -140,13 +181,17 @@ class Checkpointer:
     ```
     """
 
-    def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory, *, keep: int = 3, async_save: bool = True, block_bytes: int = BLOCK_BYTES):
         if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
             raise TypeError(f"keep must be an int, got {type(keep).__name__}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be a bool, got {type(async_save).__name__}")
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral):
+            raise TypeError(f"block_bytes must be an int, got {type(block_bytes).__name__}")
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1 (a number of bytes; default {BLOCK_BYTES}), got {block_bytes}")
         if not isinstance(directory, str | os.PathLike):
             raise TypeError(f"directory must be a str or path, got {type(directory).__name__}")
         path = os.fspath(directory)
@@ -155,6 +200,7 @@ class Checkpointer:
         self.directory = path
         self.keep = int(keep)
         self.async_save = async_save
+        self.block_bytes = int(block_bytes)
         self._closed = False
         self._pending: int | None = None
         self._damaged: dict[int, str] = {}
@@ -205,10 +251,10 @@ class Checkpointer:
         """Save the array leaves of ``state``, each under its tree-path key, and ``metadata`` as
         checkpoint ``step``.
 
-        Returns once the arrays are copied (``state`` may then be donated or changed); with
-        ``async_save`` the files are written in the background. A previous pending save is
-        finished first. ``metadata`` comes back from :meth:`metadata` and :meth:`restore` as JSON
-        does (tuples as lists).
+        Returns once the arrays are written (``state`` may then be donated or changed), each
+        streamed through host memory a block at a time; with ``async_save`` the checkpoint is
+        committed in the background. A previous pending save is finished first. ``metadata``
+        comes back from :meth:`metadata` and :meth:`restore` as JSON does (tuples as lists).
 
         Raises `ValueError` if two array leaves of ``state`` map to the same key or one has a key
         that cannot be stored (naming them), or if the directory already holds a checkpoint at
@@ -234,12 +280,11 @@ class Checkpointer:
                 f"save: {self.directory} already holds checkpoint(s) at step {later} >= {step}; a restore "
                 "would pick the newest of them. Save under a larger step, or use another directory"
             )
-        # Fingerprints are taken from the same arrays orbax is given, before they are written.
+        # The fingerprints are taken from the blocks as they are written, and saved beside them.
         arrays, meta = record(step, user, leaves)
+        streamed = StreamedArrays(arrays, self.block_bytes, record_digest(meta))
         self._manager.save(
-            step,
-            args=ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(arrays), _META: ocp.args.JsonSave(meta)}),
-            force=True,
+            step, args=ocp.args.Composite(**{ITEM: streamed, _META: ocp.args.JsonSave(meta)}), force=True
         )
         self._pending = step
         if not self.async_save:
@@ -326,7 +371,9 @@ class Checkpointer:
                 self._fall_back(s, str(e), remaining=n + 1 < len(candidates))
         raise self._no_intact(candidates)
 
-    def restore(self, like, *, step: int | None = None, strict: bool = True) -> tuple[int, Any, dict]:
+    def restore(
+        self, like, *, step: int | None = None, strict: bool = True, donate: bool = False
+    ) -> tuple[int, Any, dict]:
         """Read checkpoint ``step`` (default: the newest complete and intact one) into the
         placements of ``like``; returns ``(step, state, metadata)``.
 
@@ -334,8 +381,16 @@ class Checkpointer:
         for their shape, dtype and sharding) or `jax.ShapeDtypeStruct` leaves with ``.sharding``.
         Its array leaves are paired with the saved ones by key (tree path), not by position. Each
         restored leaf has exactly the sharding and memory kind of its counterpart in ``like``,
-        which may differ from the saved one (another mesh, device instead of host). Non-array
+        which may differ from the saved one (another mesh, device instead of host), and is read
+        into it block by block (at most ``block_bytes`` of it in host memory at a time). Non-array
         leaves are returned from ``like``.
+
+        With ``donate=True`` the JAX arrays of ``like`` that are read from the checkpoint are
+        freed (``.delete()``), each just before its replacement is read, so that restoring into
+        the live state needs no memory for a second copy of it. They are freed whether or not the
+        restore succeeds (a mismatch between ``like`` and the checkpoint is found before any is):
+        use them no more. Leaves kept from ``like`` (``strict=False``) and NumPy arrays are left
+        alone.
 
         With ``strict=True`` the keys of ``like`` and of the checkpoint must be the same: a
         `ValueError` lists every missing key (in ``like`` only), every unexpected one (in the
@@ -370,12 +425,14 @@ class Checkpointer:
         self._finish_pending()
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+        if not isinstance(donate, bool):
+            raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
         tree = array_leaves(like, _is_target_leaf, "like")
         targets = [target_of(path, leaf) for path, leaf in zip(tree.paths, tree.leaves, strict=True)]
         candidates = self._candidates(step)
         with QuietAbandonedReads() as quiet:
             for n, s in enumerate(candidates):
-                found = self._restore_step(s, tree, targets, strict, quiet)
+                found = self._restore_step(s, tree, targets, strict, donate, quiet)
                 if isinstance(found, str):
                     self._fall_back(s, found, remaining=n + 1 < len(candidates))
                     continue
@@ -385,7 +442,9 @@ class Checkpointer:
                 return s, state, meta["metadata"]
         raise self._no_intact(candidates)
 
-    def _restore_step(self, step: int, tree: ArrayLeaves, targets: list, strict: bool, quiet: QuietAbandonedReads):
+    def _restore_step(
+        self, step: int, tree: ArrayLeaves, targets: list, strict: bool, donate: bool, quiet: QuietAbandonedReads
+    ):
         """``(state, meta record, match)`` from checkpoint ``step``, or what is wrong with it."""
         meta, problem, refused = None, None, None
         try:
@@ -402,16 +461,57 @@ class Checkpointer:
             raise refused
         paired = match(meta["leaves"], tree, targets, strict=strict, where=self._step_path(step))
         entries = {entry["key"]: entry for entry in meta["leaves"]}
+        likes = dict(zip(tree.keys, tree.leaves, strict=True))
         wanted = {key: (entries[key], t) for key, t in zip(tree.keys, targets, strict=True) if key in entries}
+        arrays, shares, expected = {}, {}, {}
         try:
-            arrays = read_arrays(self._manager, step, list(entries), wanted)
+            if meta["format"] == FORMAT:
+                arrays, shares, expected = self._read_streamed(step, meta, wanted, likes, donate)
+            else:
+                arrays, shares = self._read_orbax(step, list(entries), wanted, likes, donate, quiet)
+                expected = {key: entries[key]["fingerprint"] for key in wanted}
         except Damaged as e:
-            problem, quiet.failed = str(e), True
+            problem = str(e)
         if not _all_processes(problem is None):
             return problem or "reading it failed on another process"
-        problem = _verify(entries, arrays)  # the same answer on every process
+        problem = _verify(expected, shares)  # the same answer on every process
         if problem is not None:
             return problem
-        likes = dict(zip(tree.keys, tree.leaves, strict=True))
         values = {key: finish_leaf(likes[key], entries[key], array) for key, array in arrays.items()}
         return tree.replaced(values), meta, paired
+
+    def _read_streamed(self, step: int, meta: dict, wanted: dict, likes: dict, donate: bool):
+        """``(arrays, fingerprint shares, saved fingerprints)`` of a checkpoint of this format,
+        each array read block by block into its target."""
+        directory = f"{self._step_path(step)}/{ITEM}"
+        expected = read_fingerprints(directory, record_digest(meta))
+        arrays, shares = {}, {}
+        for key, (entry, target) in wanted.items():
+            if donate:
+                _donate(likes[key])
+            arrays[key], shares[key] = read_leaf(directory, key, entry, target, self.block_bytes)
+        return arrays, shares, expected
+
+    def _read_orbax(self, step: int, saved: list[str], wanted: dict, likes: dict, donate: bool, quiet):
+        """``(arrays, fingerprint shares)`` of a checkpoint in orbax's array item, read with
+        orbax a few arrays at a time (at most ``4 * block_bytes`` together, or one larger array)."""
+        arrays, shares = {}, {}
+        # A manager of its own: this one saves the item ``state`` with another handler, and orbax
+        # keeps one handler per item name.
+        options = ocp.CheckpointManagerOptions(
+            create=False, cleanup_tmp_directories=False, enable_async_checkpointing=False
+        )
+        with ocp.CheckpointManager(self.directory, options=options) as reader:
+            entries = {key: entry for key, (entry, _) in wanted.items()}
+            for group in _groups(list(wanted), entries, 4 * self.block_bytes):
+                if donate:
+                    for key in group:
+                        _donate(likes[key])
+                try:
+                    arrays.update(read_arrays(reader, step, saved, {key: wanted[key] for key in group}))
+                except Damaged:
+                    quiet.failed = True
+                    raise
+                for key in group:
+                    shares[key] = array_share(arrays[key], self.block_bytes)
+        return arrays, shares

@@ -5,15 +5,21 @@ bits (as unsigned integers) times an odd weight derived from the element's flat 
 mixed hash of the bits and the position. Integer addition modulo 2**32 is exact and does not depend
 on the order of the reduction, so the fingerprint of a restored array equals the saved one bit for
 bit on any mesh, sharding and backend, and a changed, zeroed (a missing tensorstore chunk reads as
-zeros) or moved element changes it (missed with probability about 2**-64). Large leaves, and leaves
-spread over several processes, are fingerprinted under `jit` on the global array (a host-resident
-leaf is copied to the device for it, one leaf at a time); small ones with NumPy on the host, which
-gives the same numbers without a compile per shape.
+zeros) or moved element changes it (missed with probability about 2**-64).
+
+Each sum is a sum over elements, so the fingerprint of an array is the sum (modulo 2**32) of the
+shares of any blocks that tile it, each share computed from the block alone and where it lies in
+the whole (:func:`fingerprint_np` and :func:`traced_fingerprint` with ``start`` and ``full``). The
+checkpointer fingerprints arrays block by block as it writes and reads them (see ``_stream``):
+blocks of at most `HOST_FINGERPRINT_BYTES` that are already on the host with NumPy, which needs no
+compile per shape, larger ones under `jit` on the device; the shares of several processes are
+added at the end.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -29,8 +35,8 @@ _C2 = np.uint32(0x85EBCA6B)
 _C3 = np.uint32(0xC2B2AE35)
 _C4 = np.uint32(0x27D4EB2F)
 
-#: Leaves up to this size that a process can read whole are fingerprinted with NumPy on the host
-#: (no compile per shape); larger ones, and arrays spread over several processes, under `jit`.
+#: Blocks up to this size are fingerprinted with NumPy on the host (no compile per shape); larger
+#: ones under `jit` on the device (NumPy is about ten times slower per byte).
 HOST_FINGERPRINT_BYTES = 1 << 22
 
 
@@ -90,14 +96,42 @@ def _bits_np(a):
     return a.view(unsigned).astype(np.uint32)
 
 
-def _positions(shape):
-    """The row-major flat index of every element, modulo 2**32."""
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(len(shape))):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * np.uint32(stride % 2**32)
-        stride *= shape[dim]
+def _word_geometry(word_shape, start, full):
+    """``(starts, strides)`` of a block's words in the word array of the whole: ``word_shape`` is
+    the block's words (its shape, then the words of each element), ``start`` where the block
+    begins in the whole array, ``full`` the whole array's shape; strides modulo 2**32."""
+    extra = tuple(word_shape[len(full) :])
+    shape = (*full, *extra)
+    strides, stride = [], 1
+    for dim in reversed(shape):
+        strides.append(stride % 2**32)
+        stride *= dim
+    return (*start, *([0] * len(extra))), strides[::-1]
+
+
+def _positions(word_shape, start=None, full=None):
+    """The row-major flat index (modulo 2**32) of every word of a block in the word array of
+    the whole array (``start``: a uint32 vector, traced or not; the whole block by default)."""
+    full = tuple(word_shape) if full is None else tuple(full)
+    start = np.zeros(len(full), np.uint32) if start is None else start
+    starts, strides = _word_geometry(word_shape, [start[d] for d in range(len(full))], full)
+    index = jnp.zeros(word_shape, jnp.uint32)
+    for dim, (first, stride) in enumerate(zip(starts, strides, strict=True)):
+        along = jax.lax.broadcasted_iota(jnp.uint32, word_shape, dim) + jnp.asarray(first, jnp.uint32)
+        index = index + along * np.uint32(stride)
     return index
+
+
+def _positions_np(word_shape, start, full):
+    """:func:`_positions` in NumPy (``start``: ints)."""
+    starts, strides = _word_geometry(word_shape, [int(s) for s in start], tuple(full))
+    index = np.zeros((), np.uint32)
+    for dim, (first, stride) in enumerate(zip(starts, strides, strict=True)):
+        along = (np.arange(word_shape[dim], dtype=np.uint64) + first) % np.uint64(2**32)
+        shape = [1] * len(word_shape)
+        shape[dim] = word_shape[dim]
+        index = index + along.astype(np.uint32).reshape(shape) * np.uint32(stride)
+    return np.broadcast_to(index, word_shape)
 
 
 def _hash(u, i, xp):
@@ -128,31 +162,66 @@ def fingerprint(x):
     return _fingerprint_on(sharding.mesh if isinstance(sharding, NamedSharding) else None)(x)
 
 
-def fingerprint_np(a) -> list[int]:
-    """The fingerprint of an array read whole on the host, with NumPy (the numbers of :func:`fingerprint`)."""
+def fingerprint_np(a, start=None, full=None) -> list[int]:
+    """The fingerprint of an array read whole on the host, with NumPy (the numbers of
+    :func:`fingerprint`); with ``start`` and ``full``, the share of a block that begins at index
+    ``start`` of an array of shape ``full`` (the shares of the blocks that tile an array add up,
+    modulo 2**32, to its fingerprint: :func:`add`)."""
+    a = np.asarray(a)
+    full = a.shape if full is None else tuple(full)
+    start = (0,) * len(full) if start is None else tuple(start)
+    u = _bits_np(a)
+    i = _positions_np(u.shape, start, full)
     # One-dimensional (NumPy warns on overflow in scalar arithmetic, not in array arithmetic).
-    u = _bits_np(np.asarray(a)).reshape(-1)
-    i = (np.arange(u.size, dtype=np.uint64) % np.uint64(2**32)).astype(np.uint32)
-    return [int(v) for v in _hash(u, i, np)]
+    return [int(v) for v in _hash(u.reshape(-1), i.reshape(-1), np)]
 
 
-def fingerprints(arrays) -> list[list[int]]:
-    """Fingerprints of ``arrays``: the large ones on the device, one program per leaf, the small
-    ones meanwhile with NumPy (the same numbers either way)."""
-    out: list = [None] * len(arrays)
-    for n, x in enumerate(arrays):
-        small = isinstance(x, np.ndarray | np.generic) or (
-            x.nbytes <= HOST_FINGERPRINT_BYTES and (x.is_fully_addressable or x.is_fully_replicated)
-        )
-        if not small:
-            out[n] = fingerprint(x)
-            if len(x.sharding.device_set) > 1:
-                # One program with collectives in flight at a time. The programs of different
-                # leaves are independent, so their collectives may run in a different order on
-                # each device: on the CPU backend that deadlocks, both between processes (gloo)
-                # and between the devices of one process (XLA aborts after 40 s in a rendezvous).
-                out[n].block_until_ready()
-    for n, x in enumerate(arrays):
-        if out[n] is None:
-            out[n] = fingerprint_np(np.asarray(x))
-    return [[int(v) for v in np.asarray(r)] if not isinstance(r, list) else r for r in jax.device_get(out)]
+#: Inside `jit`, a block is hashed in rows of at most this many elements, one row per iteration of
+#: a loop, so that no temporary of the block's size is made (XLA otherwise keeps the bits and
+#: positions of the whole block for the two sums).
+ROW = 1 << 18
+
+
+def largest_divisor(n: int, most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``most`` (1 if none larger)."""
+    best = 1
+    for small in range(1, math.isqrt(n) + 1):
+        if n % small == 0:
+            for d in (small, n // small):
+                if best < d <= most:
+                    best = d
+    return best
+
+
+def traced_fingerprint(block, start, full):
+    """Inside `jit`: the share (a uint32 pair) of ``block``, which begins at index ``start`` (a
+    uint32 vector) of an array of shape ``full``, in that array's fingerprint (the block is read
+    on the device: host-resident blocks are copied there first)."""
+    block = to_device(block)
+    shape, count = tuple(block.shape), math.prod(block.shape)
+    row = largest_divisor(count, ROW) if count else 1
+    if count <= ROW or row < ROW // 64 or count >= 2**32:  # small, or no even cut into rows
+        u = _bits(block)
+        return jnp.stack(_hash(u, _positions(u.shape, start, full), jnp))
+    extra = tuple(_bits(jax.ShapeDtypeStruct((1,), block.dtype)).shape[1:])  # the words of one element
+    strides = [math.prod(full[d + 1 :]) * math.prod(extra) % 2**32 for d in range(len(shape))]
+    words = _positions(extra).reshape(1, *extra) if extra else np.uint32(0)
+    rows = block.reshape(count // row, row)
+
+    def one(total, n):
+        # The flat index of each element of row n in the block, then its place in the whole.
+        flat = jax.lax.iota(jnp.uint32, row) + n.astype(jnp.uint32) * np.uint32(row)
+        where = jnp.zeros(row, jnp.uint32)
+        for d in reversed(range(len(shape))):
+            where = where + (start[d] + flat % np.uint32(shape[d])) * np.uint32(strides[d])
+            flat = flat // np.uint32(shape[d])
+        u = _bits(jax.lax.dynamic_index_in_dim(rows, n, keepdims=False))
+        i = where.reshape(row, *([1] * len(extra))) + words
+        return total + jnp.stack(_hash(u, i, jnp)), None
+
+    return jax.lax.scan(one, jnp.zeros(2, jnp.uint32), jnp.arange(count // row))[0]
+
+
+def add(*shares) -> list[int]:
+    """The sum, modulo 2**32, of fingerprint shares (uint32 pairs)."""
+    return [int(sum(int(s[k]) for s in shares) % 2**32) for k in range(2)]

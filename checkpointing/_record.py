@@ -1,5 +1,5 @@
 """The metadata record saved with each checkpoint: the format, the user's metadata and, for every
-array leaf, its key, path, shape, dtype and fingerprint."""
+array leaf, its key, path, shape and dtype (and, in the format before streaming, its fingerprint)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import Damaged, UnknownFormat
-from ._fingerprint import fingerprints
 from ._keys import ArrayLeaves
 
-#: The layout written by this version: arrays stored under their tree-path keys.
-FORMAT = "checkpointing.Checkpointer/2"
+#: The layout written by this version: arrays stored under their tree-path keys, block by block,
+#: in the item ``state`` (see ``_stream``), their fingerprints beside them.
+FORMAT = "checkpointing.Checkpointer/3"
+#: The layout before it, still read: the same keys in the same item, in orbax's own array layout,
+#: which orbax writes from a host copy of the whole state; the fingerprints in this record.
+ORBAX_FORMAT = "checkpointing.Checkpointer/2"
+READ_FORMATS = (FORMAT, ORBAX_FORMAT)
 #: Earlier layouts, with the arrays under positional keys ``leaf0``, ``leaf1``, ... (tree-flatten
 #: order). Refused: read by position into a tree that has changed, they would put values into the
 #: wrong leaves.
@@ -25,8 +29,8 @@ def is_key_array(x) -> bool:
 
 
 def record(step: int, metadata: dict, state: ArrayLeaves) -> tuple[dict, dict]:
-    """``(arrays by key, metadata record)`` of a save: typed PRNG keys become their key data, and
-    every array's fingerprint is taken from the array orbax is given."""
+    """``(arrays by key, metadata record)`` of a save: typed PRNG keys become their key data (the
+    fingerprints are taken as the arrays are written)."""
     data, entries = {}, []
     for key, path, leaf in zip(state.keys, state.paths, state.leaves, strict=True):
         entry = {"key": key, "path": path, "shape": list(np.shape(leaf)), "dtype": str(leaf.dtype)}
@@ -36,8 +40,6 @@ def record(step: int, metadata: dict, state: ArrayLeaves) -> tuple[dict, dict]:
             entry["data_shape"], entry["data_dtype"] = list(leaf.shape), str(leaf.dtype)
         data[key] = leaf
         entries.append(entry)
-    for entry, fingerprint in zip(entries, fingerprints(list(data.values())), strict=True):
-        entry["fingerprint"] = fingerprint
     return data, {"format": FORMAT, "step": step, "metadata": metadata, "leaves": entries}
 
 
@@ -54,12 +56,12 @@ def check_record(meta, where: str) -> dict:
             "that wrote it and re-save what you need from there (a model with zoo.save_hf, read back here with "
             "zoo.load_hf)"
         )
-    if isinstance(form, str) and form.startswith(_FAMILIES) and form != FORMAT:
+    if isinstance(form, str) and form.startswith(_FAMILIES) and form not in READ_FORMATS:
         raise UnknownFormat(
             f"checkpoint {where} was written in the layout {form!r}, which this version does not know (it "
-            f"reads {FORMAT!r}); restore it with the release that wrote it"
+            f"reads {' and '.join(map(repr, READ_FORMATS))}); restore it with the release that wrote it"
         )
-    leaves = meta.get("leaves") if form == FORMAT else None
+    leaves = meta.get("leaves") if form in READ_FORMATS else None
     if not isinstance(leaves, list) or not all(isinstance(e, dict) and isinstance(e.get("key"), str) for e in leaves):
         raise Damaged("its metadata is not a checkpointing.Checkpointer metadata record")
     return meta

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import checkpointing
 import transforms
 import zoo
-from checkpointing import _fingerprint, _quiet, _read
+from checkpointing import _fingerprint, _quiet, _read, _stream
 from zoo import sharding
 
 HOST, DEVICE = "pinned_host", "device"
@@ -116,7 +116,14 @@ def by_key(tree):
 
 
 def keys_on_disk(step_dir):
-    """The keys of the arrays orbax holds in a checkpoint, from orbax's own tree metadata."""
+    """The keys of the arrays a checkpoint holds: one directory each, with its Zarr metadata,
+    under the ``state`` item's ``leaves``."""
+    return sorted(p.parent.name for p in (step_dir / "state" / "leaves").glob("*/zarr.json"))
+
+
+def keys_in_orbax_item(step_dir):
+    """The keys of the arrays in orbax's own array item ``state`` (earlier layouts), from orbax's
+    tree metadata."""
     tree = json.loads((step_dir / "state" / "_METADATA").read_text())["tree_metadata"]
     keys = [tuple(k["key"] for k in entry["key_metadata"]) for entry in tree.values()]
     assert all(len(k) == 1 for k in keys), keys  # a flat dict
@@ -124,7 +131,7 @@ def keys_on_disk(step_dir):
 
 
 def largest_file(step_dir):
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    files = [p for p in (step_dir / "state" / "leaves").rglob("*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
 
 
@@ -198,7 +205,7 @@ def test_offloaded_leaves_come_back_in_host_memory_and_can_move_elsewhere(tmp_pa
 
 
 def test_on_a_mesh_leaves_get_the_live_shardings_or_new_ones(tmp_path, monkeypatch):
-    # Fingerprint every leaf under `jit` on the global array (the path large leaves take).
+    # Save: fingerprint every block under `jit` on its device (the path large blocks take).
     monkeypatch.setattr(_fingerprint, "HOST_FINGERPRINT_BYTES", -1)
     mesh = sharding.make_mesh(data=2, fsdp=4)
     live = transforms.offload_params(sharding.shard(randomized(model(), 1), mesh))
@@ -209,15 +216,16 @@ def test_on_a_mesh_leaves_get_the_live_shardings_or_new_ones(tmp_path, monkeypat
 
     with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(5, state)
+        # Verified by the NumPy fingerprints of the small leaves' shards, against those computed
+        # under `jit` at save time.
+        monkeypatch.setattr(_fingerprint, "HOST_FINGERPRINT_BYTES", 1 << 22)
         _, restored, _ = ckpt.restore(abstract(state))
         assert [x.sharding for x in arrays(restored)] == [x.sharding for x in arrays(state)]
         assert restored[0].stack.layers.mlp.up.weight.sharding == w.sharding
         assert_bit_equal(restored, state)
 
         # Another mesh and layout: the model on device over 8-way fsdp, the optimizer state
-        # replicated in host memory. (Verified by the NumPy fingerprints of the small leaves this
-        # time, against those computed under `jit` at save time.)
-        monkeypatch.setattr(_fingerprint, "HOST_FINGERPRINT_BYTES", 1 << 22)
+        # replicated in host memory.
         other = sharding.make_mesh(fsdp=8)
         target = (
             sharding.shardings(eqx.filter(live, eqx.is_array), other, memory_kind=DEVICE),
@@ -248,6 +256,138 @@ def test_async_save_copies_the_arrays_before_returning(tmp_path):
     for k, v in expected.items():
         np.testing.assert_array_equal(np.asarray(restored[k]), v)
     assert restored["h"].sharding.memory_kind == HOST
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming: bounded blocks, donation
+
+
+def test_arrays_move_in_blocks_of_at_most_block_bytes_both_ways(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    on_host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
+    state = {
+        "dev": jnp.asarray(rng.standard_normal((40, 64), dtype=np.float32)),  # 10 KiB
+        "host": jax.device_put(rng.standard_normal((3, 16, 64), dtype=np.float32), on_host),
+        "small": jnp.arange(5),
+    }
+    read = _stream._read_region
+    regions = []
+
+    def spy(store, start, size, dtype):
+        regions.append(int(np.prod(size)) * dtype.itemsize)
+        return read(store, start, size, dtype)
+
+    monkeypatch.setattr(_stream, "_read_region", spy)
+    monkeypatch.setattr(_fingerprint, "HOST_FINGERPRINT_BYTES", -1)  # every block under `jit`
+    block = 4096
+    with checkpointing.Checkpointer(tmp_path, async_save=False, block_bytes=block) as ckpt:
+        ckpt.save(1, state)
+        leaves = tmp_path / "1" / "state" / "leaves"
+        chunks = {key: sorted(p.stat().st_size for p in (leaves / key).rglob("c/**/*") if p.is_file()) for key in state}
+        # Chunks of whole rows: "host" one 4 KiB row of 16 x 64 at a time, "dev" 16 rows of 256 B
+        # (its last 8 rows in a chunk padded to full size, as Zarr stores edge chunks).
+        assert chunks == {"dev": [4096] * 3, "host": [4096] * 3, "small": [20]}
+        like = {"dev": abstract(state)["dev"], "small": abstract(state)["small"]}
+        like["host"] = jax.ShapeDtypeStruct((3, 16, 64), jnp.float32, sharding=state["dev"].sharding)  # now on device
+        _, restored, _ = ckpt.restore(like)
+    assert max(regions) <= block and sum(regions) == sum(x.nbytes for x in state.values())
+    assert restored["host"].sharding.memory_kind == DEVICE and restored["dev"].sharding == state["dev"].sharding
+    assert_bit_equal(restored, state)
+
+
+def test_every_dtype_and_shape_round_trips_bit_exact(tmp_path):
+    rng = np.random.default_rng(2)
+    on_host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
+    values = {
+        "bf16": rng.standard_normal((12, 10)).astype(ml_dtypes.bfloat16),
+        "f8": rng.standard_normal((9, 8)).astype(ml_dtypes.float8_e4m3fn),
+        "i4": rng.integers(-8, 8, (8, 6)).astype(ml_dtypes.int4),
+        "c64": (rng.standard_normal((6, 5)) + 1j).astype(np.complex64),
+        "bool": rng.integers(0, 2, 7).astype(bool),
+        "u8": rng.integers(0, 255, (3, 4, 5)).astype(np.uint8),
+        "empty": np.zeros((0, 3), np.float32),
+        "scalar": np.float32(3.5),
+    }
+    state = {k: jax.device_put(v, on_host if k in ("bf16", "c64") else None) for k, v in values.items()}
+    state["numpy_i64"] = np.arange(10, dtype=np.int64).reshape(2, 5)  # stays NumPy
+    with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state)
+        like = {k: abstract(v) if isinstance(v, jax.Array) else np.zeros_like(v) for k, v in state.items()}
+        _, restored, _ = ckpt.restore(like)
+    for key, value in {**values, "numpy_i64": state["numpy_i64"]}.items():
+        got = np.asarray(restored[key])
+        assert got.dtype == np.asarray(value).dtype and got.shape == np.shape(value), key
+        assert got.tobytes() == np.asarray(value).tobytes(), key
+    assert isinstance(restored["numpy_i64"], np.ndarray)
+    assert [restored[k].sharding.memory_kind for k in ("bf16", "c64", "u8")] == [HOST, HOST, DEVICE]
+
+
+def test_where_host_memory_cannot_be_sliced_or_filled_on_the_device_blocks_go_through_device_memory(
+    tmp_path, monkeypatch
+):
+    # As an accelerator might: no block sliced out of a host shard (each shard is then copied to
+    # the device whole), and host shards put together in device memory, then moved.
+    fetch, slicing = _stream._fetch, []
+
+    def no_host_slices(x, *args, **kwargs):
+        slicing.append(x.sharding.memory_kind)
+        if x.sharding.memory_kind == HOST:
+            raise ValueError("cannot slice host memory here")
+        return fetch(x, *args, **kwargs)
+
+    monkeypatch.setattr(_stream, "_fetch", no_host_slices)
+    monkeypatch.setattr(_stream, "_HOST_SLICING", {})
+    monkeypatch.setattr(_stream, "assemble_on_device", lambda device: True)
+    rng = np.random.default_rng(1)
+    on_host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
+    state = {"host": jax.device_put(rng.standard_normal((8, 32, 16), dtype=np.float32), on_host)}
+    state["dev"] = jnp.asarray(rng.standard_normal((8, 32, 16), dtype=np.float32))
+    expected = {k: np.asarray(v).copy() for k, v in state.items()}
+    with checkpointing.Checkpointer(tmp_path, async_save=False, block_bytes=2048) as ckpt:
+        ckpt.save(1, state)
+        _, restored, _ = ckpt.restore(state, donate=True)
+    assert slicing.count(HOST) == 1  # tried once, then every block of the device copy
+    assert slicing.count(DEVICE) == 8 + 8  # the blocks of "dev", then those of the copy of "host"
+    assert _stream._HOST_SLICING == {"cpu": False}
+    assert [restored[k].sharding.memory_kind for k in ("dev", "host")] == [DEVICE, HOST]
+    assert_bit_equal(restored, expected)
+
+
+def write_layout(layout, directory, step, state):
+    if layout == "orbax":
+        write_orbax_layout(directory, step, state)
+    else:
+        with checkpointing.Checkpointer(directory, async_save=False) as ckpt:
+            ckpt.save(step, state)
+
+
+@pytest.mark.parametrize("layout", ["streamed", "orbax"])
+def test_a_donated_restore_frees_each_live_leaf_it_replaces_and_nothing_else(tmp_path, layout):
+    live = transforms.offload_params(randomized(model(), 1))
+    state = {"model": live, "opt": randomized(adam_state(eqx.filter(live, eqx.is_array), offload=True), 2)}
+    write_layout(layout, tmp_path, 3, state)
+    expected = {k: np.asarray(v).copy() for k, v in by_key(state).items()}
+    kinds = {k: v.sharding.memory_kind for k, v in by_key(state).items()}
+    # Small blocks for the earlier layout: orbax reads a few arrays (4 blocks' worth) at a time.
+    block = 1 << 16 if layout == "orbax" else _stream.BLOCK_BYTES
+    with checkpointing.Checkpointer(tmp_path, async_save=False, block_bytes=block) as ckpt:
+        # A mismatch is found before anything is freed.
+        wrong = {"model": live, "opt": state["opt"], "extra": jnp.zeros(2)}
+        with pytest.raises(ValueError, match="missing from the checkpoint"):
+            ckpt.restore(wrong, donate=True)
+        assert not any(x.is_deleted() for x in arrays(wrong))
+        like = {**randomized(state, 3), "ema": jnp.full(3, 7.0), "rows": np.arange(4)}
+        with pytest.warns(UserWarning, match="2 array leaves of `like` are not in it"):
+            step, restored, _ = ckpt.restore(like, strict=False, donate=True)
+    assert step == 3
+    read, kept = by_key({k: like[k] for k in state}), by_key({"ema": like["ema"]})
+    assert all(x.is_deleted() for x in read.values())
+    assert not kept["ema"].is_deleted() and restored["ema"] is like["ema"] and restored["rows"] is like["rows"]
+    got = by_key({k: restored[k] for k in state})
+    assert got.keys() == expected.keys()
+    for key, value in got.items():
+        assert value.sharding.memory_kind == kinds[key], key
+        assert np.asarray(value).tobytes() == expected[key].tobytes(), key
 
 
 def test_keep_prunes_the_oldest_checkpoints(tmp_path):
@@ -289,7 +429,7 @@ def test_arrays_are_stored_under_their_dotted_tree_paths(tmp_path):
     assert {"model.stack.layers.attn.q_proj.weight", "opt_state.0.mu.stack.layers.attn.q_proj.weight"} <= set(on_disk)
     assert {"opt_state.0.count", "rng"} <= set(on_disk) and not any(k.startswith("lr") for k in on_disk)
     record = json.loads((tmp_path / "1" / "meta" / "metadata").read_text())
-    assert record["format"] == "checkpointing.Checkpointer/2"
+    assert record["format"] == "checkpointing.Checkpointer/3"
     assert [e["key"] for e in record["leaves"]] == keys_of(state)
 
 
@@ -390,6 +530,27 @@ def write_positional(directory, form, state):
         manager.save(1, args=ocp.args.Composite(state=arrays, meta=ocp.args.JsonSave(meta)))
 
 
+def write_orbax_layout(directory, step, state):
+    """A checkpoint as the release before streaming wrote it (``checkpointing.Checkpointer/2``):
+    the arrays under their tree-path keys in orbax's own array item ``state``, their
+    fingerprints in the metadata record (no typed PRNG keys here)."""
+    entries = [
+        {
+            "key": dotted(p),
+            "path": jax.tree_util.keystr(p),
+            "shape": list(x.shape),
+            "dtype": str(x.dtype),
+            "fingerprint": _fingerprint.fingerprint_np(np.asarray(x)),
+        }
+        for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+    ]
+    meta = {"format": "checkpointing.Checkpointer/2", "step": step, "metadata": {"run": "old"}, "leaves": entries}
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(os.fspath(directory), options=options) as manager:
+        arrays = ocp.args.PyTreeSave(by_key(state))
+        manager.save(step, args=ocp.args.Composite(state=arrays, meta=ocp.args.JsonSave(meta)))
+
+
 @pytest.mark.parametrize(
     "form, message",
     [
@@ -401,7 +562,7 @@ def write_positional(directory, form, state):
 def test_a_checkpoint_in_another_layout_is_refused(tmp_path, form, message):
     state = small(1)
     write_positional(tmp_path, form, state)
-    assert keys_on_disk(tmp_path / "1") == ["leaf0", "leaf1"]
+    assert keys_in_orbax_item(tmp_path / "1") == ["leaf0", "leaf1"]
     with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         assert ckpt.steps() == [1]
         with pytest.raises(ValueError, match=message):
@@ -423,7 +584,10 @@ def test_an_unfinished_save_directory_is_ignored(tmp_path, suffix):
     # What a save killed before its final rename leaves: the step's files under a temporary name.
     shutil.copytree(tmp_path / "2", tmp_path / f"3{suffix}")
     with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
-        shutil.copytree(tmp_path / "2", tmp_path / f"4{suffix}")  # also one appearing later
+        # Also one appearing later: put in place whole (the checkpointer's cleanup of leftovers,
+        # started in the background as it opens, may be deleting temporary directories meanwhile).
+        shutil.copytree(tmp_path / "2", tmp_path / "staging")
+        os.rename(tmp_path / "staging", tmp_path / f"4{suffix}")
         assert ckpt.steps() == [1, 2] and ckpt.latest_step() == 2
         step, state, _ = ckpt.restore(small(0))
         assert step == 2
@@ -436,13 +600,18 @@ CHILD = """
 import os, signal, sys
 import jax.numpy as jnp, numpy as np
 import checkpointing
-import transforms
-ckpt = checkpointing.Checkpointer(sys.argv[1], async_save=True)
+from checkpointing import _stream
+ckpt = checkpointing.Checkpointer(sys.argv[1], async_save=True, block_bytes=1 << 18)
 ckpt.save(1, {"w": jnp.full((1024, 1024), 1.0)})
 ckpt.wait()
-ckpt.save(2, {"w": jnp.asarray(np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32))})
-print(" ".join(sorted(os.listdir(sys.argv[1]))), flush=True)
-os.kill(os.getpid(), signal.SIGKILL)  # while step 2 is being written
+blocks = []
+def killed_midway():  # runs after each block written: killed with 3 of step 2's 16 blocks written
+    blocks.append(1)
+    if len(blocks) == 3:
+        print(" ".join(sorted(os.listdir(sys.argv[1]))), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+_stream.release_freed_memory = killed_midway
+ckpt.save(2, {"w": jnp.asarray(np.random.default_rng(0).random((1024, 1024), dtype=np.float32))})
 """
 
 
@@ -476,14 +645,28 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_pat
 def _replace_arrays_with_other_valid_ones(step_dir):
     # Every file is valid; only the values are not the ones saved at this step.
     other = step_dir.parent / "1"
+    shutil.rmtree(step_dir / "state" / "leaves")
+    shutil.copytree(other / "state" / "leaves", step_dir / "state" / "leaves")
+
+
+def _replace_arrays_and_fingerprints_with_another_checkpoints(step_dir):
+    # The whole array item of step 1, its fingerprints too: they agree with each other.
     shutil.rmtree(step_dir / "state")
-    shutil.copytree(other / "state", step_dir / "state")
+    shutil.copytree(step_dir.parent / "1" / "state", step_dir / "state")
 
 
 # Orbax's reads of a damaged file fail in several coroutines at once; those it does not await
 # would be reported by Python as "exception ignored" (an error under this suite's warning filter)
 # if the Checkpointer did not collect them itself.
-@pytest.mark.parametrize("damage", [truncate, delete, _replace_arrays_with_other_valid_ones], ids=lambda f: f.__name__)
+DAMAGES = [
+    truncate,
+    delete,
+    _replace_arrays_with_other_valid_ones,
+    _replace_arrays_and_fingerprints_with_another_checkpoints,
+]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__)
 def test_a_corrupted_latest_checkpoint_warns_and_falls_back(tmp_path, damage):
     with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(1, small(1))
@@ -499,6 +682,8 @@ def test_a_corrupted_latest_checkpoint_warns_and_falls_back(tmp_path, damage):
         assert str(tmp_path / "2") in message and "falling back" in message
         if damage is _replace_arrays_with_other_valid_ones:  # read fine: only the fingerprints tell
             assert "2 leaves differ from those saved (b.c, w)" in message
+        if damage is _replace_arrays_and_fingerprints_with_another_checkpoints:
+            assert "arrays were saved with other metadata than its own" in message
         # A run resumed from step 1 reaches step 2 again: the corrupted checkpoint is replaced.
         ckpt.save(2, small(22))
         assert ckpt.steps() == [1, 2]
@@ -588,8 +773,8 @@ def test_restore_reads_host_leaves_one_at_a_time_where_orbax_cannot_read_into_ho
         return read(manager, step, saved, specs)
 
     monkeypatch.setattr(_read, "read_some", old_orbax)
+    write_orbax_layout(tmp_path, 1, state)  # read with orbax: this layout only
     with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
-        ckpt.save(1, state)
         _, restored, _ = ckpt.restore(abstract(state))
     assert [x.sharding.memory_kind for x in arrays(restored)] == [DEVICE, HOST, HOST, HOST]
     assert_bit_equal(restored, state)
@@ -646,6 +831,10 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         checkpointing.Checkpointer(tmp_path, keep=1.5)
     with pytest.raises(TypeError, match="directory"):
         checkpointing.Checkpointer(None)
+    with pytest.raises(ValueError, match=r"block_bytes must be >= 1 .*got 0"):
+        checkpointing.Checkpointer(tmp_path, block_bytes=0)
+    with pytest.raises(TypeError, match="block_bytes must be an int, got float"):
+        checkpointing.Checkpointer(tmp_path, block_bytes=1e6)
     empty = tmp_path / "empty"
     with checkpointing.Checkpointer(empty, async_save=False) as ckpt:
         assert ckpt.steps() == [] and ckpt.latest_step() is None
@@ -673,6 +862,8 @@ def test_bad_arguments_are_clear_errors(tmp_path):
             ckpt.restore(small(0), step=4)
         with pytest.raises(ValueError, match="step must be >= 0"):
             ckpt.restore(small(0), step=-2)
+        with pytest.raises(TypeError, match="donate must be a bool, got str"):
+            ckpt.restore(small(0), donate="yes")
     with pytest.raises(RuntimeError, match="closed"):
         ckpt.save(6, small(6))
     ckpt.close()  # closing twice is fine
