@@ -126,8 +126,8 @@ class Checkpointer:
       JSON-serialisable ``metadata`` dict.
     - Saves and restores stream: each array goes through host memory in blocks of at most
       ``block_bytes``, a few at a time, whether it lives on the device or in host memory, so a
-      save or restore needs a few blocks of host memory beyond the state itself (about 130 MiB
-      measured with the default), never a second copy of the state. A save returns once its
+      save or restore needs a few blocks of host memory beyond the state itself (120-300 MiB
+      measured on the CPU with the default), never a second copy of the state. A save returns once its
       arrays are written; with ``async_save`` only the commit of the checkpoint goes on in the
       background (holding the arrays for a background write would need the host copy that
       streaming avoids).
