@@ -251,8 +251,10 @@ def _capacity_plan(spec: dict, cfg, report: dict, write) -> tuple[Config, object
     )
     write("plain_step_sized")
     dev, opt = report["device"], optax.adamw(lr, b1=ADAM_B1)
-    planned_plain = transforms.plan(cfg, batch=batch, seq=seq, device="h200", optimizer=opt).predict()
-    profile = capacity_device(dev["platform"], dev["device_kind"], planned_plain["device_bytes"])
+    plain_bytes = None
+    if dev["platform"] == "cpu":  # the reduced pass sizes a profile below the planned plain step
+        plain_bytes = transforms.plan(cfg, batch=batch, seq=seq, device="h200", optimizer=opt).predict()["device_bytes"]
+    profile = capacity_device(dev["platform"], dev["device_kind"], plain_bytes)
     plan = transforms.plan(cfg, batch=batch, seq=seq, device=profile, optimizer=opt, clip_norm=CLIP_NORM)
     if need.get("limit_bytes") is None and need.get("needed_bytes"):  # no bytes_limit (a CPU): the plan's budget
         need.update(limit_bytes=plan.device_budget, limit_source="the capacity profile's budget (no bytes_limit here)")
