@@ -67,7 +67,13 @@ def versions(distributions=DISTRIBUTIONS) -> dict[str, str]:
 
 
 def git_commit(root: Path = ROOT) -> str | None:
-    """The commit checked out in ``root`` (with ``+dirty`` for local changes), or None without git."""
+    """The commit checked out in ``root`` (with ``+dirty`` for local changes), or None without git.
+
+    ``BENCH_GIT_COMMIT`` in the environment overrides it: a copy of the tree run on another machine
+    (an accelerator host) may carry a stale or no ``.git``, so the caller names the commit it sent.
+    """
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
