@@ -3,7 +3,8 @@ count, trained on the planner's plan for the running device, on text (so that th
 
 - :func:`plain_step_need` compiles the plain step (no offload) for the abstract model, allocating
   nothing, and reads what it needs: XLA's memory analysis where it compiles, else the sizes in the
-  compiler's out-of-memory error (XLA:TPU refuses a program over its HBM when it compiles it).
+  compiler's out-of-memory error (XLA:TPU refuses a program over its HBM when it compiles it), read
+  by :func:`transforms.oom.oom_sizes`.
 - :func:`text_tokens` cuts token windows from the bytes of the Python standard library's sources
   (byte-level ids, which every vocabulary here holds).
 - :func:`capacity_device` is the profile the plan is made for: the running accelerator's, or on a
@@ -12,33 +13,14 @@ count, trained on the planner's plan for the running device, on text (so that th
 
 from __future__ import annotations
 
-import re
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+from transforms.oom import oom_sizes as oom_sizes  # the recipes' out-of-memory line reads the same sizes
+
 GiB = 2**30
-_SIZE = r"([0-9.]+)\s*([KMGT]i?B?|bytes|B)?"
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def _bytes(number: str, unit: str | None) -> int:
-    return int(float(number) * _UNITS.get((unit or "B")[0].upper(), 1))
-
-
-def oom_sizes(message: str) -> dict | None:
-    """``{"needed_bytes", "limit_bytes"}`` read from an XLA out-of-memory message, or None.
-
-    XLA:TPU says "Used 19.85G of 15.75G hbm", XLA:GPU and the runtime "... required for HLO
-    temporaries (19.85G) exceeds available HBM (15.75G)"."""
-    used = re.search(rf"Used {_SIZE} of {_SIZE}", message)
-    if used:
-        return {"needed_bytes": _bytes(*used.group(1, 2)), "limit_bytes": _bytes(*used.group(3, 4))}
-    needed = re.search(rf"\({_SIZE}\) exceeds available \w+ \({_SIZE}\)", message)
-    if needed:
-        return {"needed_bytes": _bytes(*needed.group(1, 2)), "limit_bytes": _bytes(*needed.group(3, 4))}
-    return None
 
 
 def plain_step_need(cfg, *, batch: int, seq: int, optimizer, limit_bytes: int | None) -> dict:
