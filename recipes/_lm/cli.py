@@ -134,14 +134,16 @@ def _reemit(caught) -> None:
 
 
 def restore(ckpt: checkpointing.Checkpointer, like, *, step: int | None, what: str, warn=None):
-    """``ckpt.restore(like, step=step)`` for a command line: each checkpoint skipped as corrupt
-    is one line (``warn``: default stderr), none intact is one line naming each one tried and why
-    (`SystemExit`)."""
+    """``ckpt.restore(like, step=step, donate=True)`` for a command line: ``like`` is the live
+    state the checkpoint replaces, each of its arrays freed as its replacement is read (so a
+    restore never holds two copies of the state; use ``like`` no more). Each checkpoint skipped
+    as corrupt is one line (``warn``: default stderr), none intact is one line naming each one
+    tried and why (`SystemExit`)."""
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            found = ckpt.restore(like, step=step)
+            found = ckpt.restore(like, step=step, donate=True)
         except checkpointing.CorruptCheckpointError as err:
             error = no_intact(err, ckpt.directory, what)
     _reemit(w for w in caught if not _fallback(w))
