@@ -109,6 +109,42 @@ class OffloadSpec:
             getattr(args, "plan", None),
         )[0]
 
+    @classmethod
+    def from_candidate(cls, candidate) -> OffloadSpec | None:
+        """The offload set that applies one of the planner's candidates (``plan.candidate``, or the
+        candidate of a row of ``plan.rows``), or ``None`` where the flags cannot say it: an
+        activation policy that keeps some activations on the device (``--activations`` names the
+        ones offloaded, the others are recomputed)."""
+        acts = None
+        policy = candidate.policy
+        if policy is not None:
+            presets = [name for name, preset in transforms.ACTIVATION_PRESETS.items() if preset == policy]
+            if presets:
+                acts = presets[0]
+            elif all(choice == "offload" for choice in policy.values()):
+                acts = tuple(policy)
+            else:
+                return None
+        opt = {"stream": "stream", True: "offload"}.get(candidate.opt_state)
+        return cls(params=bool(candidate.params), opt_state=opt, activations=acts)
+
+    @property
+    def flags(self) -> str:
+        """The command-line flags that give this set (``--offload opt_state,activations
+        --activations block_input``; ``--plan DEVICE``); ``""`` for no offload."""
+        if self.plan:
+            return f"--plan {self.plan}" + (" --prefetch" if self.prefetch else "")
+        chosen = ["params"] if self.params else []
+        chosen += {"offload": ["opt_state"], "stream": ["opt_state_stream"]}.get(self.opt_state, [])
+        chosen += ["activations"] if self.activations else []
+        if not chosen:
+            return ""
+        out = f"--offload {','.join(chosen)}"
+        if self.activations:
+            acts = self.activations if isinstance(self.activations, str) else ",".join(self.activations)
+            out += f" --activations {acts}"
+        return out + (" --prefetch" if self.prefetch else "")
+
     @property
     def any(self) -> bool:
         """Whether anything is offloaded (or the planner chooses)."""
