@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import checkpointing
 import transforms
-from recipes._lm import cli, files
+from recipes._lm import cli, files, oom
 from recipes._lm.flags import build_parser, check, saved_flags
 from recipes._lm.loading import is_run_dir, source_config
 from recipes._lm.memory import check_generation_memory
@@ -99,8 +99,24 @@ def check_flags(args: argparse.Namespace, given: dict) -> tuple[argparse.Namespa
 
 
 def main(argv=None) -> dict:
-    """Evaluate; returns the results (also written to ``--json``)."""
+    """Evaluate; returns the results (also written to ``--json``). An out-of-memory is one line
+    (:mod:`recipes._lm.oom`)."""
     args = build_evaluate_parser().parse_args(argv)
+    hf = is_hf_dir(args.source)
+    advice = oom.GenerateAdvice(
+        source=args.source,
+        batch=max(args.samples, 1),
+        dtype=args.param_dtype if hf else None,
+        quantize=args.quantize,
+        placements=False,  # the evaluation keeps the weights and the cache on the device
+        smaller="fewer --samples" + (" or a smaller --batch" if hf else ""),
+        what="the evaluation",
+    )
+    with oom.exits("evaluate", advice):
+        return _main(args, argv)
+
+
+def _main(args: argparse.Namespace, argv) -> dict:
     given = cli.given_flags(build_evaluate_parser(), argv)
     init_distributed(None, None, None)
     source = pathlib.Path(args.source)

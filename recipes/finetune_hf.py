@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from recipes._lm import cli
+from recipes._lm import cli, oom
 from recipes._lm.export import check_targets, export
 from recipes._lm.flags import build_parser as train_parser
 from recipes._lm.flags import resume_args
@@ -111,13 +111,14 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     given = set(cli.given_flags(build_parser(None), argv))
     warnings = check(args, given)
-    summary = train_main(argv, defaults=DEFAULTS, build=build_parser, warnings=warnings)
+    summary = train_main(argv, defaults=DEFAULTS, build=build_parser, warnings=warnings, recipe="finetune_hf")
     if (args.export or args.export_merged) and not summary.get("finished", True):
         print("not exported yet: the run stopped before its last step (export when it is resumed to the end)")
         return summary
     if (args.export or args.export_merged) and summary.get("model") is not None:
         source = pathlib.Path(args.model)
-        export(summary["model"], source, full=args.export, merged=args.export_merged, dtype=args.export_dtype)
+        with oom.exits("finetune_hf"):  # the training's own are answered inside it
+            export(summary["model"], source, full=args.export, merged=args.export_merged, dtype=args.export_dtype)
     return summary
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import transforms
 import zoo
-from recipes._lm import cli
+from recipes._lm import cli, oom
 from recipes._lm.flags import MAX_SEED
 from recipes._lm.loading import is_run_dir, load_for_inference, source_config
 from recipes._lm.run_setup import is_hf_dir, one_line_warnings
@@ -146,8 +146,22 @@ class _Printer:
 
 
 def main(argv=None, *, out=None) -> dict:
-    """Generate, streaming the text to ``out`` (default stdout); returns the ids and the text."""
+    """Generate, streaming the text to ``out`` (default stdout); returns the ids and the text. An
+    out-of-memory is one line (:mod:`recipes._lm.oom`)."""
     args = build_parser().parse_args(argv)
+    advice = oom.GenerateAdvice(
+        source=args.model,
+        weights="stream" if args.offload == "params" else "device",
+        cache="host" if args.cache_memory_kind == "pinned_host" else "device",
+        dtype=args.dtype,
+        quantize=args.quantize,
+        smaller="a shorter prompt and --max-new-tokens",
+    )
+    with oom.exits("generate", advice):
+        return _main(args, argv, out)
+
+
+def _main(args: argparse.Namespace, argv, out) -> dict:
     for line in check(args, set(cli.given_flags(build_parser(), argv))):
         cli.warn(line)
     out = sys.stdout if out is None else out

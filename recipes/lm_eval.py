@@ -24,7 +24,7 @@ import jax
 
 import transforms
 import zoo
-from recipes._lm import cli, files
+from recipes._lm import cli, files, oom
 from recipes._lm.flags import MAX_SEED
 from recipes._lm.loading import is_run_dir, load_for_inference, source_config
 from recipes._lm.memory import check_generation_memory
@@ -151,8 +151,25 @@ def import_lm_eval():
 
 
 def main(argv=None) -> dict:
-    """Score the model on the tasks; returns lm-eval's results."""
+    """Score the model on the tasks; returns lm-eval's results. An out-of-memory is one line
+    (:mod:`recipes._lm.oom`)."""
     args = build_parser().parse_args(argv)
+    advice = oom.GenerateAdvice(
+        source=args.model,
+        batch=args.batch_size,
+        context=args.max_length,
+        weights="stream" if args.offload == "params" else "device",
+        cache="host" if args.cache_memory_kind == "pinned_host" else "device",
+        dtype=args.dtype,
+        quantize=args.quantize,
+        smaller="a smaller --batch-size or --max-length",
+        what="the evaluation",
+    )
+    with oom.exits("lm_eval", advice):
+        return _main(args, argv)
+
+
+def _main(args: argparse.Namespace, argv) -> dict:
     check(args, set(cli.given_flags(build_parser(), argv)))
     lm_eval, lm_utils, EvaluationTracker, TaskManager = import_lm_eval()
     from recipes._lm.zoo_lm import ZooLM

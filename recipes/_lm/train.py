@@ -4,7 +4,8 @@ its lock, train, log, validate, checkpoint, plot and sample.
 Nothing is lost: the run directory is locked while a run uses it (a second run is refused in one
 line naming the holder), ``metrics.jsonl``, ``args.json`` and the plots are replaced whole
 (:mod:`recipes._lm.files`), and a non-finite loss stops the run without saving over the last good
-checkpoint.
+checkpoint, as does an out-of-memory (one line with the planner's way out: :mod:`recipes._lm.oom`;
+the state a failed step was given is donated, so nothing is saved from it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 import checkpointing
 import transforms
-from recipes._lm import cli, files, trackers
+from recipes._lm import cli, files, oom, trackers
 from recipes._lm.flags import build_parser, parse_run
 from recipes._lm.monitor import MetricsLog, Progress, peak_flops, placement, plot_losses, plot_placement, read_jsonl
 from recipes._lm.offload import OffloadSpec
@@ -186,18 +187,28 @@ def show_samples(run: Run, say, label: str) -> None:
         say(label, repr(args.prompt + run.tokenizer.decode(row)))
 
 
-def main(argv=None, *, defaults: dict | None = None, build=build_parser, warnings: tuple[str, ...] = ()) -> dict:
+def main(
+    argv=None,
+    *,
+    defaults: dict | None = None,
+    build=build_parser,
+    warnings: tuple[str, ...] = (),
+    recipe: str = "train_lm",
+) -> dict:
     """Run the recipe; returns a summary (final step, losses, paths, the model). ``defaults``,
     ``build``: the defaults and parser of a recipe built on this one (see
-    :func:`recipes._lm.flags.parse_run`); ``warnings``: its own lines, shown with the run's."""
-    with cli.LibraryLogs() as logs:
-        return _main(argv, defaults, build, logs, list(warnings))
+    :func:`recipes._lm.flags.parse_run`); ``warnings``: its own lines, shown with the run's;
+    ``recipe``: its name, which begins the line of an out-of-memory (:mod:`recipes._lm.oom`)."""
+    advice = oom.TrainAdvice()
+    with oom.exits(recipe, advice), cli.LibraryLogs() as logs:
+        return _main(argv, defaults, build, logs, list(warnings), advice)
 
 
-def _main(argv, defaults: dict | None, build, logs: cli.LibraryLogs, warnings: list[str]) -> dict:
+def _main(argv, defaults: dict | None, build, logs: cli.LibraryLogs, warnings: list[str], advice) -> dict:
     parsed = parse_run(argv, defaults, distributed=True, build=build)
     parsed.warnings[:0] = warnings
     args = parsed.args
+    advice.args, advice.offload = args, parsed.offload
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
     run, out, ckpt, start, lock = open_run(args, parsed.offload, logs)
