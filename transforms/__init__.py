@@ -34,9 +34,12 @@ from ._optimizer import OffloadedOptimizer as OffloadedOptimizer
 from ._params import offload_params as offload_params
 from ._quantize import dequantize as dequantize
 from ._quantize import quantize as quantize
+from ._report import HostMemory as HostMemory
 from ._report import MemoryReport as MemoryReport
 from ._report import TransferReport as TransferReport
 from ._report import format_bytes as format_bytes
+from ._report import host_baseline as host_baseline
+from ._report import host_rss as host_rss
 from ._report import memory_report as memory_report
 from ._report import transfer_report as transfer_report
 from ._train_step import TrainStep as TrainStep

@@ -1,10 +1,12 @@
-"""Where the bytes are (memory_report) and what each step moves (transfer_report)."""
+"""Where the bytes are (memory_report), what each step moves (transfer_report), and this
+process's host memory (host_rss, host_baseline)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+import resource
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -55,18 +57,147 @@ def _kind(x) -> str:
     return (sharding.memory_kind if sharding is not None else None) or DEVICE
 
 
+def host_rss() -> int:
+    """This process's resident host memory now, in bytes (``VmRSS`` of ``/proc/self/status``; where
+    there is no ``/proc``, the peak so far, ``ru_maxrss``).
+
+    **Example:**
+
+    ```python
+    import transforms
+    transforms.host_rss() > 0   # True
+    ```
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+_baseline: list[int] = []
+
+
+def host_baseline() -> int:
+    """The runtime's own share of the host: this process's resident memory (:func:`host_rss`) once
+    JAX's backend is up and before any model is built.
+
+    It holds Python, JAX and the accelerator's runtime, which takes its share of the host's RAM when
+    the device is opened (about 13.5 GiB on a TPU v5e host). The first call starts the backend
+    (``jax.devices()``) and measures; every later call returns that first figure, so call it at the
+    start of a program, before the model exists. Give it to :func:`memory_report` (the report then
+    says what the host holds in all: baseline, state, a step's transients) and to
+    :func:`transforms.plan` (which then counts it against the host's RAM instead of the device
+    profile's assumed ``host_runtime_bytes``).
+
+    **Example:**
+
+    ```python
+    import jax, optax, zoo, transforms
+    baseline = transforms.host_baseline()            # first thing: nothing built yet
+    cfg = zoo.LlamaConfig.preset("tiny")
+    plan = transforms.plan(cfg, batch=2, seq=32, device="tpu-v5e", host_baseline=baseline)
+    plan.host_memory                                 # {"runtime": baseline, "parameters": 0, ...}
+    model = transforms.offload_params(zoo.Llama(cfg, key=jax.random.key(0)))
+    step = transforms.train_step(zoo.lm_loss, transforms.offload_opt_state(optax.adamw(1e-3)))
+    state = step.init(model)
+    step_bytes = plan.predict(params=True, opt_state=True)  # what this step adds, as planned
+    report = transforms.memory_report(params=model, opt_state=state, host_baseline=baseline, plan=step_bytes)
+    print(report.host)   # runtime baseline + state + a step's host bytes = expected peak; resident now
+    ```
+    """
+    if not _baseline:
+        jax.devices()
+        _baseline.append(host_rss())
+    return _baseline[0]
+
+
+#: The planner's host components a train step adds to the state (its parameters and optimizer
+#: state are measured from the arrays), with the names the host summary gives them.
+STEP_HOST_COMPONENTS = {
+    "gradients": "host gradients",
+    "saved activations": "offloaded activations",
+    "update outputs": "update outputs",
+    "staging": "staging",
+}
+
+
+@dataclasses.dataclass
+class HostMemory:
+    """This process's host memory, explained: the runtime's baseline, the state, a step's transients.
+
+    **Fields:**
+
+    - `baseline`: resident bytes at start (:func:`host_baseline`); ``None`` if not given.
+    - `state`: component -> host bytes of the given arrays (``pinned_host`` and ``unpinned_host``;
+      every byte on a backend whose device memory is the host's, the CPU).
+    - `step`: component -> host bytes a train step adds to them, from the planner where a plan was
+      given: gradients of host weights, offloaded activations, the streamed update's outputs, the
+      host copy of the token batch (``staging``); on a backend whose device memory is the host's,
+      also the device's transients at its peak (``device transients``). Per process: the plan's
+      per-device figures times the devices holding the state.
+    - `resident`: resident bytes when the report was made (:func:`host_rss`).
+
+    ``expected_peak`` is their sum (the baseline counted as 0 when unknown); ``str()`` is one line.
+    """
+
+    baseline: int | None
+    state: dict[str, int]
+    step: dict[str, int]
+    resident: int
+
+    @property
+    def expected_peak(self) -> int:
+        return (self.baseline or 0) + sum(self.state.values()) + sum(self.step.values())
+
+    def __str__(self) -> str:
+        def parts(d: Mapping[str, int]) -> str:
+            inner = ", ".join(f"{k} {format_bytes(v)}" for k, v in d.items() if v)
+            return f" ({inner})" if inner else ""
+
+        terms = [] if self.baseline is None else [f"runtime baseline {format_bytes(self.baseline)}"]
+        terms.append(f"state {format_bytes(sum(self.state.values()))}{parts(self.state)}")
+        if self.step:
+            terms.append(f"step {format_bytes(sum(self.step.values()))}{parts(self.step)}")
+        return (
+            "host memory: " + " + ".join(terms) + f" = expected peak {format_bytes(self.expected_peak)}"
+            f"; resident now {format_bytes(self.resident)}"
+        )
+
+
+def _step_host_bytes(plan, shared: bool) -> dict[str, int]:
+    """Host bytes per device a train step adds to the state, by component, from ``plan`` (a
+    :class:`transforms.Plan`: its shown candidate; or a ``plan.predict(...)`` dict)."""
+    if isinstance(plan, Mapping):
+        host, peak = dict(plan["host"]), plan["phases"][plan["peak_phase"]]
+    else:
+        est = plan.shown.estimate
+        host, peak = dict(est.host), est.phases[est.peak_phase]
+    host["staging"] = peak.get("batch", 0)  # the data pipeline's host copy of the token batch
+    out = {label: int(host.get(name, 0)) for name, label in STEP_HOST_COMPONENTS.items()}
+    if shared:  # the device's transients at its peak live in the same memory
+        out["device transients"] = int(sum(v for k, v in peak.items() if k not in ("parameters", "optimizer state")))
+    return out
+
+
 @dataclasses.dataclass
 class MemoryReport:
     """Bytes per component and memory kind.
 
     ``total[name][kind]`` is the logical size of the component's arrays in that memory kind;
     ``per_device[name][kind]`` is what the most loaded device holds (shards of sharded arrays,
-    full copies of replicated ones). ``str(report)`` is a table.
+    full copies of replicated ones); ``host`` is this process's host memory (:class:`HostMemory`):
+    the runtime's baseline when given, the components' host bytes, a step's when a plan is given.
+    ``str(report)`` is a table, then the host memory's line.
     """
 
     total: dict[str, dict[str, int]]
     per_device: dict[str, dict[str, int]]
     shared_memory: bool
+    host: HostMemory | None = None
 
     @property
     def kinds(self) -> list[str]:
@@ -105,14 +236,27 @@ class MemoryReport:
         out = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)]
         if self.shared_memory:
             out.append(SHARED_MEMORY_NOTE)
+        if self.host is not None:
+            out.append(str(self.host))
         return "\n".join(out)
 
 
-def memory_report(tree=None, /, **components) -> MemoryReport:
-    """Bytes per memory kind (``device``, ``pinned_host``) for any pytrees of arrays.
+HOST_KINDS = (HOST, "unpinned_host")
+
+
+def memory_report(tree=None, /, *, host_baseline: int | None = None, plan=None, **components) -> MemoryReport:
+    """Bytes per memory kind (``device``, ``pinned_host``) for any pytrees of arrays, and this
+    process's host memory (``report.host``, a :class:`HostMemory`).
 
     Pass one tree positionally, or several by name (``params=model, opt_state=state``).
     Concrete arrays and abstract ones (`jax.ShapeDtypeStruct` with a sharding) both count.
+
+    The host memory lists each component's host bytes (every byte on the CPU backend, where device
+    memory is host memory), adds the runtime's own share when `host_baseline` is given (from
+    :func:`host_baseline`, measured at start) and, when `plan` is given (a :class:`transforms.Plan`,
+    whose shown candidate is read, or one of its ``plan.predict(...)`` dicts), the host bytes a train
+    step adds: gradients of host weights, offloaded activations, the streamed update's outputs and the
+    token batch's host copy. Their sum is the expected peak of the process's resident memory.
 
     **Example:**
 
@@ -120,16 +264,22 @@ def memory_report(tree=None, /, **components) -> MemoryReport:
     import jax, zoo, transforms
     model = transforms.offload_params(zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0)))
     report = transforms.memory_report(params=model)
-    print(report)                          # a table
+    print(report)                          # a table, then the host memory's line
     report.bytes("pinned_host", "params")  # the same as data
+    report.host.state                      # {"params": bytes in host memory}
     ```
+
+    With the runtime's baseline and a plan, see :func:`host_baseline`.
     """
     if tree is not None:
         components = {"tree": tree, **components}
     if not components:
         raise ValueError("memory_report needs at least one pytree")
+    if host_baseline is not None and (not isinstance(host_baseline, int) or host_baseline < 0):
+        raise ValueError(f"memory_report: host_baseline must be a number of bytes >= 0, got {host_baseline!r}")
     total: dict[str, dict[str, int]] = {}
     per_device: dict[str, dict[str, int]] = {}
+    holders = set()  # the devices that hold the state: the plan's per-device bytes are counted on each
     for name, value in components.items():
         row: dict[str, int] = {}
         devices: dict[str, dict] = {}
@@ -141,9 +291,20 @@ def memory_report(tree=None, /, **components) -> MemoryReport:
             for device, size in _per_device_bytes(leaf).items():
                 devices.setdefault(kind, {})
                 devices[kind][device] = devices[kind].get(device, 0) + size
+                if device is not None and getattr(device, "process_index", 0) == jax.process_index():
+                    holders.add(device)
         total[name] = row
         per_device[name] = {k: max(v.values()) for k, v in devices.items()}
-    return MemoryReport(total, per_device, host_and_device_share_memory())
+    shared = host_and_device_share_memory()
+
+    def host_bytes(row: dict[str, int]) -> int:
+        return sum(b for k, b in row.items() if shared or k in HOST_KINDS)
+
+    step = {}
+    if plan is not None:
+        step = {k: v * max(len(holders), 1) for k, v in _step_host_bytes(plan, shared).items()}
+    host = HostMemory(host_baseline, {n: host_bytes(r) for n, r in total.items()}, step, host_rss())
+    return MemoryReport(total, per_device, shared, host)
 
 
 @dataclasses.dataclass
