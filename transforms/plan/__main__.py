@@ -10,7 +10,11 @@ python -m transforms.plan --model llama:8b --batch 1 --seq 8192 --device h200 --
 python -m transforms.plan --model gpt2:124m --batch 8 --seq 1024 \\
     --device custom --memory-gb 24 --link-gb-s 25 --tflops 165
 python -m transforms.plan llama:8b --generate --batch 8 --context 8192 --prompt 512 --device h100
+python -m transforms.plan llama:1b --batch 8 --seq 2048 --device auto   # on the accelerator itself
 ```
+
+With ``--device auto`` a training plan counts the host memory this process holds once the device
+is open (the runtime's own share, measured) against the machine's RAM, instead of the profile's figure.
 """
 
 from __future__ import annotations
@@ -162,6 +166,19 @@ def _no_effect(args, given: set[str]) -> list[str]:
     return out
 
 
+def _auto_baseline() -> int | None:
+    """The runtime's share of the host measured in this process (:func:`transforms.host_baseline`),
+    where the running device has a profile (elsewhere ``device="auto"`` refuses in one line)."""
+    from .._report import host_baseline
+    from ._devices import detect_device
+
+    try:
+        detect_device()
+    except ValueError:
+        return None
+    return host_baseline()
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -217,6 +234,9 @@ def main(argv=None) -> int:
                 config, context=args.context, prompt=args.prompt, cache_dtype=args.cache_dtype, **shared
             )
         else:
+            # On the running device, this process's own resident memory once the device is open is
+            # the runtime's share of the host (nothing else is built here).
+            auto = isinstance(device, str) and device.strip().lower() == "auto"
             result = make_plan(
                 config,
                 seq=args.seq,
@@ -224,6 +244,7 @@ def main(argv=None) -> int:
                 fsdp=args.fsdp,
                 accum_steps=args.accum_steps,
                 clip_norm=args.clip_norm,
+                host_baseline=_auto_baseline() if auto else None,
                 **shared,
             )
     except (ValueError, TypeError) as err:

@@ -25,6 +25,8 @@ class Budgets:
     host_memory: int | None  # per device, None if unknown
     host_memory_given: bool
     host_budget: int | None
+    runtime: int = 0  # host bytes the accelerator's runtime holds (the profile's, or measured at start)
+    runtime_measured: bool = False
 
 
 def budget_notes(profile: DeviceProfile, b: Budgets) -> list[str]:
@@ -46,8 +48,8 @@ def budget_notes(profile: DeviceProfile, b: Budgets) -> list[str]:
         notes.append("host memory: unknown for this profile (pass host_memory_gb=...); not checked")
     else:
         source = "given" if b.host_memory_given else "profile's typical system"
-        runtime = profile.host_runtime_bytes
-        held = f", of which the runtime holds {format_bytes(runtime)}" if runtime else ""
+        measured = " (measured at start)" if b.runtime_measured else ""
+        held = f", of which the runtime holds {format_bytes(b.runtime)}{measured}" if b.runtime else ""
         notes.append(
             f"host memory: {format_bytes(b.host_memory)} per device ({source}{held}); "
             f"budget {format_bytes(b.host_budget)}"

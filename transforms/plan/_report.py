@@ -102,6 +102,8 @@ def _choice(plan) -> list[str]:
     else:
         head = f"Plan: NOTHING FITS. Closest: {est.candidate.label}"
     lines.append(head)
+    if not plan.fits:
+        lines.append(f"  refused: {plan.refusal}")
     lines.append(
         f"  device peak {format_bytes(est.device_bytes)} ({PHASE_NAMES[est.peak_phase]}), "
         f"host {format_bytes(est.host_bytes)}"
@@ -131,6 +133,7 @@ def _components(plan) -> list[str]:
     lines.append(
         "  device peak per phase: " + " | ".join(f"{k} {format_bytes(sum(v.values()))}" for k, v in est.phases.items())
     )
+    lines.append(_host_line(plan))
     lines.append("")
 
     lines.append(f"Saved activations per layer ({plan.spec.n_layers} layers, per device):")
@@ -138,6 +141,18 @@ def _components(plan) -> list[str]:
     lines += ["  " + s for s in _table(["name", "bytes/layer", "where"], acts, {1})]
     lines.append("")
     return lines
+
+
+def _host_line(plan) -> str:
+    """The process's host memory per device: the runtime's share, the plan's host bytes, staging."""
+    mem = plan.host_memory
+    measured = " (measured at start)" if plan.host_runtime_measured else ""
+    terms = [f"{k} {format_bytes(v)}" + (measured if k == "runtime" else "") for k, v in mem.items() if v]
+    total = format_bytes(sum(mem.values()))
+    of = "" if plan.host_ram is None else f" of {format_bytes(plan.host_ram)} RAM"
+    if not mem["runtime"]:
+        of += " (the profile counts no runtime share)"
+    return f"  host memory per device: {' + '.join(terms) or '0 B'} = {total}{of}"
 
 
 def _candidates(plan) -> list[str]:

@@ -139,8 +139,11 @@ class Plan(Answer):
     step), ``step_time_s`` and ``overhead`` (over the no-offload, no-recompute compute time),
     ``rows`` (every candidate), ``notes``, ``suggestions`` (when nothing fits), ``env`` (environment
     variables the plan needs), ``shown`` (the chosen row, or when nothing fits the closest),
-    ``stream_update`` (the chosen optimizer-state offload streams the update layer by layer), and
-    the inputs (``clip_norm`` included). ``spec`` is the planned model's :class:`zoo.ModelSpec`,
+    ``stream_update`` (the chosen optimizer-state offload streams the update layer by layer),
+    ``refusal`` (when nothing fits: why, in one line), ``host_memory`` (the process's host memory
+    per device by component: the runtime's share, the plan's host bytes, staging), ``host_ram`` and
+    ``host_runtime`` (the host memory per device and the runtime's share of it), and the inputs
+    (``clip_norm`` included). ``spec`` is the planned model's :class:`zoo.ModelSpec`,
     ``n_params`` its parameter count (from its parameter tree), ``config`` its zoo config (``None``
     for a model of the user's own).
     """
@@ -166,6 +169,9 @@ class Plan(Answer):
     env: dict[str, str]
     clip_norm: float | None = None
     quantize: str | None = None  # planned for the model after transforms.quantize(model, quantize)
+    host_ram: int | None = None  # host memory per device (the profile's, or given); None: unknown
+    host_runtime: int = 0  # of it, what the accelerator's runtime holds (the profile's, or measured)
+    host_runtime_measured: bool = False  # host_runtime is the baseline measured at start
     _context: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # --- the answer ---------------------------------------------------------------------------
@@ -183,6 +189,36 @@ class Plan(Answer):
     def shown(self) -> Row:
         """The chosen row, or (nothing fits) the candidate with the smallest device peak."""
         return self.chosen if self.chosen is not None else closest(self.rows)
+
+    @property
+    def refusal(self) -> str | None:
+        """When nothing fits, why, in one line: the memory that runs out (the host's when a
+        candidate fits the device but none also fits the host), what is needed and what is
+        available (for the host: the RAM less the runtime's share, less the margin), and a way out;
+        ``None`` when a candidate fits. :meth:`apply` raises it.
+
+        **Example:**
+
+        ```python
+        import transforms
+        p = transforms.plan("llama:1b", batch=8, seq=2048, device="tpu-v5e", host_memory_gb=24)
+        print(p.refusal)   # host memory: ... needed per device (...), ... available (24.00 GiB of RAM less ...)
+        ```
+        """
+        from ._host import refusal
+
+        return refusal(self)
+
+    @property
+    def host_memory(self) -> dict[str, int]:
+        """The process's host memory per device at the shown candidate's peak, by component: the
+        runtime's share (``runtime``), the plan's host-resident bytes (parameters, gradients,
+        optimizer state, saved activations; the streamed update's outputs), the token batch's host
+        copy (``staging``), and on a unified-memory device its device peak. Their sum is what the
+        process's resident memory should reach (see ``transforms/plan/_host.py``)."""
+        from ._host import host_memory
+
+        return host_memory(self.shown.estimate, runtime=self.host_runtime, unified=self.device.unified)
 
     @property
     def candidate(self) -> Candidate | None:
@@ -305,10 +341,10 @@ class Plan(Answer):
         `clip_norm` defaults to the plan's. A plan made with ``quantize=`` quantizes the model
         first (:func:`transforms.quantize`), unless it already has quantized weights.
 
-        Raises `ValueError` if nothing fits, if the model differs from the planned one (its zoo
-        config, or else its ``describe()`` and parameter bytes), or if the plan streams the update
-        and `optimizer` contains `optax.clip_by_global_norm` (or another transformation over all
-        layers).
+        Raises `ValueError` if nothing fits (one line: :attr:`refusal`), if the model differs from
+        the planned one (its zoo config, or else its ``describe()`` and parameter bytes), or if the
+        plan streams the update and `optimizer` contains `optax.clip_by_global_norm` (or another
+        transformation over all layers).
 
         **Example:**
 
@@ -325,7 +361,7 @@ class Plan(Answer):
         from .._params import offload_params
 
         if not self.fits:
-            raise ValueError("plan.apply: nothing fits, so there is nothing to apply.\n" + "\n".join(self.suggestions))
+            raise ValueError(f"plan.apply: nothing fits, so there is nothing to apply: {self.refusal}")
         self._check_model(model)
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"plan.apply: optimizer must be an optax.GradientTransformation, got {type(optimizer)}")
@@ -400,8 +436,13 @@ class Plan(Answer):
             "memory_fraction": self.memory_fraction,
             "device_budget_bytes": self.device_budget,
             "host_budget_bytes": self.host_budget,
+            "host_ram_bytes": self.host_ram,
+            "host_runtime_bytes": self.host_runtime,
+            "host_runtime_measured": self.host_runtime_measured,
+            "host_memory": self.host_memory,
             "pinned_host_limit_bytes": self.pinned_host_limit,
             "fits": self.fits,
+            "refusal": self.refusal,
             "chosen": None if self.chosen is None else row(self.chosen),
             "shown": row(self.shown),
             "candidates": [row(r) for r in self.rows],

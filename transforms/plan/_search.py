@@ -97,7 +97,7 @@ class _Context:
         return out
 
 
-def _budgets(profile: DeviceProfile, margin: float, host_memory_gb, environ) -> Budgets:
+def _budgets(profile: DeviceProfile, margin: float, host_memory_gb, environ, host_baseline=None) -> Budgets:
     """The device and host budgets per device, from the profile, the margin and the environment."""
     frac, frac_set = device_memory_fraction(environ) if profile.platform == "gpu" else (TPU_USABLE_FRACTION, False)
     pinned, pinned_set = pinned_host_limit_bytes(environ)
@@ -107,9 +107,14 @@ def _budgets(profile: DeviceProfile, margin: float, host_memory_gb, environ) -> 
         host_memory = int(host_memory_gb * GiB)
     else:
         host_memory = profile.host_memory_bytes
+    if host_baseline is not None and (
+        isinstance(host_baseline, bool) or not isinstance(host_baseline, int) or host_baseline < 0
+    ):
+        raise ValueError(f"plan: host_baseline must be a number of bytes >= 0, got {host_baseline!r}")
     # The accelerator's runtime holds part of the host's RAM once the device is open (13.5 GiB on a
-    # TPU v5e host): what is left of it is what the plan may fill.
-    host_budget = None if host_memory is None else int(max(host_memory - profile.host_runtime_bytes, 0) * (1 - margin))
+    # TPU v5e host; or what was measured at start): what is left of it is what the plan may fill.
+    runtime = profile.host_runtime_bytes if host_baseline is None else host_baseline
+    host_budget = None if host_memory is None else int(max(host_memory - runtime, 0) * (1 - margin))
     if profile.unified:
         host_budget = 0  # nothing may be offloaded: it is the same memory
     return Budgets(
@@ -122,6 +127,8 @@ def _budgets(profile: DeviceProfile, margin: float, host_memory_gb, environ) -> 
         host_memory=host_memory,
         host_memory_given=host_memory_gb is not None,
         host_budget=host_budget,
+        runtime=runtime,
+        runtime_measured=host_baseline is not None,
     )
 
 
@@ -141,6 +148,7 @@ def plan(
     clip_norm: float | int | None = None,
     environ: Mapping[str, str] | None = None,
     quantize: str | None = None,
+    host_baseline: int | None = None,
 ) -> Plan:
     """Plan the offload of one training step: what to move to host memory so it fits, and what it costs.
 
@@ -172,6 +180,9 @@ def plan(
     - `accum_steps`: micro-batches per step, as in :func:`transforms.train_step`.
     - `margin`: fraction of the usable device (and host) memory kept free (default 10%).
     - `host_memory_gb`: host memory per device in GiB (default: the profile's).
+    - `host_baseline`: bytes of host memory the process holds before any model, measured at start
+      (:func:`transforms.host_baseline`): counted against the host memory instead of the profile's
+      assumed runtime share (``host_runtime_bytes``, 13.5 GiB on a TPU v5e host).
     - `compute_efficiency`: fraction of the peak FLOP/s achieved (default 1.0: peak).
     - `heap_overhead`: allowance for XLA's heap packing, as a fraction of the temporaries
       (default: the device profile's, 0.15 on a GPU and 0 on a TPU; 0 gives the live peak alone).
@@ -188,7 +199,11 @@ def plan(
       weights count their codes and scales; they get no gradient and no optimizer state.
 
     **Returns:** a :class:`Plan`; ``str(plan)`` prints the table, ``plan.apply(model, opt)``
-    applies it.
+    applies it. A candidate fits when its device peak fits the device budget and its host bytes
+    fit the host's: the host memory less the runtime's share, less the margin. When nothing fits,
+    ``plan.refusal`` says why in one line (needed against available, and a way out), and
+    ``plan.apply`` raises it; ``plan.host_memory`` is the process's host memory per device by
+    component (runtime, the plan's host bytes, staging).
 
     **Raises:** `ValueError` for an unknown model, device or quantization scheme (listing the known
     ones) or a bad batch, sequence, fsdp or margin.
@@ -212,7 +227,7 @@ def plan(
     optimizer, opt_name, notes = resolve_optimizer(optimizer)
     parts = global_parts(optimizer)
     clip = clip_norm is not None or "clip_by_global_norm" in parts
-    budgets = _budgets(profile, margin, host_memory_gb, environ)
+    budgets = _budgets(profile, margin, host_memory_gb, environ, host_baseline)
 
     ctx = _Context(
         model=model,
@@ -258,6 +273,9 @@ def plan(
         memory_fraction=budgets.fraction,
         device_budget=budgets.device_budget,
         host_budget=budgets.host_budget,
+        host_ram=budgets.host_memory,
+        host_runtime=budgets.runtime,
+        host_runtime_measured=budgets.runtime_measured,
         pinned_host_limit=budgets.pinned,
         rows=rows,
         chosen=chosen,
