@@ -869,8 +869,11 @@ def test_an_accelerator_run_is_sized_for_its_device(monkeypatch):
     sized = cli.sized_for(v5e)  # the profile's 48 GiB host: llama:1b's streamed state fits
     assert sized == {"plan_device": "tpu-v5e", "model": "llama:small", **CAPACITY_1B}
     assert cli.sized_for(h200)["model"] == "llama:1b"
-    # A 45 GiB host keeps too little beside the TPU runtime's 13.5 GiB for llama:1b's state.
-    small_host = cli.sized_for(dataclasses.replace(v5e, host_memory_bytes=45 * 2**30))
+    # The v5e machine's 40 GiB host holds llama:1b's plan beside the TPU runtime's 13.5 GiB (the
+    # streamed update writes in place); a 32 GiB host keeps too little.
+    host_40 = cli.sized_for(dataclasses.replace(v5e, host_memory_bytes=40 * 2**30))
+    assert (host_40["capacity_model"], host_40["capacity_batch"]) == ("llama:1b", 8)
+    small_host = cli.sized_for(dataclasses.replace(v5e, host_memory_bytes=32 * 2**30))
     assert (small_host["capacity_model"], small_host["capacity_batch"]) == ("llama:small", 32)
     from transforms.plan import _devices
 

@@ -2,10 +2,11 @@
 
 The update of every :class:`zoo.nn.Stack` runs as a `lax.scan` over its layer axis. Each iteration
 fetches one layer's optimizer state, and its weights and gradients where they live in host memory,
-runs the wrapped optax update on that slice, applies it, and writes the new state and weights back
-to host as scan outputs. The next layer's host slices are fetched one iteration ahead (a double
-buffer carried by the scan), so the device holds about two layers of them at a time. Leaves outside
-the stacks (embeddings, head, final norm) are updated once, leaf by leaf.
+runs the wrapped optax update on that slice, applies it, and writes the new state and weights into
+the old buffers, where they live (in place: with the train step's donated inputs no second copy of
+any stack exists, in host memory or on the device). The next layer's host slices are fetched one
+iteration ahead (a double buffer carried by the scan), so the device holds about two layers of them
+at a time. Leaves outside the stacks (embeddings, head, final norm) are updated once, leaf by leaf.
 
 The optimizer state has its own layout, :class:`StreamedState`: the wrapped optimizer's state for
 each stack, built per layer, so every leaf of it (step counters included) carries the stack's
@@ -100,6 +101,73 @@ def _layer_scan(body: Callable, carry, xs, length: int, place_out: Callable):
     host_leaves = [x for x, h in zip(leaves, host, strict=True) if h]
     device_leaves = [x for x, h in zip(leaves, host, strict=True) if not h]
     return prefetch_scan(layer, carry, host_leaves, device_leaves, length=length, place=place_out)
+
+
+def _fetch(leaves, i) -> list:
+    """Layer ``i`` of each stacked (host-resident) array of ``leaves``, copied to the device."""
+    return [jax.device_put(jax.lax.dynamic_index_in_dim(a, i, keepdims=False), jax.memory.Space.Device) for a in leaves]
+
+
+def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Callable = lambda y: y):
+    """A scan over ``length`` layers that overwrites ``write`` layer by layer, where it lives.
+
+    ``body(carry, read_i, write_i) -> (carry, (new_write_i, y_i))`` sees layer ``i`` of ``read``
+    (read only) and of ``write`` in device memory. The stacked ``write`` arrays are the scan's
+    carry and each layer's new values are written into them with a dynamic-update-slice (back
+    to host memory for host-resident ones), so with the inputs donated XLA updates the buffers in
+    place: no second stack-sized buffer (in host memory for offloaded state) beside the old one.
+    Host-resident layers of both trees are fetched one iteration ahead, as in
+    :func:`zoo.nn.prefetch_scan`; the next layer of ``write`` is read after this layer is
+    written back (from the buffers the write returns, so that XLA needs no copy of them).
+    ``y_i`` are ordinary scan outputs, ``place_y`` puts them.
+    Returns ``(carry, new_write, ys)``.
+    """
+    r_leaves, r_def = jax.tree.flatten(read)
+    w_leaves, w_def = jax.tree.flatten(write)
+    r_host = [on_host(x) for x in r_leaves]
+    w_host = [on_host(x) for x in w_leaves]
+
+    def assemble(hosts, fetched, local):
+        fetched, local = iter(fetched), iter(local)
+        return [next(fetched) if h else next(local) for h in hosts]
+
+    def new_values(w_new, bufs):
+        leaves = jax.tree.leaves(w_new)
+        if len(leaves) != len(bufs):  # pragma: no cover - the update keeps the state's structure
+            raise ValueError("offload_opt_state(stream=True): the update changed the optimizer state's structure")
+        return [(to_host(n) if h else n).astype(b.dtype) for n, b, h in zip(leaves, bufs, w_host, strict=True)]
+
+    if length == 1:  # no loop (see prefetch_scan: a trip count of one trips XLA's host offload)
+        r_1 = [tree_to_device(x)[0] for x in r_leaves]
+        w_1 = [tree_to_device(x)[0] for x in w_leaves]
+        carry, (w_new, y) = body(carry, jax.tree.unflatten(r_def, r_1), jax.tree.unflatten(w_def, w_1))
+        new = [n[None] for n in new_values(w_new, w_leaves)]
+        return carry, jax.tree.unflatten(w_def, new), place_y(jax.tree.map(lambda a: a[None], y))
+
+    r_fetch = [x for x, h in zip(r_leaves, r_host, strict=True) if h]
+    r_local = [x for x, h in zip(r_leaves, r_host, strict=True) if not h]
+
+    def step(state, xs):
+        inner, r_next, w_next, bufs = state
+        i, r_here = xs
+        ahead = jnp.minimum(i + 1, length - 1)
+        r_ahead = _fetch(r_fetch, ahead)
+        w_here = [b for b, h in zip(bufs, w_host, strict=True) if not h]
+        w_local = [jax.lax.dynamic_index_in_dim(b, i, keepdims=False) for b in w_here]
+        r_i = jax.tree.unflatten(r_def, assemble(r_host, r_next, r_here))
+        w_i = jax.tree.unflatten(w_def, assemble(w_host, w_next, w_local))
+        inner, (w_new, y) = body(inner, r_i, w_i)
+        bufs = [
+            jax.lax.dynamic_update_index_in_dim(b, n, i, 0) for b, n in zip(bufs, new_values(w_new, bufs), strict=True)
+        ]
+        # The next layer is read from the written buffers: a read of the old ones would keep them
+        # alive past the write, and XLA would copy every buffer whole to update it.
+        w_ahead = _fetch([b for b, h in zip(bufs, w_host, strict=True) if h], ahead)
+        return (inner, r_ahead, w_ahead, bufs), place_y(y)
+
+    first = (_fetch(r_fetch, 0), _fetch([b for b, h in zip(w_leaves, w_host, strict=True) if h], 0))
+    (carry, _, _, bufs), ys = jax.lax.scan(step, (carry, *first, w_leaves), (jnp.arange(length), r_local))
+    return carry, jax.tree.unflatten(w_def, bufs), ys
 
 
 def _clip(tree, g_norm, max_norm: float):
@@ -368,23 +436,27 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
         u, s = inner.update(g, s, p)
         return (optax.apply_updates(p, u) if apply else u), s
 
-    def body(acc, x):
-        g, s, p = x
-        if scale is None:  # the norm for the metrics, in the same pass
-            acc = acc + sum_squares(g)
-        return acc, update(g, s, p)
+    def norm(acc, g):
+        return acc + sum_squares(g) if scale is None else acc  # the norm for the metrics, in the same pass
+
+    # The new state (and, applied, the new weights) overwrite the old layer by layer, in place.
+    def apply_body(acc, read, write):
+        (g,), (s, p) = read, write
+        new_p, new_s = update(g, s, p)
+        return norm(acc, g), ((new_s, new_p), None)
+
+    def updates_body(acc, read, write):
+        (g, p), (s,) = read, write
+        u, new_s = update(g, s, p)
+        return norm(acc, g), ((new_s,), u)
 
     new_stacked, outs, squares = [], [], jnp.zeros((), jnp.float32)
     for k in range(n):
         g_k, p_k, s_k = _view(grads, units, k), _view(params, units, k), state.stacked[k]
-        out_kinds = jax.tree.map(traced_kind, p_k) if apply else None
-        state_kinds = jax.tree.map(traced_kind, s_k)
-
-        def place(y, out_kinds=out_kinds, state_kinds=state_kinds):
-            out, s = y
-            return (out if out_kinds is None else restore_kinds(out, out_kinds)), restore_kinds(s, state_kinds)
-
-        squares, (out, s) = _layer_scan(body, squares, (g_k, s_k, p_k), lengths[k], place)
+        if apply:
+            squares, (s, out), _ = _in_place_scan(apply_body, squares, (g_k,), (s_k, p_k), lengths[k])
+        else:
+            squares, (s,), out = _in_place_scan(updates_body, squares, (g_k, p_k), (s_k,), lengths[k])
         new_stacked.append(s)
         outs.append(out)
 

@@ -15,7 +15,6 @@ COMPONENT_ORDER = (
     "logits",
     "working buffers",
     "heap packing",
-    "update outputs",
     "batch",
 )
 
