@@ -106,6 +106,17 @@ def decode_bound(cfg, weight_bytes: int, batch: int, prompt: int, new: int, devi
     }
 
 
+def _failure(done: subprocess.CompletedProcess) -> str:
+    """What stopped a placement's process: its exception's type and message where it printed them
+    (JAX's own last line of a traceback says nothing about the error), else its last line."""
+    for line in reversed(done.stdout.strip().splitlines()):
+        if line.startswith('{"exception"'):
+            record = json.loads(line)["exception"]
+            return f"{record['type']}: {record['message']}"
+    last = done.stderr.strip().splitlines()[-1:]
+    return last[0] if last else f"exit {done.returncode}"
+
+
 def _row(r: dict, ref: dict | None) -> str:
     def ratio(key):
         if ref is None or r.get(key) is None or not ref.get(key):
@@ -137,7 +148,13 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.placement:
-        print(json.dumps(_measure(args)), flush=True)
+        try:
+            print(json.dumps(_measure(args)), flush=True)
+        except Exception as err:  # the parent records what stopped this placement
+            from .accelerator_check.worker import exception_record
+
+            print(json.dumps({"exception": exception_record(err)}), flush=True)
+            raise
         return 0
     rows, errors = [], {}
     for placement in PLACEMENTS:
@@ -148,7 +165,7 @@ def main(argv=None) -> int:
             errors[placement] = f"timeout after {args.timeout:.0f} s"
             continue
         if done.returncode != 0:
-            errors[placement] = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            errors[placement] = _failure(done)
             continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     ref = next((r for r in rows if r["placement"] == "device"), None)

@@ -29,3 +29,13 @@ def test_decode_is_set_against_the_hbm_bound():
     assert short["hbm_bytes_per_s"] == 819e9 and long["decode_step_bytes"] > short["decode_step_bytes"] > 2 * 10**9
     assert short["hbm_bound_tokens_per_s"] * short["decode_step_bytes"] == 8 * 819e9
     assert generate_offload.decode_bound(cfg, 10**9, 8, 128, 64, "cpu")["hbm_bound_tokens_per_s"] is None
+
+
+def test_a_failed_placement_is_recorded_by_its_exception_not_jaxs_traceback_note():
+    import subprocess
+
+    note = "For simplicity, JAX has removed its internal frames from the traceback of the following exception."
+    record = {"exception": {"type": "XlaRuntimeError", "message": "RESOURCE_EXHAUSTED: out of memory", "oom": True}}
+    done = subprocess.CompletedProcess([], 1, stdout="warming up\n" + json.dumps(record) + "\n", stderr=note + "\n")
+    assert generate_offload._failure(done) == "XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory"
+    assert generate_offload._failure(subprocess.CompletedProcess([], 9, stdout="", stderr="")) == "exit 9"
