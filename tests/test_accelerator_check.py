@@ -61,6 +61,7 @@ CONFIG_FIELDS = (
     "planner_vs_peak",
     "peak_set_by",
     "step_over_bound",
+    "planner_host_vs_rss_growth",
 )
 
 
@@ -301,6 +302,10 @@ def test_the_results_have_every_field_per_configuration(allowed):
     # XLA's count of the step, and the planner's largest term at its peak.
     none = data["configs"]["none"]
     assert none["xla_peak_bytes"] > 0 and none["peak_set_by"] in dict(none["worker"]["planner"]["peak_terms"])
+    # Host memory: the planner's bytes against the worker's resident growth over its own baseline.
+    growth = none["host_peak_rss_bytes"] - none["worker"]["host_baseline_bytes"]
+    assert none["worker"]["host_baseline_bytes"] > 0 and none["host_rss_growth_bytes"] == growth
+    assert none["planner_host_bytes"] == none["worker"]["planner"]["host_bytes"]
     for name in ("none", "params"):  # params: measured, then made invalid by the parity pass
         entry = data["configs"][name]
         worker = entry["worker"]

@@ -110,6 +110,14 @@ def markdown(results: dict) -> str:
         if terms:
             what = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in terms)
             details.append(f"- {n}: peak set by (planner, {e['worker']['planner'].get('peak_phase')}): {what}")
+    for n, e in results["configs"].items():
+        if e.get("host_rss_growth_bytes") and e.get("planner_host_bytes") is not None:
+            baseline = (e.get("worker") or {}).get("host_baseline_bytes") or 0
+            details.append(
+                f"- {n}: host memory: planner {e['planner_host_bytes'] / GiB:.2f} GiB, resident growth "
+                f"{e['host_rss_growth_bytes'] / GiB:.2f} GiB over a {baseline / GiB:.2f} GiB baseline "
+                f"(planner / growth {_num(e.get('planner_host_vs_rss_growth'), '{:.2f}')})"
+            )
     details += [f"- {n}: {e['status']} - {e['detail']}" for n, e in results["configs"].items() if e.get("detail")]
     return "\n".join([*lines, "", *details]) + "\n"
 

@@ -20,6 +20,7 @@ SPEED_FIELDS = ("step_time_s", "tokens_per_s")
 FIGURES = ("step_time_s", "tokens_per_s", "peak_bytes", "peak_set_by_init", "host_bytes", "planner_device_bytes")
 FIGURES += ("xla_peak_bytes", "planner_vs_peak", "planner_vs_xla_peak", "peak_set_by", "bound_s", "step_over_bound")
 FIGURES += ("loss_max_rel_diff", "loss_max_rel_diff_all_steps", "grad_parity_ok", "remat_policy")
+FIGURES += ("planner_host_bytes", "host_rss_growth_bytes", "planner_host_vs_rss_growth")
 
 
 def classify(run: dict) -> tuple[str, str]:
@@ -112,6 +113,15 @@ def _figures(entry: dict) -> None:
     if entry.get("capacity"):
         entry["planner_device_bytes"] = ((worker.get("plan") or {}).get("predicted") or {}).get("device_bytes")
     entry["xla_peak_bytes"] = (worker.get("step_memory") or {}).get("peak")
+    # Host memory: the planner's host bytes against the worker's resident growth over its
+    # baseline (measured once the runtime was up, before any model).
+    planned_host = (worker.get("planner") or {}).get("host_bytes")
+    if entry.get("capacity"):
+        planned_host = ((worker.get("plan") or {}).get("predicted") or {}).get("host_bytes")
+    rss, baseline = entry.get("host_peak_rss_bytes"), worker.get("host_baseline_bytes")
+    growth = rss - baseline if rss and baseline else None
+    entry.update(planner_host_bytes=planned_host, host_rss_growth_bytes=growth)
+    entry["planner_host_vs_rss_growth"] = planned_host / growth if planned_host and growth and growth > 0 else None
     terms = (worker.get("planner") or {}).get("peak_terms") or []
     entry["peak_set_by"] = terms[0][0] if terms else None
     planned = entry["planner_device_bytes"]

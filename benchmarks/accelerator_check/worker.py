@@ -421,6 +421,9 @@ def worker_train(spec: dict, report: dict, write) -> None:
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     report.update(device=device_info(), memory_stats_start=memory_stats(), timings={})
+    from transforms import host_baseline
+
+    report["host_baseline_bytes"] = host_baseline()  # the runtime's own share, before any model
     cfg, model, optimizer, step, state, tokens = _init_train(spec, conf, report, write)
     write("initialized")
     model, state, mu = _first_step(spec, report, model, step, state, tokens)
