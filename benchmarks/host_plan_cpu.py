@@ -16,7 +16,9 @@ is refused) less the baseline is its growth. The planner's figure for the same t
 
 The ratio measured / planned of the second step (compiled already: what every later step holds) is
 the figure to read; the first step's includes the compiler's own memory. ``built`` compares the RSS
-once the state is built with the bytes of its host-resident arrays (all of them on the CPU). On the
+once the state is built with the bytes of its host-resident arrays (all of them on the CPU). On an
+accelerator ``xla_host_bytes`` records XLA's own count of the compiled step's host memory
+(``memory_analysis()``: arguments, outputs, aliased, temporaries). On the
 CPU only configurations without host offload are run: its host and device memories are one, a copy
 between them is no copy, and the planner's device plus host bytes count a moved leaf twice.
 
@@ -60,6 +62,7 @@ class Config:
     opt_state: bool | str = False  # offload_opt_state (True) or its streamed update ("stream")
     activations: str | None = None  # a policy name of transforms.offload_activations
     changes: dict | None = None  # fields of the model's config replaced (dtypes, widths)
+    fill: bool = False  # weights set to one value instead of drawn (the same bytes, built in a moment)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -76,7 +79,9 @@ CPU_CONFIGS = (
 
 #: ``--quick`` (the test's): a small model with a wide vocabulary, whose 0.6 GiB of state (its
 #: embedding and head) outweighs what JAX holds besides the arrays, and whose steps take a second.
-QUICK = Config("quick", "llama:tiny", 1, 32, changes={"d_model": 128, "vocab_size": 196608, "max_seq_len": 32})
+QUICK = Config(
+    "quick", "llama:tiny", 1, 32, changes={"d_model": 128, "vocab_size": 196608, "max_seq_len": 32}, fill=True
+)
 
 #: An accelerator's (sized for one TPU v5e, 16 GiB of HBM and 40 GiB of RAM): qwen3:0.6b in float32
 #: (2.2 GiB of weights, 4.4 of Adam moments), bfloat16 compute, with its weights, then its optimizer
@@ -172,7 +177,13 @@ def measure(cfg: Config) -> dict:
     config = zoo.config_from_name(cfg.model, **(cfg.changes or {}))
     optimizer = optax.adamw(1e-4)
     with Peak() as build:
-        model = eqx.filter_jit(lambda k: zoo.build_model(config, key=k))(jax.random.key(0))
+        if cfg.fill:
+            abstract = zoo.abstract_model(config)
+            arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+            filled = jax.jit(lambda: jax.tree.map(lambda s: jax.numpy.full(s.shape, 0.02, s.dtype), arrays))()
+            model = eqx.combine(filled, static)
+        else:
+            model = eqx.filter_jit(lambda k: zoo.build_model(config, key=k))(jax.random.key(0))
         if cfg.params:
             model = transforms.offload_params(model)
         if cfg.activations:
@@ -201,6 +212,10 @@ def measure(cfg: Config) -> dict:
     prediction = plan.predict(params=cfg.params, opt_state=cfg.opt_state, activations=cfg.activations)
     report = transforms.memory_report(params=model, opt_state=state, host_baseline=baseline, plan=prediction)
     parts = planned(prediction, shared=shared)
+    xla = None
+    if not shared:  # XLA's own count of the compiled step's host memory (the CPU's does not separate it)
+        ma = step.lower(model, state, tokens).compile().memory_analysis()
+        xla = {k: int(getattr(ma, f"host_{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")}
     return {
         "config": cfg.to_dict(),
         "device": device.device_kind,
@@ -217,6 +232,7 @@ def measure(cfg: Config) -> dict:
         "planned_host_components": prediction["host"],
         "planned_peak_phase": prediction["peak_phase"],
         "report_expected_peak_bytes": report.host.expected_peak,
+        "xla_host_bytes": xla,
         "peak_from": "VmHWM" if build.kernel else "sampled VmRSS",
     }
 
