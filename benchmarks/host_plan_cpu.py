@@ -11,7 +11,7 @@ is refused) less the baseline is its growth. The planner's figure for the same t
 - on the CPU, where device memory is the host's, the step's device peak plus its host bytes plus
   the token batch's host copy (the plan's ``staging``);
 - on an accelerator, the host bytes (offloaded parameters and optimizer state, gradients of host
-  weights, offloaded activations, the streamed update's outputs) plus staging; the device peak is
+  weights, offloaded activations) plus staging; the device peak is
   in the device's own memory.
 
 The ratio measured / planned of the second step (compiled already: what every later step holds) is

@@ -134,8 +134,8 @@ class HostMemory:
     - `state`: component -> host bytes of the given arrays (``pinned_host`` and ``unpinned_host``;
       every byte on a backend whose device memory is the host's, the CPU).
     - `step`: component -> host bytes a train step adds to them, from the planner where a plan was
-      given: gradients of host weights, offloaded activations, the streamed update's outputs, the
-      host copy of the token batch (``staging``); on a backend whose device memory is the host's,
+      given: gradients of host weights, offloaded activations, the host copy of the token batch
+      (``staging``); on a backend whose device memory is the host's,
       also the device's transients at its peak (``device transients``). Per process: the plan's
       per-device figures times the devices holding the state.
     - `resident`: resident bytes when the report was made (:func:`host_rss`).
@@ -254,8 +254,8 @@ def memory_report(tree=None, /, *, host_baseline: int | None = None, plan=None, 
     memory is host memory), adds the runtime's own share when `host_baseline` is given (from
     :func:`host_baseline`, measured at start) and, when `plan` is given (a :class:`transforms.Plan`,
     whose shown candidate is read, or one of its ``plan.predict(...)`` dicts), the host bytes a train
-    step adds: gradients of host weights, offloaded activations, the streamed update's outputs and the
-    token batch's host copy. Their sum is the expected peak of the process's resident memory.
+    step adds: gradients of host weights, offloaded activations and the token batch's host copy.
+    Their sum is the expected peak of the process's resident memory.
 
     **Example:**
 

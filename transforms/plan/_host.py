@@ -6,8 +6,7 @@ A training process's resident host memory at its peak is, per device:
   profile's ``host_runtime_bytes``, 13.5 GiB on a TPU v5e host, or the baseline measured at start,
   :func:`transforms.host_baseline`, given as ``plan(..., host_baseline=...)``);
 - the plan's host-resident components (:func:`transforms.plan._bytes.host_resident`): offloaded
-  parameters and optimizer state, gradients of host weights, offloaded activations, the streamed
-  update's outputs;
+  parameters and optimizer state, gradients of host weights, offloaded activations;
 - ``staging``: the host copy of the token batch the data pipeline hands to the step;
 - on a device whose memory is the host's (``unified``), the device's own peak too.
 

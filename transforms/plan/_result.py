@@ -213,7 +213,7 @@ class Plan(Answer):
     def host_memory(self) -> dict[str, int]:
         """The process's host memory per device at the shown candidate's peak, by component: the
         runtime's share (``runtime``), the plan's host-resident bytes (parameters, gradients,
-        optimizer state, saved activations; the streamed update's outputs), the token batch's host
+        optimizer state, saved activations), the token batch's host
         copy (``staging``), and on a unified-memory device its device peak. Their sum is what the
         process's resident memory should reach (see ``transforms/plan/_host.py``)."""
         from ._host import host_memory
