@@ -740,7 +740,9 @@ def table(report: dict) -> str:
 
 
 def stem_for(device: str | None) -> str:
-    return "resume_check_cpu" if device in (None, "cpu") else f"resume_check_{env.sanitize(device)}"
+    """``resume_check_cpu``, ``resume_check_TPU_v5_lite``, ... (``_unknown`` when no run got as far as
+    naming its device)."""
+    return f"resume_check_{'unknown' if device is None else env.sanitize(device)}"
 
 
 def _say(run: dict) -> None:
