@@ -275,6 +275,20 @@ def test_offload_params_with_a_filter_moves_only_what_it_selects():
     assert m.stack.layers.attn_norm.weight.sharding.memory_kind == "device"
 
 
+def test_offload_params_keeps_a_stacks_16_bit_vectors_on_the_device_by_default():
+    """XLA:TPU cannot fetch one layer's row of a packed (layers, d) 16-bit array from host memory
+    (it refused llama:1b's bf16 norm scales); float32 ones, matrices and the final norm move."""
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, tiny())
+    bf16, f32 = transforms.offload_params(half), transforms.offload_params(tiny())
+    kind = lambda x: x.sharding.memory_kind
+    assert kind(bf16.stack.layers.attn_norm.weight) == kind(bf16.stack.layers.mlp_norm.weight) == "device"
+    assert kind(bf16.stack.layers.mlp.up.weight) == kind(bf16.norm.weight) == "pinned_host"
+    assert kind(f32.stack.layers.attn_norm.weight) == "pinned_host"
+    # An explicit filter is obeyed.
+    chosen = transforms.offload_params(half, where=lambda x: x.ndim == 2)
+    assert kind(chosen.stack.layers.attn_norm.weight) == "pinned_host"
+
+
 def test_offload_opt_state_rejects_bad_input():
     with pytest.raises(TypeError, match="GradientTransformation"):
         transforms.offload_opt_state(lambda g: g)

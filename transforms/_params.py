@@ -10,17 +10,33 @@ from zoo import nn
 
 from ._lora import adapter_mask
 from ._memory import HOST, is_arraylike, is_floating, memory_kind, place, require_host_memory
+from ._tree import stack_units
 
 
 def _selected(model, where: Callable | None):
     """Boolean pytree (over array leaves) of what ``where`` selects; default: floating leaves
-    except LoRA adapters (small, trained every step: they stay on the device)."""
+    except LoRA adapters (small, trained every step: they stay on the device) and the packed
+    per-layer vectors of a stack (see :func:`packed_layer_vector`)."""
     if where is None:
         adapters, codes = adapter_mask(model), _quantized_mask(model)
-        return jax.tree.map(lambda x, a, c: is_arraylike(x) and (is_floating(x) or c) and not a, model, adapters, codes)
+        units, _ = stack_units(model)
+
+        def chosen(x, a, c, u):
+            return is_arraylike(x) and (is_floating(x) or c) and not a and not packed_layer_vector(x, u >= 0)
+
+        return jax.tree.map(chosen, model, adapters, codes, units)
     if not callable(where):
         raise TypeError(f"where must be a callable filter (leaf -> bool) or None, got {type(where).__name__}")
     return jax.tree.map(lambda x: bool(is_arraylike(x) and where(x)), model)
+
+
+def packed_layer_vector(x, in_stack: bool) -> bool:
+    """Whether ``x`` is a stack's per-layer vector (a norm's scale, a bias: ``(layers, d)``) of a
+    dtype narrower than 32 bits. XLA:TPU packs two or more rows of such an array into one sublane
+    and refuses to copy a single layer's row out of host memory ("Sublane slicing size must be
+    multiple of element packing factor"), so :func:`offload_params` leaves these on the device by
+    default: they are ``layers x d`` elements, a rounding error beside the matrices."""
+    return in_stack and len(x.shape) == 2 and jax.numpy.dtype(x.dtype).itemsize < 4
 
 
 def _quantized_mask(model):
@@ -59,7 +75,10 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
     - `where`: optional filter ``leaf -> bool`` choosing the leaves to offload; it may only
       select floating-point arrays. Default: every floating-point weight except the adapters
       of :func:`transforms.lora` (a few MiB, read and written every step), which stay on the
-      device (a `where` that selects them offloads them as well).
+      device (a `where` that selects them offloads them as well), and, in a stack, per-layer
+      vectors (norm scales, biases) in a 16-bit or narrower dtype, which XLA:TPU cannot fetch
+      one layer at a time from host memory (they are tiny; a `where` that selects them on a TPU
+      fails to compile).
     - `prefetch`: use the explicit one-layer-ahead schedule described above.
 
     **Returns:** the model with the selected leaves in ``pinned_host``.
