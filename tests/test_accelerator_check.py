@@ -900,9 +900,12 @@ CAPACITY_1B = {"capacity_model": "llama:1b", "capacity_batch": 8, "capacity_seq"
 def test_a_run_can_be_continued_into_its_results_file(tmp_path, allowed):
     """--append takes the earlier run's sizes and file, and refuses another kind of device."""
     path = tmp_path / "earlier.json"
-    path.write_text(json.dumps(allowed["results"]))
+    earlier_results = json.loads(json.dumps(allowed["results"]))
+    earlier_results["args"]["capacity_model"] = "llama:small"  # sized by an earlier code
+    path.write_text(json.dumps(earlier_results))
     args = cli.parse_args(["--append", str(path), "--configs", "bandwidth"])
     cli.apply_defaults(args, reduced=True)
+    assert args.capacity_model == cli.REDUCED["capacity_model"]  # the capacity run is sized afresh
     earlier = allowed["results"]["args"]
     assert (args.model, args.batch, args.seq, args.out) == (
         earlier["model"],
@@ -916,6 +919,11 @@ def test_a_run_can_be_continued_into_its_results_file(tmp_path, allowed):
     ]
     with pytest.raises(SystemExit, match="measured on"):
         orchestrate.appended_results(args, {"device_kind": "TPU v5 lite"}, ["bandwidth"])
+    # A configuration with no transform to check keeps the earlier run's parity pass.
+    args.configs = ["bandwidth"]
+    run = orchestrate.Run(args, merged, 0.0, tmp_path, None, None, {c.name: c for c in orchestrate.config_table()})
+    assert orchestrate._parity_spec(run) is None and merged["parity"] == allowed["results"]["parity"]
+    assert merged["parity"].get("cases")
 
 
 def test_a_worker_over_the_host_memory_limit_is_killed_and_recorded():

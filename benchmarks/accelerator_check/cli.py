@@ -240,7 +240,10 @@ def apply_defaults(args: argparse.Namespace, *, reduced: bool, device_kind: str 
     args.reduced = reduced
     if args.append is not None:  # the sizes of the run appended to, unless given again
         earlier = json.loads(args.append.read_text()).get("args") or {}
-        for key in (*FULL, "plan_device", "accum_steps", "lr"):
+        # The capacity run is compared with nothing of the earlier run: it is sized afresh, for
+        # this machine and this code (an appended run once trained the earlier code's choice).
+        inherited = [k for k in FULL if not k.startswith("capacity_")]
+        for key in (*inherited, "plan_device", "accum_steps", "lr"):
             if getattr(args, key, None) in (None, FULL.get(key)) and earlier.get(key) is not None:
                 setattr(args, key, earlier[key])
         args.out = args.append.parent

@@ -267,7 +267,8 @@ def _parity_spec(run: Run) -> dict | None:
     needed = sorted({case for name in names for case in run.table[name].parity} - done)
     mode = args.parity or ("all" if names == list(DEFAULT_PLAN) and not args.append else "needed")
     if mode == "off" or (mode == "needed" and not needed):
-        results["parity"] = {"status": f"off (--parity {mode})" if mode == "off" else "no transform to check"}
+        if not (args.append and done):  # appending: the earlier run's parity pass stands
+            results["parity"] = {"status": f"off (--parity {mode})" if mode == "off" else "no transform to check"}
         return None
     spec = {"config": {"name": "parity", "kind": "parity"}, "dtype": PARITY_DTYPE, "mode": mode, "needed": needed}
     return spec | {"test_break": args.test_break, "allow_cpu": args.allow_cpu, "compile_cache": run.cache}
