@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import shutil
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -118,6 +119,23 @@ def _groups(keys: list[str], entries: dict[str, dict], most: int) -> list[list[s
     return [g for g in groups if g]
 
 
+#: What orbax appends to the name of a checkpoint (or item) directory while it is being written.
+UNFINISHED = ".orbax-checkpoint-tmp"
+
+
+def _remove_unfinished(directory: str) -> None:
+    """Delete what a save killed before its commit left in ``directory``: every entry whose name
+    marks it unfinished, whole (they may nest: a step's directory holds its items'). Missing
+    entries are fine (another process may be removing them too)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if UNFINISHED in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
 class Checkpointer:
     """Save and restore training state (any pytree) in ``directory``, with orbax-checkpoint.
 
@@ -204,11 +222,17 @@ class Checkpointer:
         self._closed = False
         self._pending: int | None = None
         self._damaged: dict[int, str] = {}
+        local = "://" not in path
+        if local:
+            _remove_unfinished(path)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.keep,
             enable_async_checkpointing=async_save,
             create=True,
-            cleanup_tmp_directories=True,
+            # Local: done above, before anything else runs. Orbax's own cleanup runs in the
+            # background beside the first save and could fail on a killed save's nested
+            # temporary directories (FileNotFoundError from its rmtree).
+            cleanup_tmp_directories=not local,
         )
         self._manager = ocp.CheckpointManager(path, options=options)
 

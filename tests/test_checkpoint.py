@@ -583,7 +583,9 @@ def test_an_unfinished_save_directory_is_ignored(tmp_path, suffix):
         ckpt.save(2, small(2))
     # What a save killed before its final rename leaves: the step's files under a temporary name.
     shutil.copytree(tmp_path / "2", tmp_path / f"3{suffix}")
+    (tmp_path / f"3{suffix}" / "state.orbax-checkpoint-tmp-5" / "w").mkdir(parents=True)  # an item's, nested
     with checkpointing.Checkpointer(tmp_path, async_save=False) as ckpt:
+        assert not (tmp_path / f"3{suffix}").exists()  # removed, nested ones and all, before anything runs
         # Also one appearing later: put in place whole (the checkpointer's cleanup of leftovers,
         # started in the background as it opens, may be deleting temporary directories meanwhile).
         shutil.copytree(tmp_path / "2", tmp_path / "staging")
