@@ -154,14 +154,14 @@ def committed_steps(run_dir: Path) -> list[int]:
 
 
 class Stop:
-    """When and how to stop a run: once step ``after`` is done and checkpoint ``checkpoint`` is
-    committed, send ``signal``."""
+    """When and how to stop a run: once step ``after`` is done and checkpoint ``checkpoint`` (or a
+    later one, should the run have got that far before a look) is committed, send ``signal``."""
 
     def __init__(self, how: str, after: int, checkpoint: int):
         self.how, self.signal, self.after, self.checkpoint = how, STOPS[how], after, checkpoint
 
     def due(self, last_step: int, commits: dict[int, float]) -> bool:
-        return self.signal is not None and last_step >= self.after and self.checkpoint in commits
+        return self.signal is not None and last_step >= self.after and any(s >= self.checkpoint for s in commits)
 
 
 def run_recipe(
