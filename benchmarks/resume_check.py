@@ -913,5 +913,10 @@ def main(argv=None) -> int:
     return 0 if report["checks"]["passed"] else 1
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # so that the run in progress is stopped too (see run_recipe)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a time limit's `timeout`, a scheduler
     sys.exit(main())
