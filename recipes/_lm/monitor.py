@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
 import sys
 import time
 
@@ -21,27 +20,16 @@ def peak_flops(compute_dtype: str) -> float | None:
     return None if profile is None else float(profile.flops(compute_dtype))
 
 
-def host_rss() -> int:
-    """This process's resident host memory now (``VmRSS``; the peak, ``ru_maxrss``, where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def memory_in_use() -> dict[str, int]:
     """``{"dev": bytes, "host": bytes}``: device memory in use where the backend reports it (a TPU's
-    reserved program scratch included), and this process's resident host memory, which offloaded
-    state, host gradients and the accelerator runtime itself fill (13.5 GiB on a TPU v5e host)."""
+    reserved program scratch included), and this process's resident host memory
+    (:func:`transforms.host_rss`), which offloaded state, host gradients and the accelerator runtime
+    itself fill (13.5 GiB on a TPU v5e host)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     out = {}
     if "bytes_in_use" in stats:
         out["dev"] = int(stats["bytes_in_use"]) + int(stats.get("bytes_reserved") or 0)
-    out["host"] = host_rss()
+    out["host"] = transforms.host_rss()
     return out
 
 
