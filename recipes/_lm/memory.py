@@ -4,7 +4,10 @@ the memory there is one line, not an out-of-memory crash (or a swapping machine)
 
 The estimates are :func:`transforms.plan`'s and :func:`transforms.plan.plan_generate`'s for the
 transforms the command line asked for; only what cannot fit this machine is refused (on the CPU
-the planner is within about 15% of XLA's own count).
+the planner is within about 15% of XLA's own count). On an accelerator the host memory a step may
+fill is the RAM less the runtime's share, as the planner counts it: the resident memory measured at
+the start of the run (:func:`transforms.host_baseline`), or the device profile's
+``host_runtime_bytes``; on the CPU, host and device are one memory, the machine's.
 """
 
 from __future__ import annotations
@@ -36,9 +39,33 @@ def memory_need(prediction: dict, *, lora: bool) -> tuple[int, int]:
     return device, host
 
 
-def check_memory(args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None) -> None:
+def runtime_share(host_baseline: int | None = None) -> tuple[int, str]:
+    """``(bytes, in words)``: the host memory the accelerator's runtime holds on this machine, the
+    share the planner takes from the RAM: ``host_baseline`` where the run measured it
+    (:func:`transforms.host_baseline`), else the device profile's ``host_runtime_bytes`` for each
+    local device (``0`` for a device without a profile)."""
+    if host_baseline is not None:
+        return host_baseline, "the runtime held at start, measured"
+    devices = jax.local_devices()
+    profile = transforms.profile_for_kind(devices[0].device_kind)
+    if profile is None or not profile.host_runtime_bytes:
+        return 0, "none known (no device profile)"
+    count = sum(1 for d in devices if d.platform == devices[0].platform)
+    each = f" for each of {count} devices" if count > 1 else ""
+    return profile.host_runtime_bytes * count, f"the {profile.name} runtime holds{each}, the profile's figure"
+
+
+def check_memory(
+    args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None, host_baseline: int | None = None
+) -> None:
     """Refuse a step that cannot fit this machine by the planner's estimate (``--batch``, ``--seq``
-    far beyond it): one line before anything is allocated, not an out-of-memory crash later."""
+    far beyond it): one line before anything is allocated, not an out-of-memory crash later.
+
+    With ``--plan`` (``plan``: the planner's result), a plan in which nothing fits is refused with
+    the planner's own line (:attr:`transforms.Plan.refusal`). ``host_baseline``: the runtime's
+    share of the host measured at the start of the run (see :func:`runtime_share`)."""
+    if spec.plan and plan is not None and plan.refusal is not None:
+        raise SystemExit(f"--plan {spec.plan} --batch {args.batch} --seq {args.seq}: {plan.refusal}")
     device_limit, ram = machine_memory()
     shape = dict(mesh.shape) if mesh is not None else {}
     data, fsdp = shape.get("data", 1), shape.get("fsdp", 1)
@@ -55,7 +82,7 @@ def check_memory(args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None
         if spec.plan:
             chosen = plan.candidate if plan is not None else None
             if chosen is None:
-                return  # the plan's own refusal says what does not fit
+                return  # no plan given to check
             prediction = estimate.predict(params=chosen.params, opt_state=chosen.opt_state, activations=chosen.policy)
         else:
             prediction = spec.predict(estimate)
@@ -63,17 +90,23 @@ def check_memory(args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None
         return  # a shape the planner does not model (the run's own checks come later)
     device, host = memory_need(prediction, lora=lora)
     local = 1 if mesh is None else min(mesh.devices.size, jax.local_device_count())  # the devices this process uses
+    fmt = transforms.format_bytes
     if device_limit is None:  # the CPU: every device's bytes, host or not, are the machine's memory
-        need, have, where = (device + host) * local, ram, "this machine's memory"
+        need, have = (device + host) * local, ram
+        room = f"this machine's memory ({fmt(have)})"
     elif device > device_limit:
-        need, have, where = device, device_limit, "the device's memory"
-    else:
-        need, have, where = host * local, ram, "this machine's host memory"
+        need, have = device, device_limit
+        room = f"the device's memory ({fmt(have)})"
+    else:  # what the runtime leaves of the RAM, as the planner counts it
+        runtime, whose = runtime_share(host_baseline)
+        need, have = host * local, max(ram - runtime, 0)
+        room = f"this machine's host memory ({fmt(have)})"
+        if runtime:
+            room = f"the host memory the runtime leaves ({fmt(have)}: {fmt(ram)} of RAM less {fmt(runtime)} {whose})"
     if need > have:
         raise SystemExit(
-            f"--batch {args.batch} --seq {args.seq}: one step needs about {transforms.format_bytes(need)} (the "
-            f"planner's estimate for {args.model} with {spec.label}), more than {where} "
-            f"({transforms.format_bytes(have)}); lower --batch or --seq, raise --accum, or offload more"
+            f"--batch {args.batch} --seq {args.seq}: one step needs about {fmt(need)} (the planner's estimate for "
+            f"{args.model} with {spec.label}), more than {room}; lower --batch or --seq, raise --accum, or offload more"
         )
 
 

@@ -133,6 +133,9 @@ class Run:
     def __init__(self, args: argparse.Namespace, offload: OffloadSpec | None = None):
         self.args = args
         self.offload = OffloadSpec.of(args) if offload is None else offload
+        #: the runtime's share of the host: this process's resident memory before anything is built
+        #: (the first measurement's, see transforms.host_baseline), counted against the host's RAM
+        self.host_baseline = transforms.host_baseline()
         self.warnings: list[str] = []
         hf = is_hf_dir(args.model)
         if hf:
@@ -169,10 +172,14 @@ class Run:
                     device=self.offload.plan,
                     clip_norm=args.clip,
                     quantize=quantize,
+                    # this machine's runtime, as measured; a named profile is another machine's
+                    host_baseline=self.host_baseline if self.offload.plan == "auto" else None,
                 )
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--plan {self.offload.plan}: {err}") from None
-        check_memory(args, self.config, self.offload, self.mesh, lora=self.lora, plan=self.plan)
+        check_memory(
+            args, self.config, self.offload, self.mesh, lora=self.lora, plan=self.plan, host_baseline=self.host_baseline
+        )
         self.corpus = open_corpus(
             args.data,
             self.tokenizer,
