@@ -39,7 +39,7 @@ DISTRIBUTIONS = (
 )
 
 #: Prefixes of the environment variables that change what XLA and JAX do.
-ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP", "CUDA_", "NCCL_", "PJRT_")
+ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP", "CUDA_", "NCCL_", "PJRT_", "LIBTPU_")
 
 
 def utc_now() -> str:
