@@ -1,0 +1,215 @@
+"""Compile a train step for a TPU on a machine without one: what XLA:TPU makes of each offload
+configuration (does it compile, device and host memory, where whole stacks cross the link), with
+no device time spent.
+
+The TPU compiler ships as the ``libtpu`` wheel; JAX compiles for a described chip
+(``jax.experimental.topologies``) without opening one. The model and its optimizer state are
+built on this machine's CPU with the transforms of ``--config`` and then described to the
+compiler as arrays of the TPU device in the same memory kinds (``device`` or ``pinned_host``);
+the step is lowered as :class:`transforms.TrainStep` lowers it (the same jitted function, its
+inputs donated) and compiled. Reported per configuration: the compile time or the compiler's
+error (its first line: a compile failure here is one on the chip), XLA's
+``memory_analysis()`` (device and host: arguments, outputs, aliased, temporaries) and the
+copies of whole stacked arrays between host and device in the compiled program (a streamed
+update or a layer loop should move one layer at a time).
+
+Known limit (libtpu 0.0.42): configurations with weights in host memory (``params``,
+``all_three``) are refused locally with E1200 ("returned from the entry computation but the
+layout for this output is not set to host memory") though the chip compiles them; optimizer
+state and activations in host memory compile.
+
+Usage (the compiler wheel into a directory of its own, put on the path for this command only;
+JAX itself stays on this machine's CPU)::
+
+    pip install --target /tmp/tpusite "libtpu==0.0.42.*"
+    PYTHONPATH=/tmp/tpusite python -m benchmarks.tpu_compile --model llama:small --configs none,opt_state_stream
+
+``--target cpu`` runs the same path for this machine's CPU (the tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import time
+from pathlib import Path
+
+from benchmarks import _environment as env
+
+#: Configuration -> (offload_params, activation policy or None, optimizer state: False, "offload", "stream").
+CONFIGS = {
+    "none": (False, None, False),
+    "act_block_input": (False, "block_input", False),
+    "opt_state": (False, None, "offload"),
+    "opt_state_stream": (False, None, "stream"),
+    "params": (True, None, False),
+    "all_three": (True, "block_input", "stream"),
+}
+
+
+def _device(target: str, topology: str):
+    import jax
+
+    if target == "cpu":
+        return jax.devices("cpu")[0]
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        topology_name=topology, platform="tpu", chips_per_host_bounds=(1, 1, 1), num_slices=1
+    )
+    return topo.devices[0]
+
+
+def build(model_name: str, config: str, *, lr: float = 1e-3, clip: float = 1.0):
+    """The configuration's model, optimizer state and train step, built on this machine."""
+    import jax
+    import optax
+
+    import transforms
+    import zoo
+
+    params, activations, opt_state = CONFIGS[config]
+    cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
+    model = zoo.build_model(cfg, key=jax.random.key(0))
+    if params:
+        model = transforms.offload_params(model)
+    if activations:
+        model = transforms.offload_activations(model, policy=activations)
+    if opt_state == "stream":
+        optimizer = transforms.offload_opt_state(optax.adamw(lr), stream=True, clip_norm=clip)
+    else:
+        optimizer = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr))
+        if opt_state == "offload":
+            optimizer = transforms.offload_opt_state(optimizer)
+    step = transforms.train_step(zoo.lm_loss, optimizer)
+    return model, step.init(model), step
+
+
+def lowered_for(device, model, state, step, batch: int, seq: int):
+    """``step``'s program for ``device``: the jitted function :meth:`TrainStep.lower` uses, lowered
+    with abstract arguments of ``device`` in each leaf's memory kind."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from transforms._train_step import _commit, trainable_mask
+
+    def describe(x):
+        if not isinstance(x, jax.Array):
+            return x
+        kind = getattr(x.sharding, "memory_kind", None) or "device"
+        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    model, state = _commit(model), _commit(state)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    trainable, frozen = eqx.partition(arrays, trainable_mask(model))
+    trainable, frozen, state = jax.tree.map(describe, (trainable, frozen, state))
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    out = (shardings(trainable), shardings(state), None)
+    fn = jax.jit(step._build(static), out_shardings=out, donate_argnums=(0, 2))
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
+    return fn.lower(trainable, frozen, state, tokens, None)
+
+
+def whole_stack_copies(hlo: str, n_layers: int) -> int:
+    """Copies in ``hlo`` (compiled text) between host (``S(5)``) and device memory of arrays with a
+    leading axis of ``n_layers``: whole stacks crossing the link (a ``copy-start``'s tuple holds
+    its source and destination)."""
+    count = 0
+    for line in hlo.splitlines():
+        if " copy-start(" not in line:
+            continue
+        found = re.match(r"\s*\S+ = \((\w+\[[\d,]*\]\{[^}]*\}), (\w+\[[\d,]*\]\{[^}]*\})", line)
+        if not found:
+            continue
+        a, b = found.groups()
+        stacked = all(re.match(rf"\w+\[{n_layers},", shape) for shape in (a, b))
+        count += stacked and ("S(5)" in a) != ("S(5)" in b)
+    return count
+
+
+def measure(args, config: str, device) -> dict:
+    import zoo
+
+    row = {"config": config}
+    t = time.perf_counter()
+    try:
+        model, state, step = build(args.model, config)
+        lowered = lowered_for(device, model, state, step, args.batch, args.seq)
+        compiled = lowered.compile()
+    except Exception as err:  # the compiler's refusal is the result
+        first = next((ln for ln in str(err).splitlines() if ln.strip()), "")
+        row.update(compiled=False, error=f"{type(err).__name__}: {first}"[:600])
+        return row
+    row.update(compiled=True, compile_s=time.perf_counter() - t)
+    ma = compiled.memory_analysis()
+    for where, prefix in (("device", ""), ("host", "host_")):
+        row[where] = {
+            k: int(getattr(ma, f"{prefix}{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")
+        }
+    n_layers = zoo.config_from_name(args.model).n_layers
+    row["whole_stack_copies"] = whole_stack_copies(compiled.as_text(), n_layers)
+    return row
+
+
+def table(rows: list[dict], head: str) -> str:
+    gib = lambda b: f"{b / 2**30:.2f}"
+    lines = [
+        head,
+        "",
+        "| config | compiles | device temp GiB | device args GiB | host temp GiB | host args GiB | host aliased GiB "
+        "| whole-stack copies |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r["compiled"]:
+            lines.append(f"| {r['config']} | no: {r['error']} | - | - | - | - | - | - |")
+            continue
+        d, h = r["device"], r["host"]
+        lines.append(
+            f"| {r['config']} | yes ({r['compile_s']:.0f} s) | {gib(d['temp'])} | {gib(d['argument'])} | "
+            f"{gib(h['temp'])} | {gib(h['argument'])} | {gib(h['alias'])} | {r['whole_stack_copies']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama:small", help="FAMILY:PRESET (default llama:small)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--configs", default="none,opt_state_stream", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--target", choices=("tpu", "cpu"), default="tpu", help="compile for a TPU (default) or this CPU")
+    p.add_argument("--topology", default="v5e:1x1", help="the TPU described to the compiler (default v5e:1x1)")
+    p.add_argument("--out", type=Path, help="write tpu_compile_<topology>.json and .md here")
+    args = p.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        p.error(f"--configs: unknown {unknown or 'none given'}; valid: {', '.join(CONFIGS)}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for a described TPU; run nothing on one
+    if args.target == "tpu" and importlib.util.find_spec("libtpu") is None:
+        p.error("no TPU compiler: pip install --target DIR 'libtpu==0.0.42.*' and run with PYTHONPATH=DIR")
+    device = _device(args.target, args.topology)
+    rows = []
+    for config in configs:
+        rows.append(measure(args, config, device))
+        print(table(rows[-1:], f"{config}:").splitlines()[-1], flush=True)
+    head = (
+        f"Train step of {args.model} (fp32 weights, bf16 compute, AdamW after clipping), batch "
+        f"{args.batch} x {args.seq}, compiled for {args.topology if args.target == 'tpu' else 'this CPU'}"
+    )
+    text = table(rows, head)
+    print(text, flush=True)
+    if args.out is not None:
+        stem = f"tpu_compile_{env.sanitize(args.topology if args.target == 'tpu' else 'cpu')}"
+        shown = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        env.write_results(args.out, stem, {"software": env.software(), "args": shown, "rows": rows}, text)
+    return 0 if all(r["compiled"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

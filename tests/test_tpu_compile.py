@@ -1,0 +1,43 @@
+"""benchmarks/tpu_compile.py: a train step compiled for a described chip, its memory and the
+whole stacks it moves between host and device (the path is exercised here for the CPU)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from benchmarks import tpu_compile
+
+
+def test_the_cpu_target_compiles_a_configuration_and_reports_its_memory(tmp_path, capsys):
+    argv = ["--target", "cpu", "--model", "llama:tiny", "--batch", "2", "--seq", "16", "--configs", "opt_state_stream"]
+    assert tpu_compile.main([*argv, "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "tpu_compile_cpu.json").read_text())["rows"]
+    assert row["compiled"] and row["config"] == "opt_state_stream"
+    assert row["device"]["argument"] > 0 and row["device"]["alias"] > 0  # the state is donated and aliased
+    assert row["whole_stack_copies"] == 0  # the CPU has one memory: nothing crosses
+    assert "| opt_state_stream | yes" in capsys.readouterr().out
+
+
+def test_whole_stack_copies_counts_stacks_crossing_between_host_and_device_only():
+    hlo = "\n".join(
+        [
+            "  %a = (f32[12,768,256]{2,1,0:T(8,128)S(5)}, f32[12,768,256]{2,1,0:T(8,128)}, u32[]) copy-start(%x)",
+            "  %b = (f32[12,768]{1,0:T(8,128)}, f32[12,768]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) copy-start(%y)",
+            "  %c = (f32[768,256]{1,0:T(8,128)S(5)}, f32[768,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%z)",
+            "  %d = (f32[12,768]{1,0:T(8,128)S(1)}, f32[12,768]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%w)",
+        ]
+    )
+    # a and b cross (either way); c is one layer; d moves within the device (S(1)).
+    assert tpu_compile.whole_stack_copies(hlo, 12) == 2
+    assert tpu_compile.whole_stack_copies(hlo, 16) == 0
+
+
+def test_bad_configurations_and_a_missing_compiler_are_one_line_errors(capsys):
+    with pytest.raises(SystemExit):
+        tpu_compile.main(["--configs", "nonsense"])
+    assert "valid: none, act_block_input" in capsys.readouterr().err
+    if importlib.util.find_spec("libtpu") is None:
+        with pytest.raises(SystemExit):
+            tpu_compile.main(["--configs", "none"])
+        assert "no TPU compiler: pip install" in capsys.readouterr().err
