@@ -369,23 +369,19 @@ def test_streamed_update_lowered_for_cuda_moves_and_keeps_what_the_plan_says():
 
 def test_fp32_8b_fits_an_h200_only_with_the_streamed_update():
     """Before the streamed update nothing fitted (the update held every gradient and weight on the
-    device); with it, written in place, the weights stay on the device beside their gradients and
-    the state streams; the peak is no longer the update."""
+    device); now full offload with the streamed update does, and its peak is no longer the update."""
     p = transforms.plan("llama:8b", batch=1, seq=8192, device="h200")
     assert p.fits and p.stream_update
-    assert "offload_opt_state" in p.transforms and "offload_params" not in p.transforms
-    assert p.candidate.label.startswith("offload_opt_state(stream)")
+    assert p.transforms[:1] == ("offload_params",) and "offload_opt_state" in p.transforms
+    assert p.candidate.label.startswith("offload_params + offload_opt_state(stream)")
     assert p.device_bytes <= p.device_budget and p.host_bytes <= p.host_budget
     assert p.chosen.estimate.peak_phase != "update"
     assert not any(r.fits for r in p.rows if not r.estimate.candidate.stream)  # nothing else fits
-    assert p.predict(params=True, opt_state="stream", activations=p.activation_policy)["fits"]  # weights on host too
-    # With host weights, clipping adds a pass over the host gradients: more bytes in, a slower
-    # step, the same fit; with device weights (the chosen plan) the gradients are on the device.
+    assert p.predict(params=True, opt_state="stream", activations=p.activation_policy)["fits"]
+    # Clipping adds a pass over the host gradients: more bytes in, a slower step, the same fit.
     clipped = transforms.plan("llama:8b", batch=1, seq=8192, device="h200", clip_norm=1.0)
-    assert clipped.fits and clipped.host_to_device == p.host_to_device
-    full = dict(params=True, opt_state="stream", activations=p.activation_policy)
-    assert clipped.predict(**full)["host_to_device_bytes"] > p.predict(**full)["host_to_device_bytes"]
-    assert clipped.predict(**full)["step_s"] > p.predict(**full)["step_s"]
+    assert clipped.fits and clipped.host_to_device > p.host_to_device
+    assert clipped.predict(**_as_predict(p.candidate))["step_s"] > p.step_time_s
     assert any("streamed update" in n for n in p.notes)
     assert p.to_dict()["chosen"]["offload_opt_state"] == "stream"
 

@@ -2,11 +2,12 @@
 
 The update of every :class:`zoo.nn.Stack` runs as a `lax.scan` over its layer axis. Each iteration
 fetches one layer's optimizer state, and its weights and gradients where they live in host memory,
-runs the wrapped optax update on that slice, applies it, and writes the new state and weights into
-the old buffers, where they live (in place: with the train step's donated inputs no second copy of
-any stack exists, in host memory or on the device). The next layer's host slices are fetched one
-iteration ahead (a double buffer carried by the scan), so the device holds about two layers of them
-at a time. Leaves outside the stacks (embeddings, head, final norm) are updated once, leaf by leaf.
+runs the wrapped optax update on that slice, applies it, and writes the new state and weights in
+host memory into the old buffers (in place: with the train step's donated inputs no second copy of
+an offloaded stack exists in host memory); new device-resident weights are stacked scan outputs.
+The next layer's host slices are fetched one iteration ahead (a double buffer carried by the
+scan), so the device holds about two layers of them at a time. Leaves outside the stacks
+(embeddings, head, final norm) are updated once, leaf by leaf.
 
 The optimizer state has its own layout, :class:`StreamedState`: the wrapped optimizer's state for
 each stack, built per layer, so every leaf of it (step counters included) carries the stack's
@@ -116,6 +117,9 @@ def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Cal
     carry and each layer's new values are written into them with a dynamic-update-slice (back
     to host memory for host-resident ones), so with the inputs donated XLA updates the buffers in
     place: no second stack-sized buffer (in host memory for offloaded state) beside the old one.
+    Meant for host-resident arrays (and small device ones): XLA:TPU copied large device-resident
+    ones whole through host memory to the output (the update passes device weights as ``read``
+    and returns their new values as ``y``).
     Host-resident layers of both trees are fetched one iteration ahead, as in
     :func:`zoo.nn.prefetch_scan`; the next layer of ``write`` is read after this layer is
     written back (from the buffers the write returns, so that XLA needs no copy of them).
@@ -168,6 +172,10 @@ def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Cal
     first = (_fetch(r_fetch, 0), _fetch([b for b, h in zip(w_leaves, w_host, strict=True) if h], 0))
     (carry, _, _, bufs), ys = jax.lax.scan(step, (carry, *first, w_leaves), (jnp.arange(length), r_local))
     return carry, jax.tree.unflatten(w_def, bufs), ys
+
+
+def _is_none(x) -> bool:
+    return x is None
 
 
 def _clip(tree, g_norm, max_norm: float):
@@ -439,12 +447,8 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     def norm(acc, g):
         return acc + sum_squares(g) if scale is None else acc  # the norm for the metrics, in the same pass
 
-    # The new state (and, applied, the new weights) overwrite the old layer by layer, in place.
-    def apply_body(acc, read, write):
-        (g,), (s, p) = read, write
-        new_p, new_s = update(g, s, p)
-        return norm(acc, g), ((new_s, new_p), None)
-
+    # The new state and weights in host memory overwrite the old layer by layer, in place; new
+    # device-resident weights are stacked scan outputs (see _in_place_scan).
     def updates_body(acc, read, write):
         (g, p), (s,) = read, write
         u, new_s = update(g, s, p)
@@ -454,7 +458,18 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     for k in range(n):
         g_k, p_k, s_k = _view(grads, units, k), _view(params, units, k), state.stacked[k]
         if apply:
-            squares, (s, out), _ = _in_place_scan(apply_body, squares, (g_k,), (s_k, p_k), lengths[k])
+            hosts = jax.tree.map(on_host, p_k)
+            keep = lambda tree, want, hosts=hosts: jax.tree.map(lambda x, h: x if h == want else None, tree, hosts)
+
+            def apply_body(acc, read, write, hosts=hosts, keep=keep):
+                (g, p_device), (s, p_host) = read, write
+                p = jax.tree.map(lambda h, a, b: a if h else b, hosts, p_host, p_device, is_leaf=_is_none)
+                new_p, new_s = update(g, s, p)
+                return norm(acc, g), ((new_s, keep(new_p, True)), keep(new_p, False))
+
+            read, write = (g_k, keep(p_k, False)), (s_k, keep(p_k, True))
+            squares, (s, out_host), out_device = _in_place_scan(apply_body, squares, read, write, lengths[k])
+            out = jax.tree.map(lambda h, a, b: a if h else b, hosts, out_host, out_device, is_leaf=_is_none)
         else:
             squares, (s,), out = _in_place_scan(updates_body, squares, (g_k, p_k), (s_k,), lengths[k])
         new_stacked.append(s)

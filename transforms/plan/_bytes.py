@@ -122,11 +122,13 @@ which like blockwise writes no score matrix.
   weights, unless micro-batches are accumulated on the device). Each stack is updated by a scan
   over its layers: per iteration one layer of host gradients, host weights and optimizer state
   comes in, with the next layer's already fetched (two layers in flight), and the layer's new
-  weights and state go out; plus the update's two largest layer weights. The new weights and
-  state are written into the old buffers, layer by layer (in place: no second stack-sized
-  buffer, on the device or in host memory). The leaves outside the stacks (embeddings, head,
-  final norm) are updated as in the plain update, leaf by leaf, with their gradients and weights
-  moved in. The working set is the larger of the two. The state's sizes come from ``optax``'s
+  weights and state go out; plus the update's two largest layer weights. New state and weights
+  in host memory are written into the old buffers, layer by layer (in place: no second
+  stack-sized host buffer); new weights kept on the device are a new stacked scan output (a
+  stack-sized transient: written in place, XLA:TPU copied them whole through host memory), so
+  streaming without offloaded weights costs device memory. The leaves outside the stacks
+  (embeddings, head, final norm) are updated as in the plain update, leaf by leaf, with their
+  gradients and weights moved in. The working set is the larger of the two. The state's sizes come from ``optax``'s
   ``init`` per layer (the layout the wrapper builds; step counters get the layer axis).
 
 **Heap packing.** XLA places all of a program's temporaries in one heap, packed by best fit over
@@ -666,12 +668,13 @@ def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, 
         }
     # Stacks: per layer, the fetched copies (gradients if on host, weights if on host, state)
     # for the current and the next layer, the layer's new weights and state on their way out,
-    # and the update's two largest weight-sized buffers; the new layer is written into the old
-    # buffers (in place). Leaves outside the stacks: as the plain update, leaf by leaf, with their
-    # weights and gradients moved in.
+    # and the update's two largest weight-sized buffers; the new layer of host-resident state and
+    # weights is written into the old buffers (in place), new weights kept on the device are a new
+    # stacked scan output (the old ones are read until the last layer). Leaves outside the stacks:
+    # as the plain update, leaf by leaf, with their weights and gradients moved in.
     layer_in, layer_out = stream_layer_bytes(cand, sh)
     layer_update = g.two_largest_layer_weights // sh.fsdp
-    stack_work = 2 * layer_in + layer_out + layer_update
+    stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else sh.T_stack)
     largest_out = max(g.outside_largest_leaf_bytes // sh.fsdp, 1)
     rest_work = (sh.T_out if cand.params else 0) + 2 * largest_out + int(2 * opt.moments_per_param * largest_out)
     return {
