@@ -102,7 +102,7 @@ def test_progress_mfu_uses_the_profile(monkeypatch):
 def test_the_runtimes_host_share_is_not_planned_for():
     """On a TPU host the runtime holds 13.5 GiB of RAM: a plan whose host bytes fit the machine's
     RAM but not what the runtime leaves of it does not fit (seen: llama:1b's streamed plan, then
-    29.3 GiB of host state, took a 45 GiB machine to 43.7 GiB; 18.4 GiB since the update writes in
+    29.3 GiB of host state, took a 45 GiB machine to 43.7 GiB; 21.4 GiB since the update writes in
     place)."""
     cfg = zoo.config_from_name("llama:1b", compute_dtype="bfloat16", param_dtype="float32")
     small = transforms.plan(cfg, batch=8, seq=2048, device="tpu-v5e", host_memory_gb=30, clip_norm=1.0)

@@ -45,6 +45,7 @@ def test_the_memory_report_lists_host_bytes_by_component_and_adds_the_baseline_a
     assert host.state == {n: report.bytes("pinned_host", n) for n in ("params", "opt_state")}
     assert host.state["params"] > 0 and report.bytes("device", "opt_state") > 0  # the step counter stays
     assert host.step["host gradients"] == prediction["host"]["gradients"] > 0
+    assert host.step["update outputs"] == prediction["host"]["update outputs"] > 0  # embeddings' new state
     assert host.step["staging"] == 2 * 33 * 4  # the token batch's host copy
     assert "device transients" not in host.step
     assert host.expected_peak == 3 * GiB + sum(host.state.values()) + sum(host.step.values())

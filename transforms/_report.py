@@ -120,6 +120,7 @@ def host_baseline() -> int:
 STEP_HOST_COMPONENTS = {
     "gradients": "host gradients",
     "saved activations": "offloaded activations",
+    "update outputs": "update outputs",
     "staging": "staging",
 }
 

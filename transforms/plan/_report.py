@@ -15,6 +15,7 @@ COMPONENT_ORDER = (
     "logits",
     "working buffers",
     "heap packing",
+    "update outputs",
     "batch",
 )
 
