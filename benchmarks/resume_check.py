@@ -348,33 +348,6 @@ def checkpoint_leaves(run_dir: Path, step: int) -> dict[str, dict]:
         raise SystemExit(f"cannot list the arrays of checkpoint {step} of {run_dir} ({path}: {err})") from None
 
 
-def _nbytes(entry: dict) -> int:
-    import numpy as np
-
-    shape, dtype = (
-        (entry["data_shape"], entry["data_dtype"]) if "key_impl" in entry else (entry["shape"], entry["dtype"])
-    )
-    return int(np.prod(shape, dtype=np.int64)) * _dtype(dtype).itemsize
-
-
-def _dtype(name: str):
-    import jax.numpy as jnp
-
-    return jnp.dtype(name)
-
-
-def _groups(keys: list[str], entries: dict, most: int) -> list[list[str]]:
-    groups, size = [[]], 0
-    for key in keys:
-        nbytes = _nbytes(entries[key])
-        if groups[-1] and size + nbytes > most:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += nbytes
-    return [g for g in groups if g]
-
-
 def _read(ckpt, step: int, keys: list[str], entries: dict) -> dict:
     """``{key: numpy array}`` of ``keys`` of checkpoint ``step``, read on the CPU."""
     import warnings
@@ -390,7 +363,7 @@ def _read(ckpt, step: int, keys: list[str], entries: dict) -> dict:
         *parents, last = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[last] = jax.ShapeDtypeStruct(tuple(entry["shape"]), _dtype(entry["dtype"]), sharding=cpu)
+        node[last] = jax.ShapeDtypeStruct(tuple(entry["shape"]), jax.numpy.dtype(entry["dtype"]), sharding=cpu)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # strict=False: the leaves not asked for are listed
         _, state, _ = ckpt.restore(like, step=step, strict=False)
@@ -432,19 +405,20 @@ def checkpoint_digests(run_dir: Path, step: int, *, group_bytes: int = 256 * MiB
     if not getattr(xla_bridge, "backends_are_initialized", lambda: False)():  # the accelerator is the runs'
         jax.config.update("jax_platforms", "cpu")
     import checkpointing
+    from checkpointing._checkpointer import entry_nbytes, groups_of
 
     entries = checkpoint_leaves(run_dir, step)
     digests: dict[str, dict] = {}
     started = time.time()
     with checkpointing.Checkpointer(run_dir / "checkpoints", keep=1000) as ckpt:
-        for group in _groups(list(entries), entries, group_bytes):
+        for group in groups_of(list(entries), entries, group_bytes):
             arrays = _read(ckpt, step, group, entries)
             for key in group:
                 digests[key] = _digest(arrays.pop(key))
     return {
         "step": step,
         "leaves": digests,
-        "bytes": sum(_nbytes(e) for e in entries.values()),
+        "bytes": sum(entry_nbytes(e) for e in entries.values()),
         "seconds": time.time() - started,
         "process_peak_rss_bytes": (proc_memory(os.getpid()) or (0, 0))[1],
     }

@@ -102,15 +102,19 @@ def _donate(leaf) -> None:
         leaf.delete()
 
 
-def _groups(keys: list[str], entries: dict[str, dict], most: int) -> list[list[str]]:
+def entry_nbytes(entry: dict) -> int:
+    """The stored bytes of one array of a checkpoint's record (a typed key: its key data's)."""
+    stored = ("data_shape", "data_dtype") if "key_impl" in entry else ("shape", "dtype")
+    shape, dtype = (entry[name] for name in stored)
+    return int(np.prod(shape, dtype=np.int64)) * jax.numpy.dtype(dtype).itemsize
+
+
+def groups_of(keys: list[str], entries: dict[str, dict], most: int) -> list[list[str]]:
     """``keys`` in runs of consecutive keys whose arrays hold at most ``most`` bytes together (a
     larger array alone)."""
     groups, size = [[]], 0
     for key in keys:
-        entry = entries[key]
-        stored = ("data_shape", "data_dtype") if "key_impl" in entry else ("shape", "dtype")
-        shape, dtype = (entry[name] for name in stored)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * jax.numpy.dtype(dtype).itemsize
+        nbytes = entry_nbytes(entries[key])
         if groups[-1] and size + nbytes > most:
             groups.append([])
             size = 0
@@ -527,7 +531,7 @@ class Checkpointer:
         )
         with ocp.CheckpointManager(self.directory, options=options) as reader:
             entries = {key: entry for key, (entry, _) in wanted.items()}
-            for group in _groups(list(wanted), entries, 4 * self.block_bytes):
+            for group in groups_of(list(wanted), entries, 4 * self.block_bytes):
                 if donate:
                     for key in group:
                         _donate(likes[key])
