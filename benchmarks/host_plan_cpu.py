@@ -36,18 +36,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-_KIB = 1024
+from benchmarks.checkpoint_rss_cpu import PeakRSS, _status, _trim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,50 +95,9 @@ ACCELERATOR_CONFIGS = (
 # memory
 
 
-def _status(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * _KIB
-    raise RuntimeError(f"/proc/self/status has no {field} (this benchmark needs Linux)")
-
-
-def _trim() -> None:
-    """Hand freed heap memory back to the system (glibc), so that what is resident is what is live."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class Peak:
-    """The peak RSS inside a ``with`` block (``.peak``, bytes), from ``VmHWM`` reset at its start,
-    or from sampling ``VmRSS`` every 2 ms where the reset is refused."""
-
-    def __enter__(self) -> Peak:
-        _trim()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM starts again from the current RSS
-            self.kernel = True
-        except OSError:
-            self.kernel = False
-        self.sampled = _status("VmRSS")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        self.start = time.perf_counter()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.sampled = max(self.sampled, _status("VmRSS"))
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.start
-        self._stop.set()
-        self._thread.join()
-        self.sampled = max(self.sampled, _status("VmRSS"))
-        self.peak = max(self.sampled, _status("VmHWM")) if self.kernel else self.sampled
+# The peak resident set inside a block (``.peak``), and the heap trim before a baseline: the
+# checkpoint benchmark's.
+Peak = PeakRSS
 
 
 # ---------------------------------------------------------------------------------------------
