@@ -148,18 +148,39 @@ def _open(directory: str, key: str, shape: tuple, itemsize: int):
 # programs
 
 
+def _slice(x, start, size: tuple):
+    """The block of ``x`` of ``size`` at ``start`` (traced), sliced along one dimension only.
+
+    A block of :func:`block_shape` is a run of whole rows: size 1 along the dimensions before
+    the one it splits, whole along those after. Viewed as rows of that split dimension and the
+    ones before it merged, it is one slice along the first dimension. XLA:TPU copies a block
+    out of host memory with an asynchronous slice, which slices one dimension only ("Async
+    slice only supports slicing in 1 dimension" for a block of a layer of a stacked array)."""
+    shape = tuple(x.shape)
+    split = max((d for d in range(len(size)) if size[d] != shape[d]), default=None)
+    rows = split is not None and split > 0 and all(n == 1 for n in size[:split])
+    if not rows:
+        return jax.lax.dynamic_slice(x, [start[d] for d in range(len(size))], size)
+    merged = math.prod(shape[: split + 1])
+    row = sum(start[d] * math.prod(shape[d + 1 : split + 1]) for d in range(split + 1))
+    view = x.reshape((merged, *shape[split + 1 :]))
+    index = [row] + [jnp.zeros_like(row)] * (len(shape) - split - 1)
+    block = jax.lax.dynamic_slice(view, index, (size[split], *shape[split + 1 :]))
+    return block.reshape(size)
+
+
 @functools.partial(jax.jit, static_argnames=("size", "full"))
 def _fetch(x, start, offset, *, size, full):
     """The block of ``x`` (a shard) of ``size`` at ``start``, in device memory, and its share of
     the fingerprint of the array of shape ``full`` in which it begins at ``offset``."""
-    block = to_device(jax.lax.dynamic_slice(x, [start[d] for d in range(len(size))], size))
+    block = to_device(_slice(x, start, size))
     return block, traced_fingerprint(block, offset, full)
 
 
 @functools.partial(jax.jit, static_argnames=("size", "full"))
 def _block_share(x, start, offset, *, size, full):
     """The share of the block of ``x`` at ``start`` in the fingerprint (no copy of it comes out)."""
-    return traced_fingerprint(jax.lax.dynamic_slice(x, [start[d] for d in range(len(size))], size), offset, full)
+    return traced_fingerprint(_slice(x, start, size), offset, full)
 
 
 @functools.partial(jax.jit, static_argnames=("full",))
@@ -216,10 +237,11 @@ def _vector(values) -> np.ndarray:
     return np.asarray([v % 2**32 for v in values], np.uint32)
 
 
-#: Per platform: whether a block can be sliced out of a host-resident shard on the device (XLA
-#: copies just that block across). Where it cannot (found out at the first try), each host shard
-#: is first copied to the device whole: device memory for one shard, still no host copy.
-_HOST_SLICING: dict[str, bool] = {}
+#: Per platform and block rank: whether a block can be sliced out of a host-resident shard on
+#: the device (XLA copies just that block across). Where it cannot (found out at the first try),
+#: each such host shard is first copied to the device whole: device memory for one shard, still
+#: no host copy.
+_HOST_SLICING: dict[tuple[str, int], bool] = {}
 
 
 def _on_host(x) -> bool:
@@ -230,17 +252,17 @@ def _fetched(program, x, *args, **kwargs):
     """``(program(x, ...), x)`` for a shard ``x``; a host shard that cannot be sliced on the device
     is copied there whole first, and that copy comes back in place of ``x`` (for the shard's
     next blocks)."""
-    platform = next(iter(x.devices())).platform
-    if not _on_host(x) or _HOST_SLICING.get(platform, True):
+    kind = (next(iter(x.devices())).platform, x.ndim)
+    if not _on_host(x) or _HOST_SLICING.get(kind, True):
         try:
             out = program(x, *args, **kwargs)
             if _on_host(x):
-                _HOST_SLICING[platform] = True
+                _HOST_SLICING[kind] = True
             return out, x
         except Exception as e:
-            if resource_error(e) or not _on_host(x) or platform in _HOST_SLICING:
+            if resource_error(e) or not _on_host(x) or _HOST_SLICING.get(kind):
                 raise
-            _HOST_SLICING[platform] = False
+            _HOST_SLICING[kind] = False
     x = jax.device_put(x, x.sharding.with_memory_kind("device"))
     return program(x, *args, **kwargs), x
 

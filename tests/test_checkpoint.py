@@ -348,7 +348,7 @@ def test_where_host_memory_cannot_be_sliced_or_filled_on_the_device_blocks_go_th
         _, restored, _ = ckpt.restore(state, donate=True)
     assert slicing.count(HOST) == 1  # tried once, then every block of the device copy
     assert slicing.count(DEVICE) == 8 + 8  # the blocks of "dev", then those of the copy of "host"
-    assert _stream._HOST_SLICING == {"cpu": False}
+    assert _stream._HOST_SLICING == {("cpu", 3): False}
     assert [restored[k].sharding.memory_kind for k in ("dev", "host")] == [DEVICE, HOST]
     assert_bit_equal(restored, expected)
 
@@ -952,3 +952,18 @@ def test_a_corrupt_checkpoint_is_described_by_the_error_that_started_it_without_
     problem = e.value.problems[1]
     assert problem.startswith("reading its arrays failed (") and "\n" not in problem
     assert "TensorStore details" not in problem and "'driver'" not in problem, problem
+
+
+def test_blocks_are_sliced_along_one_dimension():
+    """XLA:TPU copies a block out of host memory with an asynchronous slice of one dimension
+    only: a block of a layer of a stacked array (size 1, part, whole) is sliced as rows."""
+    x = jnp.zeros((4, 6, 5), jnp.float32)
+    start = _stream._vector((2, 4, 0))
+    jaxpr = jax.make_jaxpr(lambda x, s: _stream._slice(x, s, (1, 2, 5)))(x, start)
+    slices = [e for e in jaxpr.eqns if e.primitive.name == "dynamic_slice"]
+    assert len(slices) == 1
+    for eqn in slices:
+        operand = eqn.invars[0].aval.shape
+        assert sum(n != m for n, m in zip(eqn.params["slice_sizes"], operand, strict=True)) == 1, (operand, eqn)
+    block, _ = _stream._fetch(jnp.arange(120.0).reshape(4, 6, 5), start, start, size=(1, 2, 5), full=(4, 6, 5))
+    np.testing.assert_array_equal(np.asarray(block), np.arange(120.0).reshape(4, 6, 5)[2:3, 4:6])
