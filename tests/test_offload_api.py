@@ -342,3 +342,26 @@ def test_optimizer_state_on_a_mesh_is_sharded_like_the_parameters(wrap):
     assert sum(any(a is not None for a in x.sharding.spec) for x in moments) >= len(moments) // 2
     scalars = [x for x in jax.tree.leaves(state) if x.ndim == 0]
     assert all(x.sharding.mesh == mesh for x in scalars)  # no single-device stragglers
+
+
+def test_init_offloaded_builds_the_weights_in_host_memory_equal_to_offloading_the_built_model():
+    """What a model larger than the device needs to start: offload_params' placements, computed
+    straight into host memory by one program (each weight moved to host inside it)."""
+    cfg = zoo.LlamaConfig.preset("tiny").replace(n_layers=2)
+    make = lambda k: zoo.build_model(cfg, key=k)
+    built = transforms.init_offloaded(make, key=jax.random.key(3))
+    expected = transforms.offload_params(eqx.filter_jit(make)(jax.random.key(3)))
+    kinds = lambda m: [x.sharding.memory_kind for x in jax.tree.leaves(m)]
+    assert kinds(built) == kinds(expected) and "pinned_host" in kinds(built)
+    for x, y in zip(jax.tree.leaves(built), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y)))
+    # The build program moves each weight to host itself: a host-space value, which the library
+    # streams and checkpoints (an output sharding alone leaves a device-space type).
+    host = [x for x in jax.tree.leaves(built) if x.sharding.memory_kind == "pinned_host"]
+    assert all(jax.typeof(x).memory_space == jax.memory.Space.Host for x in host)
+    # On a mesh, each weight is sharded as well.
+    mesh = sharding.make_mesh(fsdp=8)
+    on_mesh = transforms.init_offloaded(make, key=jax.random.key(3), mesh=mesh, prefetch=True)
+    up = on_mesh.stack.layers.mlp.up.weight
+    assert up.sharding.memory_kind == "pinned_host" and up.sharding.mesh.shape == mesh.shape
+    assert on_mesh.stack.prefetch

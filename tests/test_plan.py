@@ -598,6 +598,10 @@ def test_apply_uses_the_real_transforms_and_the_step_runs():
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size)
     model, state, metrics = step(model, state, tokens)
     assert np.isfinite(float(metrics["loss"]))
+    # A model built in host memory (transforms.init_offloaded) keeps its placement.
+    built = transforms.init_offloaded(lambda k: zoo.Llama(cfg, key=k), key=jax.random.key(0))
+    applied, _ = p.apply(built, optax.adamw(1e-3))
+    assert [x.sharding for x in jax.tree.leaves(applied)] == [x.sharding for x in jax.tree.leaves(built)]
     assert model.embed.weight.sharding.memory_kind == "pinned_host"
 
 

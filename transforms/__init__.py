@@ -31,6 +31,7 @@ from ._opt_state import offload_opt_state as offload_opt_state
 from ._opt_stream import StreamedOptimizer as StreamedOptimizer
 from ._opt_stream import StreamedState as StreamedState
 from ._optimizer import OffloadedOptimizer as OffloadedOptimizer
+from ._params import init_offloaded as init_offloaded
 from ._params import offload_params as offload_params
 from ._quantize import dequantize as dequantize
 from ._quantize import quantize as quantize

@@ -115,3 +115,67 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
         raise ValueError("offload_params: every selected leaf is already in pinned_host (model offloaded twice?)")
     placed = jax.tree.map(lambda x, flag: place(x, HOST) if flag else x, model, selected)
     return nn.with_prefetch(placed, prefetch)
+
+
+def params_offloaded(model, *, where: Callable | None = None) -> bool:
+    """Whether every leaf :func:`offload_params` would select (with ``where``) is already in
+    host memory: a model built by :func:`init_offloaded`, or offloaded before."""
+    selected = jax.tree.leaves(_selected(model, where))
+    chosen = [x for x, flag in zip(jax.tree.leaves(model), selected, strict=True) if flag]
+    return bool(chosen) and all(memory_kind(x) == HOST for x in chosen)
+
+
+def init_offloaded(make: Callable, *, key, where: Callable | None = None, prefetch: bool = False, mesh=None):
+    """``offload_params(make(key), where=where, prefetch=prefetch)``, built straight into host memory.
+
+    Building a model on the device and then offloading it needs the device to hold every weight
+    once: a model whose weights alone exceed the device (``llama:8b`` in float32 is 32 GB against
+    a 16 GB TPU v5e) cannot start that way, and a smaller one leaves the build's peak in the
+    device's high-water mark. Here ``make`` is traced once for its shapes (nothing allocated),
+    :func:`offload_params` chooses the placements on that abstract model, and one jitted program
+    computes the weights with their final placements as its outputs: each selected weight is
+    moved to host memory inside the program, as it is computed.
+
+    **Arguments:**
+
+    - `make`: ``key -> model`` (e.g. ``lambda k: zoo.build_model(config, key=k)``).
+    - `key`: the PRNG key passed to `make`.
+    - `where`, `prefetch`: as in :func:`offload_params`.
+    - `mesh`: an optional `jax.sharding.Mesh`: the weights are sharded over it by the zoo's
+      logical-axis rules (as :func:`zoo.sharding.init_sharded` shards them), in host memory where
+      selected.
+
+    **Returns:** the model, equal to ``offload_params(make(key), ...)`` leaf for leaf.
+
+    **Example:**
+
+    ```python
+    import jax, zoo, transforms
+    cfg = zoo.LlamaConfig.preset("tiny")
+    model = transforms.init_offloaded(lambda k: zoo.build_model(cfg, key=k), key=jax.random.key(0))
+    model.stack.layers.mlp.up.weight.sharding.memory_kind   # 'pinned_host'
+    ```
+    """
+    import equinox as eqx
+
+    from zoo import sharding as zoo_sharding
+
+    from ._memory import to_host
+
+    require_host_memory()
+    abstract = eqx.filter_eval_shape(make, key)
+    if mesh is not None:
+        arrays, static = eqx.partition(abstract, is_arraylike)
+        placed = zoo_sharding.shardings(arrays, mesh)
+        arrays = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), arrays, placed)
+        abstract = eqx.combine(arrays, static)
+    arrays, static = eqx.partition(offload_params(abstract, where=where, prefetch=prefetch), is_arraylike)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = [x.sharding or default for x in jax.tree.leaves(arrays)]
+
+    def build(k):
+        built = jax.tree.leaves(eqx.filter(make(k), eqx.is_array))
+        return [to_host(x) if s.memory_kind == HOST else x for x, s in zip(built, shardings, strict=True)]
+
+    built = jax.jit(build, out_shardings=shardings)(key)
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(arrays), built), static)

@@ -178,10 +178,11 @@ class OffloadSpec:
                 f"of {', '.join(valid)}"
             )
 
-    def apply(self, model, hyper: dict, *, clip: float, plan=None):
+    def apply(self, model, hyper: dict, *, clip: float, plan=None, built_on_host: bool = False):
         """``(model, optimizer, warnings)``: AdamW of ``hyper`` (see ``make_optimizer``) clipped to
         the global norm ``clip``, and the model, with the transforms applied (``plan``: the
-        planner's result for ``--plan``). Refusals of the transforms are one line."""
+        planner's result for ``--plan``; ``built_on_host``: the model was built by
+        ``transforms.init_offloaded``). Refusals of the transforms are one line."""
         warnings = []
         try:
             if plan is not None:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
@@ -192,7 +193,9 @@ class OffloadSpec:
                     else:
                         warnings.append(f"--prefetch has no effect: --plan {self.plan} keeps the weights on the device")
                 return model, optimizer, warnings
-            if self.params:
+            if self.params and built_on_host:  # its weights are where offload_params puts them
+                model = zoo.nn.with_prefetch(model, self.prefetch)
+            elif self.params:
                 model = transforms.offload_params(model, prefetch=self.prefetch)
             if isinstance(self.activations, str):
                 model = transforms.offload_activations(model, policy=self.activations)

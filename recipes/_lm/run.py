@@ -198,6 +198,7 @@ class Run:
                 f"--pack: {args.data} is pre-tokenized and the tokenizer has no end-of-sequence token, so its "
                 "documents cannot be told apart; give --no-pack"
             )
+        self.built_on_host = False
         self.model = self._build_model(hf, quantize)
         if self.config.vocab_size < self.tokenizer.vocab_size:
             raise SystemExit(
@@ -208,7 +209,9 @@ class Run:
         schedule = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "kind": args.schedule}
         self.schedule = lr_schedule(**schedule)
         hyper = {**schedule, "weight_decay": args.weight_decay, "mask": decay_mask(self.model)}  # matrices only
-        self.model, optimizer, notes = self.offload.apply(self.model, hyper, clip=args.clip, plan=self.plan)
+        self.model, optimizer, notes = self.offload.apply(
+            self.model, hyper, clip=args.clip, plan=self.plan, built_on_host=self.built_on_host
+        )
         self.warnings += notes
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
         self.step_fn = transforms.train_step(
@@ -243,7 +246,12 @@ class Run:
     def _build_model(self, hf: bool, quantize):
         args = self.args
         if not hf:
-            return build_model(args.model, self.config, self.mesh, seed=args.seed, quantize=quantize)
+            plan = self.plan.candidate if self.plan is not None else None
+            # Offloaded weights are built in host memory: a model larger than the device starts.
+            self.built_on_host = quantize is None and (self.offload.params if plan is None else bool(plan.params))
+            return build_model(
+                args.model, self.config, self.mesh, seed=args.seed, quantize=quantize, on_host=self.built_on_host
+            )
         # Full fine-tuning trains --param-dtype master weights; a LoRA base stays frozen in --base-dtype.
         dtype = getattr(args, "base_dtype", None) if self.lora else args.param_dtype
         model = build_model(

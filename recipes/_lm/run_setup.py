@@ -114,14 +114,19 @@ def build_model(
     compute_dtype: str | None = None,
     dtype: str | None = None,
     quantize: str | None = None,
+    on_host: bool = False,
 ):
     """A fresh model (preset), or the weights of a Hugging Face directory in ``dtype`` (default:
     the checkpoint's own); sharded over ``mesh``; with ``quantize`` (``nf4``/``int8``) the stack's
-    projections quantized (a checkpoint's as they load)."""
+    projections quantized (a checkpoint's as they load). ``on_host``: a fresh unquantized model is
+    built straight into host memory (``transforms.init_offloaded``: the device never holds every
+    weight; ``offload_params`` then has nothing left to move)."""
     try:
         if is_hf_dir(spec):
             return zoo.load_hf(spec, mesh=mesh, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize)
         key = jax.random.key(seed)
+        if on_host and quantize is None:
+            return transforms.init_offloaded(lambda k: zoo.build_model(cfg, key=k), key=key, mesh=mesh)
         if mesh is None:
             model = zoo.build_model(cfg, key=key)
         else:

@@ -358,7 +358,7 @@ class Plan(Answer):
         """
         from .._activations import offload_activations
         from .._opt_state import offload_opt_state
-        from .._params import offload_params
+        from .._params import offload_params, params_offloaded
 
         if not self.fits:
             raise ValueError(f"plan.apply: nothing fits, so there is nothing to apply: {self.refusal}")
@@ -381,7 +381,7 @@ class Plan(Answer):
             from .._quantize import quantize
 
             model = quantize(model, self.quantize)
-        if cand.params:
+        if cand.params and not params_offloaded(model):  # not if built there (transforms.init_offloaded)
             model = offload_params(model)
         if cand.activations is not None:
             model = offload_activations(model, policy=cand.policy)
