@@ -10,6 +10,7 @@ from benchmarks._environment import sanitize, stamp, write_results
 
 from .configs import GiB
 from .guard import ACCELERATORS, label
+from .results import planner_of
 
 HEADER = ["config", "status", "step s", "x none", "tokens/s", "MFU", "peak GiB", "x none", "planner GiB", "host GiB"]
 HEADER += ["loss diff", "grad ok"]
@@ -106,10 +107,20 @@ def markdown(results: dict) -> str:
         )
     details = [f"- {n}: remat {e.get('remat_policy')}" for n, e in results["configs"].items() if e.get("remat_policy")]
     for n, e in results["configs"].items():
-        terms = ((e.get("worker") or {}).get("planner") or {}).get("peak_terms")
-        if terms:
-            what = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in terms)
-            details.append(f"- {n}: peak set by (planner, {e['worker']['planner'].get('peak_phase')}): {what}")
+        planner = planner_of(e)
+        if planner.get("peak_terms"):
+            what = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in planner["peak_terms"])
+            details.append(f"- {n}: peak set by (planner, {planner.get('peak_phase')}): {what}")
+        if e.get("peak_in_use_from_init") and e.get("peak_bytes"):
+            stats = e["worker"]["memory_stats"]
+            details.append(
+                f"- {n}: its peak {e['peak_bytes'] / GiB:.2f} GiB adds the in-use peak of the model's build "
+                f"({stats['peak_bytes_in_use'] / GiB:.2f} GiB, before training) to the steps' scratch "
+                f"({stats['peak_bytes_reserved'] / GiB:.2f} GiB): the training's own peak is between "
+                f"{e['training_peak_low_bytes'] / GiB:.2f} and {e['peak_bytes'] / GiB:.2f} GiB (planner "
+                f"{_num(e.get('planner_device_bytes'), '{:.2f}', GiB)} GiB, "
+                f"{_num(e.get('planner_vs_training_peak_low'), '{:.2f}')}x the low end)"
+            )
     for n, e in results["configs"].items():
         if e.get("host_rss_growth_bytes") and e.get("planner_host_bytes") is not None:
             baseline = (e.get("worker") or {}).get("host_baseline_bytes") or 0

@@ -97,6 +97,17 @@ def device_peak(stats: dict | None) -> int | None:
     return stats["peak_bytes_in_use"] + (stats.get("peak_bytes_reserved") or 0)
 
 
+def planner_of(entry: dict) -> dict:
+    """The worker's planner figures for the configuration it ran (``{}`` if none): a capacity run's
+    are its plan's (earlier workers reported the plain step's there, which are left out)."""
+    worker = entry.get("worker") or {}
+    planner = worker.get("planner") or {}
+    if entry.get("capacity"):
+        plan = (worker.get("plan") or {}).get("predicted") or {}
+        return planner if planner.get("device_bytes") == plan.get("device_bytes") else {}
+    return planner
+
+
 def _figures(entry: dict) -> None:
     """The headline figures of a measured run, read from its worker report."""
     worker = entry["worker"]
@@ -107,6 +118,20 @@ def _figures(entry: dict) -> None:
     # The peak counts from the process start: when training never went above the initialisation's
     # peak, the training's own peak is at most this figure (not equal to it).
     entry["peak_set_by_init"] = None if peak is None or init_peak is None else peak <= init_peak
+    # A TPU's peak adds the in-use peak to the reserved scratch's, which need not coincide: where
+    # the in-use peak was the model's build (nothing in use rose above it since) and the scratch
+    # came with the steps, the training's own peak is at least what is in use after the steps
+    # plus that scratch.
+    stats, after_init = worker.get("memory_stats") or {}, worker.get("memory_stats_after_init") or {}
+    scratch = stats.get("peak_bytes_reserved") or 0
+    from_init = bool(
+        scratch > (after_init.get("peak_bytes_reserved") or 0)
+        and stats.get("peak_bytes_in_use") is not None
+        and stats.get("peak_bytes_in_use") == after_init.get("peak_bytes_in_use")
+        and stats.get("bytes_in_use", 0) < stats["peak_bytes_in_use"]
+    )
+    entry["peak_in_use_from_init"] = from_init
+    entry["training_peak_low_bytes"] = stats["bytes_in_use"] + scratch if from_init else None
     placed = (worker.get("placement_final") or {}).values()
     entry["host_bytes"] = sum(row.get("pinned_host", 0) for row in placed if isinstance(row, dict))
     entry["planner_device_bytes"] = (worker.get("planner") or {}).get("device_bytes")
@@ -122,11 +147,13 @@ def _figures(entry: dict) -> None:
     growth = rss - baseline if rss and baseline else None
     entry.update(planner_host_bytes=planned_host, host_rss_growth_bytes=growth)
     entry["planner_host_vs_rss_growth"] = planned_host / growth if planned_host and growth and growth > 0 else None
-    terms = (worker.get("planner") or {}).get("peak_terms") or []
+    terms = planner_of(entry).get("peak_terms") or []
     entry["peak_set_by"] = terms[0][0] if terms else None
     planned = entry["planner_device_bytes"]
     entry["planner_vs_peak"] = planned / peak if planned and peak else None
     entry["planner_vs_xla_peak"] = planned / entry["xla_peak_bytes"] if planned and entry["xla_peak_bytes"] else None
+    low = entry["training_peak_low_bytes"]
+    entry["planner_vs_training_peak_low"] = planned / low if planned and low else None
 
 
 def _against_reference(entry: dict, ref: dict | None, dtype: str) -> list[str]:

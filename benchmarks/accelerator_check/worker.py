@@ -69,6 +69,10 @@ def step_memory(step, model, state, tokens) -> dict:
     return out
 
 
+#: The planner's figures a worker reports.
+PLANNER_KEYS = ("device_bytes", "host_bytes", "host_to_device_bytes", "device_to_host_bytes", "step_s", "fits")
+
+
 def peak_terms(predicted: dict, n: int = 3) -> list[list]:
     """The ``n`` largest components of the planner's device peak, ``[[name, bytes], ...]``: which
     term sets a configuration's peak (parameters, gradients, optimizer state, saved activations...)."""
@@ -178,41 +182,12 @@ def worker_bandwidth(spec: dict, report: dict, write) -> None:
         report[f"{name}_gb_per_s"] = largest[name]["gb_per_s"]
 
 
-def build_on_host(build, key, *, prefetch: bool = False):
-    """The model of ``build(key)`` with ``offload_params`` applied to its abstract form, its weights
-    computed straight into the placements that gives (``pinned_host``): the device never holds
-    every weight at once, so the peak of a run with offloaded weights is the training's own.
-
-    The weights are moved to host inside the program as well: an array that only gets a
-    ``pinned_host`` out_sharding keeps a device-space type, and the library (which reads the
-    type) would then neither stream nor checkpoint it, reading host memory in place."""
-    import equinox as eqx
-    import jax
-
-    import transforms
-    from transforms._memory import HOST, to_host
-
-    def is_abstract(x):
-        return isinstance(x, jax.ShapeDtypeStruct)
-
-    abstract = eqx.filter_eval_shape(build, key)
-    placed_part, static = eqx.partition(transforms.offload_params(abstract, prefetch=prefetch), is_abstract)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = [x.sharding or device for x in jax.tree.leaves(placed_part)]
-
-    def build_placed(k):
-        arrays = jax.tree.leaves(eqx.filter(build(k), eqx.is_array))
-        return [to_host(x) if s.memory_kind == HOST else x for x, s in zip(arrays, shardings, strict=True)]
-
-    arrays = jax.jit(build_placed, out_shardings=shardings)(key)
-    return eqx.combine(jax.tree.unflatten(jax.tree.structure(placed_part), arrays), static)
-
-
 def _build_model(spec: dict, cfg, conf: Config, report: dict):
     """The model and the transforms still to apply; with offloaded weights they are built in host memory."""
     import equinox as eqx
     import jax
 
+    import transforms
     import zoo
 
     key, t = jax.random.key(spec["seed"]), time.perf_counter()
@@ -220,10 +195,10 @@ def _build_model(spec: dict, cfg, conf: Config, report: dict):
     def build(k):
         return zoo.build_model(cfg, key=k)
 
-    if conf.params:
+    if conf.params:  # the device never holds every weight at once: the peak is the training's own
         try:
-            model = jax.block_until_ready(build_on_host(build, key, prefetch=conf.prefetch))
-            report["init"] = "weights built in pinned_host (offload_params of the abstract model)"
+            model = jax.block_until_ready(transforms.init_offloaded(build, key=key, prefetch=conf.prefetch))
+            report["init"] = "weights built in pinned_host (transforms.init_offloaded)"
             report["timings"]["init_model_s"] = time.perf_counter() - t
             return model, dataclasses.replace(conf, params=False, prefetch=False)
         except Exception as err:  # the device build below still measures the configuration
@@ -268,8 +243,15 @@ def _capacity_plan(spec: dict, cfg, report: dict, write) -> tuple[Config, object
     report["plan"]["stream_update"] = plan.stream_update
     if not plan.fits:
         raise RuntimeError(f"capacity: the planner found no plan that fits {profile.name}: {plan.suggestions[:2]}")
-    # Built on the device, then moved as the plan says (plan.apply offloads the weights itself).
-    return Config("capacity", "plan"), plan
+    cand = plan.candidate  # the planner's figures and peak terms are the plan's own
+    predicted = plan.predict(params=cand.params, opt_state=cand.opt_state, activations=cand.policy)
+    report["planner"] = {k: predicted.get(k) for k in PLANNER_KEYS}
+    report["planner"].update(peak_phase=predicted.get("peak_phase"), peak_terms=peak_terms(predicted))
+    report["planner"].update(device=profile.name, device_budget_bytes=plan.device_budget)
+    # Weights the plan offloads are built in host memory (plan.apply leaves them there): the
+    # device's peak is the training's, not the build's (llama:1b's 4.6 GiB of float32 weights
+    # built on the device set the in-use peak that the step's scratch was added to).
+    return Config("capacity", "plan", params=bool(plan.candidate.params)), plan
 
 
 def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None: None):
@@ -369,17 +351,10 @@ def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles:
     return model, state
 
 
-def _extras(spec: dict, conf: Config, cfg, report: dict, mu, model, optimizer, state) -> None:
-    """After the measurements: the step-1 gradient summary, the planner's prediction for this
-    configuration and, with ``--memory-analysis on``, ``transforms.compiled_memory`` (an extra compile)."""
+def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
+    """The planner's prediction for this configuration (on the profile the check names)."""
     import transforms
 
-    if mu is None:
-        report["gradients"] = {"unavailable": "no Adam first moment found in the optimizer state"}
-    else:
-        summary = scale_summary(gradient_summary(mu), 1.0 / (1.0 - ADAM_B1))
-        report["gradients"] = {**report["first_step"], "leaves": summary}
-        report["correctness_source"] = "Adam first moment after step 1: mu / (1 - b1) = clipped gradient"
     try:
         plan = transforms.plan(
             cfg,
@@ -392,12 +367,26 @@ def _extras(spec: dict, conf: Config, cfg, report: dict, mu, model, optimizer, s
         opt = {"device": False, "offload": "offload", "stream": "stream"}[conf.opt]
         activations = "recompute_all" if conf.remat else conf.activations
         predicted = plan.predict(params=conf.params, opt_state=opt, activations=activations)
-        keys = ("device_bytes", "host_bytes", "host_to_device_bytes", "device_to_host_bytes", "step_s", "fits")
-        report["planner"] = {k: predicted.get(k) for k in keys}
+        report["planner"] = {k: predicted.get(k) for k in PLANNER_KEYS}
         report["planner"].update(peak_phase=predicted.get("peak_phase"), peak_terms=peak_terms(predicted))
         report["planner"].update(device=spec["plan_device"], device_budget_bytes=plan.device_budget)
     except Exception as err:
         report["planner"] = {"error": f"{type(err).__name__}: {err}"}
+
+
+def _extras(spec: dict, conf: Config, cfg, report: dict, mu, model, optimizer, state) -> None:
+    """After the measurements: the step-1 gradient summary, the planner's prediction for this
+    configuration and, with ``--memory-analysis on``, ``transforms.compiled_memory`` (an extra compile)."""
+    import transforms
+
+    if mu is None:
+        report["gradients"] = {"unavailable": "no Adam first moment found in the optimizer state"}
+    else:
+        summary = scale_summary(gradient_summary(mu), 1.0 / (1.0 - ADAM_B1))
+        report["gradients"] = {**report["first_step"], "leaves": summary}
+        report["correctness_source"] = "Adam first moment after step 1: mu / (1 - b1) = clipped gradient"
+    if not conf.capacity:  # the capacity run's planner figures are its plan's (see _capacity_plan)
+        _planner(spec, conf, cfg, report)
     if spec.get("memory_analysis") != "on":
         report["memory_analysis"] = {"skipped": "--memory-analysis off (an extra compile)"}
         return
