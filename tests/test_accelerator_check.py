@@ -650,6 +650,27 @@ def test_hlo_analysis_counts_host_transfers_per_loop_iteration_and_whole_stacks(
     assert stacked == [("after_last_loop", 2048), ("before_first_loop", 2048)]
 
 
+def test_hlo_analysis_says_which_host_transfers_span_a_matmul_in_the_schedule():
+    """Only an asynchronous copy whose start..done window holds a matmul (itself, or a fusion
+    calling one) can hide behind compute; the synthetic module has none until one is scheduled
+    inside the loop's two copy windows."""
+    overlap = hlo.analyze_hlo(SYNTHETIC_HLO, n_layers=4)["overlap"]
+    assert overlap["h2d_async_bytes"] == 4 * 1024 + 3 * 2048 and overlap["d2h_sync_bytes"] == 4 * 32
+    assert overlap["h2d_spanning_matmuls_bytes"] == overlap["d2h_spanning_matmuls_bytes"] == 0
+    assert overlap["fraction"] == 0
+    fused = (
+        "%fused_mm (a: f32[8,16], b: f32[16,8]) -> f32[8,8] {\n  %a = f32[8,16]{1,0} parameter(0)\n"
+        "  %b = f32[16,8]{1,0} parameter(1)\n"
+        "  ROOT %conv = f32[8,8]{1,0} convolution(%a, %b), dim_labels=bf_io->bf\n}\n\n"
+    )
+    call = "  %mm = f32[8,8]{1,0} fusion(%p.x, %p.y), kind=kOutput, calls=%fused_mm\n"
+    anchor = "  %copy-done = f32[1,8,16]{2,1,0} copy-done(%copy-start)\n"
+    text = SYNTHETIC_HLO.replace("%body (param", fused + "%body (param").replace(anchor, call + anchor)
+    overlap = hlo.analyze_hlo(text, n_layers=4)["overlap"]
+    assert overlap["h2d_spanning_matmuls_bytes"] == 4 * 1024  # both loop copies, every iteration
+    assert overlap["fraction"] == pytest.approx(4 * 1024 / (4 * 1024 + 3 * 2048 + 4 * 32))
+
+
 def test_dump_summary_reads_the_module_the_first_step_compiled(tmp_path):
     step = "module_0007.jit_step.sm_9.0_gpu_after_optimizations.txt"
     (tmp_path / step).write_text(SYNTHETIC_HLO)

@@ -221,6 +221,60 @@ def _empty_loop(trip, parent) -> dict:
     return {"trip_count": trip, "parent": parent, **dict.fromkeys(keys, 0)}
 
 
+#: Opcodes that run a matrix multiplication (XLA:TPU prints its matmuls as convolutions).
+MATMULS = ("dot", "convolution")
+
+
+def _matmul_computations(comps: dict) -> set[str]:
+    """The computations that run a matmul, themselves or through the ones they call (a fusion)."""
+    direct = {n for n, c in comps.items() if any(i["opcode"] in MATMULS for i in c["instructions"])}
+    callees = {n: {callee for i in c["instructions"] for _, callee in i["calls"]} for n, c in comps.items()}
+    found, changed = set(direct), True
+    while changed:
+        grown = {n for n, called in callees.items() if called & found} - found
+        found |= grown
+        changed = bool(grown)
+    return found
+
+
+def transfer_overlap(comps: dict, graph: dict) -> dict:
+    """How much of the host traffic can hide behind matmuls, read off the schedule (an optimized,
+    scheduled module lists each computation's instructions in the order they run): an
+    asynchronous transfer (``copy-start`` ... ``copy-done``, and the async slices) whose window
+    holds at least one matmul (a ``dot``/``convolution``, or a fusion or call running one) can
+    overlap it; one with an empty window, or a synchronous copy, cannot. Bytes per step, each
+    direction: ``async``, ``spanning_matmuls`` (a matmul in the window) and ``sync``; ``fraction``
+    is the share of all host traffic that spans a matmul."""
+    matmul_comps = _matmul_computations(comps)
+    out = {f"{d}_{k}": 0 for d in ("h2d", "d2h") for k in ("async_bytes", "spanning_matmuls_bytes", "sync_bytes")}
+    for name in (n for n in graph["order"] if n not in graph["wrapped"]):
+        instructions = comps[name]["instructions"]
+        factor = graph["multiplier"].get(name, 1)
+        runs_matmul = [
+            i["opcode"] in MATMULS or any(callee in matmul_comps for _, callee in i["calls"]) for i in instructions
+        ]
+        done_at = {}
+        for index, ins in enumerate(instructions):
+            if ins["opcode"].endswith("-done") and ins["operands"]:
+                done_at[ins["operands"][0]["name"]] = index
+        for index, ins in enumerate(instructions):
+            moved = _transfer(ins)
+            if moved is None:
+                continue
+            direction, nbytes = moved[0], moved[1] * factor
+            if ins["opcode"] not in ASYNC_TRANSFERS:
+                out[f"{direction}_sync_bytes"] += nbytes
+                continue
+            out[f"{direction}_async_bytes"] += nbytes
+            end = done_at.get(ins["name"], index)
+            if any(runs_matmul[index + 1 : end]):
+                out[f"{direction}_spanning_matmuls_bytes"] += nbytes
+    total = sum(out[f"{d}_{k}"] for d in ("h2d", "d2h") for k in ("async_bytes", "sync_bytes"))
+    spanning = out["h2d_spanning_matmuls_bytes"] + out["d2h_spanning_matmuls_bytes"]
+    out["fraction"] = spanning / total if total else None
+    return out
+
+
 def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40) -> dict:
     """Host transfers of an optimized HLO module: where they sit (while-loop bodies or not), how
     many bytes they move per iteration and per step, and whole stacked weights copied in.
@@ -228,7 +282,8 @@ def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40
     ``while_loops`` lists each loop body (entry-level loops first, in schedule order) with its
     trip count and per-iteration transfers; ``stacked_h2d_outside_loops`` lists host-to-device
     copies outside any loop of arrays whose leading dimension is ``n_layers`` (whole stacks), with
-    their position in the entry computation's schedule (``before_first_loop`` = at step start).
+    their position in the entry computation's schedule (``before_first_loop`` = at step start);
+    ``overlap`` (:func:`transfer_overlap`) says how many of the bytes moved can hide behind matmuls.
     """
     comps = parse_hlo_module(text)
     entry = next((c for c in comps.values() if c["entry"]), None)
@@ -271,6 +326,7 @@ def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40
                 samples.append(f"[{direction} {nbytes} B, {where}] {ins['text'][:240]}")
     return {
         "computations": len(comps),
+        "overlap": transfer_overlap(comps, graph),
         "while_loops": per_loop,
         **counts,
         **totals,

@@ -122,6 +122,14 @@ def markdown(results: dict) -> str:
                 f"{_num(e.get('planner_vs_training_peak_low'), '{:.2f}')}x the low end)"
             )
     for n, e in results["configs"].items():
+        o = (e.get("hlo") or {}).get("overlap") or {}
+        moved = sum(o.get(f"{x}_{k}_bytes", 0) for x in ("h2d", "d2h") for k in ("async", "sync"))
+        if moved:
+            details.append(
+                f"- {n}: host traffic {moved / 1e9:.2f} GB per step, {o['fraction']:.0%} of it in copies whose "
+                "window in the schedule spans a matmul (the rest cannot hide behind compute)"
+            )
+    for n, e in results["configs"].items():
         if e.get("host_rss_growth_bytes") and e.get("planner_host_bytes") is not None:
             baseline = (e.get("worker") or {}).get("host_baseline_bytes") or 0
             details.append(
