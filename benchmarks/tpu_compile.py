@@ -13,10 +13,15 @@ error (its first line: a compile failure here is one on the chip), XLA's
 copies of whole stacked arrays between host and device in the compiled program (a streamed
 update or a layer loop should move one layer at a time).
 
-Known limit (libtpu 0.0.42): configurations with weights in host memory (``params``,
-``all_three``) are refused locally with E1200 ("returned from the entry computation but the
-layout for this output is not set to host memory") though the chip compiles them; optimizer
-state and activations in host memory compile.
+Host-resident arguments are given a host-space type inside the program, as host arrays on the
+chip have: an abstract argument with a ``pinned_host`` sharding otherwise traces as device-space,
+the library then does not move it to the device before its math, and XLA:TPU runs that math on the
+host CPU (``HostExecute`` calls the chip's program does not have), or refuses the program (E1200
+for host weights). Each configuration compiles in a process of its own: the compiler aborts the
+process on some programs (libtpu 0.0.42: ``all_three``, a failed layout check of a host dynamic
+slice), and its row records the failed check. The table also gives the bytes the program moves
+between host and device per step and the share of them in copies whose window in the schedule
+spans a matmul (:func:`benchmarks.accelerator_check.hlo.transfer_overlap`).
 
 Usage (the compiler wheel into a directory of its own, put on the path for this command only;
 JAX itself stays on this machine's CPU)::
@@ -31,12 +36,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from benchmarks import _environment as env
+from benchmarks.accelerator_check.hlo import analyze_hlo
 
 #: Configuration -> (offload_params, activation policy or None, optimizer state: False, "offload", "stream").
 CONFIGS = {
@@ -109,7 +118,22 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     trainable, frozen, state = jax.tree.map(describe, (trainable, frozen, state))
     shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
     out = (shardings(trainable), shardings(state), None)
-    fn = jax.jit(step._build(static), out_shardings=out, donate_argnums=(0, 2))
+    built = step._build(static)
+
+    # An abstract argument with a pinned_host sharding traces with a device-space type, where a
+    # host array on the chip traces with a host-space one (which the library reads to move it to
+    # the device before any math); typed as device, XLA:TPU runs that math on the host CPU
+    # (HostExecute). Each such argument is given its host type first: XLA moves nothing for it.
+    hosts = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", (trainable, frozen, state))
+
+    def program(trainable, frozen, state, tokens, key):
+        def typed(x, host):
+            return jax.device_put(x, jax.memory.Space.Host) if host else x
+
+        trainable, frozen, state = jax.tree.map(typed, (trainable, frozen, state), hosts)
+        return built(trainable, frozen, state, tokens, key)
+
+    fn = jax.jit(program, out_shardings=out, donate_argnums=(0, 2))
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
     return fn.lower(trainable, frozen, state, tokens, None)
 
@@ -151,7 +175,9 @@ def measure(args, config: str, device) -> dict:
             k: int(getattr(ma, f"{prefix}{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "alias", "temp")
         }
     n_layers = zoo.config_from_name(args.model).n_layers
-    row["whole_stack_copies"] = whole_stack_copies(compiled.as_text(), n_layers)
+    text = compiled.as_text()
+    row["whole_stack_copies"] = whole_stack_copies(text, n_layers)
+    row["overlap"] = analyze_hlo(text, n_layers=n_layers)["overlap"]
     return row
 
 
@@ -161,19 +187,39 @@ def table(rows: list[dict], head: str) -> str:
         head,
         "",
         "| config | compiles | device temp GiB | device args GiB | host temp GiB | host args GiB | host aliased GiB "
-        "| whole-stack copies |",
-        "|:---|:---|---:|---:|---:|---:|---:|---:|",
+        "| whole-stack copies | host traffic GB/step | spanning a matmul |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if not r["compiled"]:
-            lines.append(f"| {r['config']} | no: {r['error']} | - | - | - | - | - | - |")
+            lines.append(f"| {r['config']} | no: {r['error']} | - | - | - | - | - | - | - | - |")
             continue
-        d, h = r["device"], r["host"]
+        d, h, o = r["device"], r["host"], r.get("overlap") or {}
+        moved = sum(o.get(f"{x}_{k}_bytes", 0) for x in ("h2d", "d2h") for k in ("async", "sync"))
+        share = "-" if o.get("fraction") is None else f"{o['fraction']:.0%}"
         lines.append(
             f"| {r['config']} | yes ({r['compile_s']:.0f} s) | {gib(d['temp'])} | {gib(d['argument'])} | "
-            f"{gib(h['temp'])} | {gib(h['argument'])} | {gib(h['alias'])} | {r['whole_stack_copies']} |"
+            f"{gib(h['temp'])} | {gib(h['argument'])} | {gib(h['alias'])} | {r['whole_stack_copies']} | "
+            f"{moved / 1e9:.2f} | {share} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _measured_apart(argv, config: str) -> dict:
+    """:func:`measure` of ``config`` in a process of its own: the TPU compiler aborts the process
+    on some programs (a failed internal check), and the other configurations' rows are kept."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    cmd = [sys.executable, "-m", "benchmarks.tpu_compile", *given, "--configs", config, "--row"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=env.ROOT)
+    last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    if done.returncode == 0 and last:
+        return json.loads(last[0])
+    lines = done.stderr.splitlines()
+    found = [ln for ln in lines if "Check failed" in ln]
+    found = found or [ln for ln in lines if "Error:" in ln and "hostname" not in ln]
+    why = (found or lines[-1:] or [f"exit {done.returncode}"])[0]
+    why = re.sub(r"^[A-Z]\d{4} [\d:.]+\s+\d+ \S+\] ", "", why.strip())  # the log line's prefix
+    return {"config": config, "compiled": False, "error": f"compiler process ended ({done.returncode}): {why}"[:600]}
 
 
 def main(argv=None) -> int:
@@ -185,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=("tpu", "cpu"), default="tpu", help="compile for a TPU (default) or this CPU")
     p.add_argument("--topology", default="v5e:1x1", help="the TPU described to the compiler (default v5e:1x1)")
     p.add_argument("--out", type=Path, help="write tpu_compile_<topology>.json and .md here")
+    p.add_argument("--row", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row as JSON
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in CONFIGS]
@@ -193,10 +240,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for a described TPU; run nothing on one
     if args.target == "tpu" and importlib.util.find_spec("libtpu") is None:
         p.error("no TPU compiler: pip install --target DIR 'libtpu==0.0.42.*' and run with PYTHONPATH=DIR")
-    device = _device(args.target, args.topology)
+    if args.row:
+        print(json.dumps(measure(args, configs[0], _device(args.target, args.topology))), flush=True)
+        return 0
     rows = []
     for config in configs:
-        rows.append(measure(args, config, device))
+        rows.append(_measured_apart(argv, config))
         print(table(rows[-1:], f"{config}:").splitlines()[-1], flush=True)
     head = (
         f"Train step of {args.model} (fp32 weights, bf16 compute, AdamW after clipping), batch "

@@ -41,3 +41,20 @@ def test_bad_configurations_and_a_missing_compiler_are_one_line_errors(capsys):
         with pytest.raises(SystemExit):
             tpu_compile.main(["--configs", "none"])
         assert "no TPU compiler: pip install" in capsys.readouterr().err
+
+
+def test_host_arguments_reach_the_library_with_a_host_type(monkeypatch):
+    """An abstract argument with a pinned_host sharding traces with a device-space type, unlike a
+    host array on the chip; the library would then not move it to the device before its math, and
+    XLA:TPU runs that math on the host CPU (HostExecute), which the chip's own program does not."""
+    import jax
+
+    import transforms._opt_stream as streamed
+
+    seen = []
+    real = streamed.on_host
+    monkeypatch.setattr(streamed, "on_host", lambda x: seen.append(real(x)) or seen[-1])
+    model, state, step = tpu_compile.build("llama:tiny", "opt_state_stream")
+    tpu_compile.lowered_for(jax.devices("cpu")[0], model, state, step, 2, 16)
+    stacked = [x for x in jax.tree.leaves(state.stacked) if x.sharding.memory_kind == "pinned_host"]
+    assert stacked and sum(seen) >= len(stacked)  # each stacked host leaf is read as host (0 untyped)
