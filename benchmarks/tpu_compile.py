@@ -47,13 +47,15 @@ from pathlib import Path
 from benchmarks import _environment as env
 from benchmarks.accelerator_check.hlo import analyze_hlo
 
-#: Configuration -> (offload_params, activation policy or None, optimizer state: False, "offload", "stream").
+#: Configuration -> (offload_params: False, True or "prefetch"; activation policy or None; optimizer state:
+#: False, "offload" or "stream").
 CONFIGS = {
     "none": (False, None, False),
     "act_block_input": (False, "block_input", False),
     "opt_state": (False, None, "offload"),
     "opt_state_stream": (False, None, "stream"),
     "params": (True, None, False),
+    "params_prefetch": ("prefetch", None, False),
     "all_three": (True, "block_input", "stream"),
 }
 
@@ -83,7 +85,7 @@ def build(model_name: str, config: str, *, lr: float = 1e-3, clip: float = 1.0):
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
     model = zoo.build_model(cfg, key=jax.random.key(0))
     if params:
-        model = transforms.offload_params(model)
+        model = transforms.offload_params(model, prefetch=params == "prefetch")
     if activations:
         model = transforms.offload_activations(model, policy=activations)
     if opt_state == "stream":

@@ -650,6 +650,17 @@ def test_hlo_analysis_counts_host_transfers_per_loop_iteration_and_whole_stacks(
     assert stacked == [("after_last_loop", 2048), ("before_first_loop", 2048)]
 
 
+def test_a_loop_without_a_printed_trip_count_takes_it_from_its_condition():
+    """XLA:TPU's compiled text prints no known_trip_count: a layer loop's transfers counted once a
+    step undercounted its traffic (12 layers: 12x); the condition's bound gives the count."""
+    printed = hlo.analyze_hlo(SYNTHETIC_HLO, n_layers=4)
+    bare = SYNTHETIC_HLO.replace(", " + SYNTHETIC_HLO.split("body=%body, ")[1].split("\n")[0], "")
+    assert "known_trip_count" not in bare
+    inferred = hlo.analyze_hlo(bare, n_layers=4)
+    assert inferred["while_loops"]["body"]["trip_count"] == 4
+    assert inferred["h2d_bytes_per_step"] == printed["h2d_bytes_per_step"] == 4 * 1024 + 3 * 2048
+
+
 def test_hlo_analysis_says_which_host_transfers_span_a_matmul_in_the_schedule():
     """Only an asynchronous copy whose start..done window holds a matmul (itself, or a fusion
     calling one) can hide behind compute; the synthetic module has none until one is scheduled

@@ -173,6 +173,25 @@ def _transfer(ins) -> tuple[str, int, tuple | None] | None:
     return ("h2d" if _on_host(src) else "d2h"), shape_bytes(dest), dest
 
 
+def _condition_trips(comps: dict, condition: str | None) -> int | None:
+    """The trip count a loop's condition states, where the backend printed none (XLA:TPU's
+    compiled text): ``compare(i, constant(N)), direction=LT`` on the counter runs N times from 0."""
+    comp = comps.get(condition or "")
+    if comp is None:
+        return None
+    constants = {}
+    for ins in comp["instructions"]:
+        found = re.search(r"\bconstant\((-?\d+)\)", ins["text"]) if ins["opcode"] == "constant" else None
+        if found:
+            constants[ins["name"]] = int(found.group(1))
+    roots = [ins for ins in comp["instructions"] if ins["text"].startswith("ROOT ")] or comp["instructions"][-1:]
+    root = roots[0] if roots else None
+    if root is None or root["opcode"] != "compare" or "direction=LT" not in root["text"]:
+        return None
+    bounds = [constants[o["name"]] for o in root["operands"][1:] if o["name"] in constants]
+    return bounds[0] if bounds and bounds[0] > 0 else None
+
+
 def _call_graph(comps: dict, entry: dict) -> dict:
     """Each computation's loop multiplier (iterations per step), the while-loop body enclosing it,
     the breadth-first order from the entry, the loops, and the computations wrapped by async
@@ -182,6 +201,9 @@ def _call_graph(comps: dict, entry: dict) -> dict:
     loops: list[tuple[str, int | None, str]] = []
     for comp in comps.values():
         for ins in comp["instructions"]:
+            if ins["opcode"] == "while" and ins["trip_count"] is None:
+                condition = next((c for k, c in ins["calls"] if k == "condition"), None)
+                ins["trip_count"] = _condition_trips(comps, condition)
             for kind, callee in ins["calls"]:
                 if callee not in comps:
                     continue
