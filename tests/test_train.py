@@ -49,3 +49,25 @@ def test_train_recipe_with_the_planner_beats_the_unigram_baseline(capsys, tmp_pa
     baseline = float(out.split("unigram baseline: ")[1].split()[0])
     assert val_bits < baseline, out
     assert "sample:" in out
+
+
+def test_the_plan_is_made_for_each_devices_share_of_the_batch_in_accum_micro_batches(monkeypatch, tmp_path):
+    """--plan planned the whole batch at once on one device: with --accum 4 it counted four
+    micro-batches' activations, and on a mesh every device's share of the state and batch."""
+    from recipes import train_lm
+    from recipes._lm import run
+
+    made = []
+
+    class Planned(Exception):
+        pass
+
+    def plan(*args, **kwargs):
+        made.append(kwargs)
+        raise Planned
+
+    monkeypatch.setattr(run.transforms, "plan", plan)
+    flags = ["--steps", "1", "--batch", "64", "--seq", "32", "--plan", "h100", "--out", str(tmp_path / "run")]
+    with pytest.raises(Planned):
+        train_lm.main([*flags, "--accum", "4", "--mesh", "data=2,fsdp=4"])
+    assert made[-1]["batch"] == 32 and made[-1]["fsdp"] == 4 and made[-1]["accum_steps"] == 4

@@ -164,11 +164,14 @@ class Run:
         self.plan = None
         quantize = getattr(args, "quantize", None)
         if self.offload.plan:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
+            shape = dict(self.mesh.shape) if self.mesh is not None else {}
             try:
-                self.plan = transforms.plan(
+                self.plan = transforms.plan(  # per device: its share of the batch, in --accum micro-batches
                     self.config,
-                    batch=args.batch,
+                    batch=args.batch // shape.get("data", 1),
                     seq=args.seq,
+                    fsdp=shape.get("fsdp", 1),
+                    accum_steps=args.accum,
                     device=self.offload.plan,
                     clip_norm=args.clip,
                     quantize=quantize,
