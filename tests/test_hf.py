@@ -344,6 +344,26 @@ def test_load_straight_into_mesh_shardings_in_pinned_host(reference, tmp_path):
     _assert_same_arrays(replicated, plain)
 
 
+def test_load_straight_into_offload_params_placement(reference):
+    """memory_kind=transforms.offload_params: each weight loads into the memory kind that transform
+    gives it (in bfloat16 a stack's per-layer norm scales stay on the device, the rest go to host),
+    with a host-space type the library streams; on a mesh, sharded as well."""
+    import transforms
+
+    ref = reference("llama-gqa-llama3-rope")
+    for mesh in (None, zoo.sharding.make_mesh(data=2, fsdp=2, tensor=2)):
+        loaded = zoo.load_hf(ref.directory, dtype="bfloat16", mesh=mesh, memory_kind=transforms.offload_params)
+        expected = transforms.offload_params(zoo.load_hf(ref.directory, dtype="bfloat16", mesh=mesh))
+        kinds = lambda m: [a.sharding.memory_kind for a in _arrays(m)]
+        assert kinds(loaded) == kinds(expected) and {"device", "pinned_host"} <= set(kinds(loaded))
+        assert loaded.stack.layers.attn_norm.weight.sharding.memory_kind == "device"
+        host = [a for a in _arrays(loaded) if a.sharding.memory_kind == "pinned_host"]
+        assert all(jax.typeof(a).memory_space == jax.memory.Space.Host for a in host)
+        _assert_same_arrays(loaded, expected)
+    with pytest.raises(ValueError, match="the same leaves"):
+        zoo.load_hf(ref.directory, memory_kind=lambda m: {"not": "the model"})
+
+
 def test_loading_holds_one_weight_at_a_time(tmp_path, monkeypatch):
     """Host memory allocated while loading each weight is about that weight: the checkpoint is
     never read as a whole (tensors come from memory-mapped files, which tracemalloc does not count)."""

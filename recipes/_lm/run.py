@@ -248,10 +248,11 @@ class Run:
 
     def _build_model(self, hf: bool, quantize):
         args = self.args
+        plan = self.plan.candidate if self.plan is not None else None
+        # Offloaded weights are built or loaded straight into host memory: a model larger than the
+        # device starts (quantized ones are made on the device, a weight at a time, and stay there).
+        self.built_on_host = quantize is None and (self.offload.params if plan is None else bool(plan.params))
         if not hf:
-            plan = self.plan.candidate if self.plan is not None else None
-            # Offloaded weights are built in host memory: a model larger than the device starts.
-            self.built_on_host = quantize is None and (self.offload.params if plan is None else bool(plan.params))
             return build_model(
                 args.model, self.config, self.mesh, seed=args.seed, quantize=quantize, on_host=self.built_on_host
             )
@@ -265,6 +266,7 @@ class Run:
             compute_dtype=args.compute_dtype,
             dtype=dtype,
             quantize=quantize,
+            on_host=self.built_on_host,
         )
         self.config = model.config
         return model

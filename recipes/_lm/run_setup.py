@@ -118,12 +118,16 @@ def build_model(
 ):
     """A fresh model (preset), or the weights of a Hugging Face directory in ``dtype`` (default:
     the checkpoint's own); sharded over ``mesh``; with ``quantize`` (``nf4``/``int8``) the stack's
-    projections quantized (a checkpoint's as they load). ``on_host``: a fresh unquantized model is
-    built straight into host memory (``transforms.init_offloaded``: the device never holds every
-    weight; ``offload_params`` then has nothing left to move)."""
+    projections quantized (a checkpoint's as they load). ``on_host``: an unquantized model is built
+    (``transforms.init_offloaded``) or loaded (``zoo.load_hf(..., memory_kind=transforms.offload_params)``)
+    straight into ``offload_params``' placement: the device never holds every weight, and
+    ``offload_params`` has nothing left to move."""
     try:
         if is_hf_dir(spec):
-            return zoo.load_hf(spec, mesh=mesh, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize)
+            kind = transforms.offload_params if on_host and quantize is None else None
+            return zoo.load_hf(
+                spec, mesh=mesh, dtype=dtype, compute_dtype=compute_dtype, quantize=quantize, memory_kind=kind
+            )
         key = jax.random.key(seed)
         if on_host and quantize is None:
             return transforms.init_offloaded(lambda k: zoo.build_model(cfg, key=k), key=key, mesh=mesh)

@@ -6,7 +6,7 @@ import functools
 import json
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -150,7 +150,7 @@ def load_hf(
     mesh: Mesh | None = None,
     rules: Mapping | None = None,
     sharding: Sharding | None = None,
-    memory_kind: str | None = None,
+    memory_kind: str | Callable | None = None,
     quantize: str | None = None,
     block_size: int = 64,
 ) -> GPT2 | RotaryDecoder:
@@ -178,7 +178,11 @@ def load_hf(
     - `scan_layers`: the zoo config's ``scan_layers``.
     - `mesh`, `rules`: shard every weight over ``mesh`` by the rules of :mod:`zoo.sharding`.
     - `sharding`: instead of a mesh, one `jax.sharding.Sharding` for every weight.
-    - `memory_kind`: e.g. ``"pinned_host"``, ``"device"``; default: the sharding's default.
+    - `memory_kind`: e.g. ``"pinned_host"``, ``"device"``; default: the sharding's default. Or a
+      function that places the abstract model, such as :func:`transforms.offload_params`: each
+      weight loads straight into the memory kind of its sharding there (the default where it has
+      none), so ``memory_kind=transforms.offload_params`` gives that transform's placement without
+      the model ever being whole on the device.
     - `quantize`: ``"nf4"`` or ``"int8"``: the projections inside the stack are quantized as they
       load (see :func:`transforms.quantize`, with `block_size`): each weight is read to the device,
       quantized there and only its codes and scales go to their target memory, so a dense copy of
@@ -234,14 +238,14 @@ def load_hf(
     leaves = _weights.leaf_paths(arrays)
     quantized = _quantized_paths(abstract, quantize, block_size)
 
+    kinds = _memory_kinds(memory_kind, abstract, leaves)
     if mesh is not None:
-        targets = _weights.leaf_paths(_sharding.shardings(arrays, mesh, rules, memory_kind=memory_kind))
         on_device = _weights.leaf_paths(_sharding.shardings(arrays, mesh, rules, memory_kind="device"))
+        targets = {p: on_device[p] if kinds[p] is None else on_device[p].with_memory_kind(kinds[p]) for p in leaves}
     else:
         one = SingleDeviceSharding(jax.devices()[0]) if sharding is None else sharding
         on_device = dict.fromkeys(leaves, one.with_memory_kind("device"))
-        one = one if memory_kind is None else one.with_memory_kind(memory_kind)
-        targets = dict.fromkeys(leaves, one)
+        targets = {p: one if kinds[p] is None else one.with_memory_kind(kinds[p]) for p in leaves}
 
     reader = Reader(tensors)
     try:
@@ -255,15 +259,40 @@ def load_hf(
                 continue
             if path in quantized:  # read to the device, quantized there; only codes and scales stay
                 dense = loader.load(path, leaf.dtype, on_device[path])
-                loaded.append(_quantize_to(dense, quantize, block_size, memory_kind))
+                loaded.append(_quantize_to(dense, quantize, block_size, kinds[path]))
                 del dense
             else:
-                loaded.append(loader.load(path, leaf.dtype, targets[path]))
+                loaded.append(_typed(loader.load(path, leaf.dtype, targets[path])))
             reader.close()  # unmap after each weight: the pages read stay in the page cache, not in this process
     finally:
         reader.close()
     treedef = jax.tree_util.tree_structure(arrays)
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, loaded), static, is_leaf=_is_quantized)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _host_typed(x):
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def _typed(x: jax.Array) -> jax.Array:
+    """``x`` with the memory space of its sharding in its type: an array made from host data
+    straight into a ``pinned_host`` sharding has a device-space type, which the library (reading
+    the type) would neither stream nor move before its math."""
+    if x.sharding.memory_kind != "pinned_host" or jax.typeof(x).memory_space == jax.memory.Space.Host:
+        return x
+    return _host_typed(x)
+
+
+def _memory_kinds(memory_kind, abstract, leaves: dict) -> dict:
+    """Each leaf path's memory kind (``None``: the sharding's default): ``memory_kind`` itself, or
+    the kinds of the shardings a placing function gives the abstract model."""
+    if not callable(memory_kind):
+        return dict.fromkeys(leaves, memory_kind)
+    placed = _weights.leaf_paths(eqx.filter(memory_kind(abstract), is_arraylike))
+    if set(placed) != set(leaves):
+        raise ValueError("load_hf: memory_kind(model) must return the model it was given, placed (the same leaves)")
+    return {p: getattr(getattr(placed[p], "sharding", None), "memory_kind", None) for p in leaves}
 
 
 def _is_quantized(node) -> bool:
