@@ -9,6 +9,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+import zoo
 from transforms._memory import HOST
 
 from ._errors import Damaged, brief, memory_kind_error, resource_error
@@ -41,14 +42,15 @@ def _data_sharding(sharding, extra_dims: int, path: str):
 
 
 def finish_leaf(like_leaf, entry: dict, array):
-    """The restored leaf from the array read: typed PRNG keys rewrapped, NumPy scalars unwrapped."""
+    """The restored leaf from the array read: typed PRNG keys rewrapped, NumPy scalars unwrapped, a
+    host array given the host-space type a live one has (:func:`zoo.nn.memory_typed`)."""
     if "key_impl" in entry:
         keys = jax.random.wrap_key_data(array, impl=entry["key_impl"])
         sharding = getattr(like_leaf, "sharding", None)
         return keys if sharding is None or keys.sharding == sharding else jax.device_put(keys, sharding)
     if isinstance(like_leaf, np.generic):
         return np.asarray(array).astype(like_leaf.dtype)[()]
-    return array
+    return zoo.nn.memory_typed(array)  # a host leaf read into place has a device-space type
 
 
 def _spec(entry: dict, target):

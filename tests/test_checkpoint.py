@@ -967,3 +967,19 @@ def test_blocks_are_sliced_along_one_dimension():
         assert sum(n != m for n, m in zip(eqn.params["slice_sizes"], operand, strict=True)) == 1, (operand, eqn)
     block, _ = _stream._fetch(jnp.arange(120.0).reshape(4, 6, 5), start, start, size=(1, 2, 5), full=(4, 6, 5))
     np.testing.assert_array_equal(np.asarray(block), np.arange(120.0).reshape(4, 6, 5)[2:3, 4:6])
+
+
+def test_restored_host_leaves_have_the_host_type_of_live_ones(tmp_path):
+    """A leaf read into a pinned_host sharding had a device-space type: inside jit the library read
+    it as device memory (no streaming; on a TPU, XLA ran the math on it on the host), and a resumed
+    step traced differently from the uninterrupted one."""
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    live = {"w": jax.device_put(jnp.arange(64.0).reshape(4, 16), host), "v": jnp.ones(3)}
+    assert jax.typeof(live["w"]).memory_space == jax.memory.Space.Host
+    with checkpointing.Checkpointer(tmp_path, keep=1) as ckpt:
+        ckpt.save(1, live)
+        like = {"w": jax.ShapeDtypeStruct((4, 16), jnp.float32, sharding=host), "v": live["v"]}
+        _, restored, _ = ckpt.restore(like)
+    assert jax.typeof(restored["w"]).memory_space == jax.memory.Space.Host
+    assert jax.typeof(restored["v"]).memory_space == jax.memory.Space.Device
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(live["w"]))

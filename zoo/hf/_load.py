@@ -19,7 +19,7 @@ from .._build import abstract_model
 from .._config import DTYPES
 from .._decoder import RotaryDecoder
 from .._gpt2 import GPT2
-from ..nn import QuantizedWeight, quantize_linears, quantize_weight
+from ..nn import QuantizedWeight, memory_typed, quantize_linears, quantize_weight
 from ..nn._placement import is_arraylike
 from . import _table, _weights
 from ._safetensors import DTYPES as ST_DTYPES
@@ -262,26 +262,12 @@ def load_hf(
                 loaded.append(_quantize_to(dense, quantize, block_size, kinds[path]))
                 del dense
             else:
-                loaded.append(_typed(loader.load(path, leaf.dtype, targets[path])))
+                loaded.append(memory_typed(loader.load(path, leaf.dtype, targets[path])))
             reader.close()  # unmap after each weight: the pages read stay in the page cache, not in this process
     finally:
         reader.close()
     treedef = jax.tree_util.tree_structure(arrays)
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, loaded), static, is_leaf=_is_quantized)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _host_typed(x):
-    return jax.device_put(x, jax.memory.Space.Host)
-
-
-def _typed(x: jax.Array) -> jax.Array:
-    """``x`` with the memory space of its sharding in its type: an array made from host data
-    straight into a ``pinned_host`` sharding has a device-space type, which the library (reading
-    the type) would neither stream nor move before its math."""
-    if x.sharding.memory_kind != "pinned_host" or jax.typeof(x).memory_space == jax.memory.Space.Host:
-        return x
-    return _host_typed(x)
 
 
 def _memory_kinds(memory_kind, abstract, leaves: dict) -> dict:

@@ -10,6 +10,8 @@ For a weight already on the device, `use_param` is only the dtype cast.
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -65,6 +67,37 @@ def is_arraylike(node) -> bool:
     ```
     """
     return eqx.is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _host_typed(x):
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def memory_typed(x):
+    """``x`` with the memory space of its sharding in its type.
+
+    An array made from host data straight into a ``pinned_host`` sharding (by
+    ``jax.make_array_from_callback``, a checkpoint reader, ``jit``'s ``out_shardings``) has a
+    device-space type: inside ``jit`` it reads as device memory, so :func:`use_param` does not
+    stream it and XLA:TPU runs the math on it on the host CPU. Such an array goes through one
+    program that moves it to host memory where it already is (its buffer is donated and aliased:
+    nothing is copied); anything else is returned as it is.
+
+    **Example:**
+
+    ```python
+    import jax, numpy as np, zoo
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    x = jax.make_array_from_callback((4,), host, lambda i: np.ones(4, np.float32)[i])
+    jax.typeof(zoo.nn.memory_typed(x)).memory_space   # MemorySpace.Host
+    ```
+    """
+    if not isinstance(x, jax.Array) or getattr(x.sharding, "memory_kind", None) != "pinned_host":
+        return x
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+        return x
+    return _host_typed(x)
 
 
 def any_on_host(tree) -> bool:
