@@ -22,7 +22,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-import transforms
 import zoo
 from recipes._lm import cli, oom
 from recipes._lm.flags import MAX_SEED
@@ -113,9 +112,9 @@ def check(args: argparse.Namespace, given: set[str] = frozenset()) -> list[str]:
     return []
 
 
-def load(source: str, *, step: int | None, dtype: str | None, quantize: str | None = None):
+def load(source: str, *, step: int | None, dtype: str | None, quantize: str | None = None, offload: bool = False):
     """``(model, tokenizer, eos_id)``: see :func:`recipes._lm.loading.load_for_inference`."""
-    return load_for_inference(source, step=step, dtype=dtype, quantize=quantize)
+    return load_for_inference(source, step=step, dtype=dtype, quantize=quantize, offload=offload)
 
 
 class _Printer:
@@ -166,9 +165,9 @@ def _main(args: argparse.Namespace, argv, out) -> dict:
         cli.warn(line)
     out = sys.stdout if out is None else out
     with cli.LibraryLogs():
-        model, tokenizer, eos = load(args.model, step=args.step, dtype=args.dtype, quantize=args.quantize)
-    if args.offload == "params":
-        model = transforms.offload_params(model)
+        model, tokenizer, eos = load(
+            args.model, step=args.step, dtype=args.dtype, quantize=args.quantize, offload=args.offload == "params"
+        )
     prompt = tokenizer.encode(args.prompt.encode())
     positions = model.config.max_seq_len
     if args.max_new_tokens is None:

@@ -43,14 +43,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def load(source: str, *, step: int | None, dtype: str | None, quantize: str | None, seed: int = 0):
+def load(
+    source: str, *, step: int | None, dtype: str | None, quantize: str | None, seed: int = 0, offload: bool = False
+):
     """``(model, tokens)`` of a Hugging Face directory, a ``train_lm`` run directory or a
-    ``FAMILY:PRESET`` name (random weights, byte tokenizer)."""
+    ``FAMILY:PRESET`` name (random weights, byte tokenizer); with ``offload``, the weights in
+    ``transforms.offload_params``' placement (see :func:`recipes._lm.loading.load_for_inference`)."""
     from recipes._lm.flags import saved_flags
     from recipes._lm.zoo_lm import Tokens
 
     if is_hf_dir(source) or is_run_dir(source):
-        model, _, _ = load_for_inference(source, step=step, dtype=dtype, quantize=quantize)
+        model, _, _ = load_for_inference(source, step=step, dtype=dtype, quantize=quantize, offload=offload)
         directory = source if is_hf_dir(source) else saved_flags(source).model
         return model, Tokens(directory if is_hf_dir(directory) else None)
     config = source_config(source, what="MODEL")
@@ -59,6 +62,8 @@ def load(source: str, *, step: int | None, dtype: str | None, quantize: str | No
     model = zoo.build_model(config, key=jax.random.key(seed))
     if quantize is not None:
         model = transforms.quantize(model, quantize)
+    if offload:
+        model = transforms.offload_params(model)
     return model, Tokens(None)
 
 
@@ -183,9 +188,14 @@ def _main(args: argparse.Namespace, argv) -> dict:
             "`lm-eval ls tasks` lists them (and --include-path adds your own)"
         )
     with cli.LibraryLogs():
-        model, tokens = load(args.model, step=args.step, dtype=args.dtype, quantize=args.quantize, seed=args.seed)
-    if args.offload == "params":
-        model = transforms.offload_params(model)
+        model, tokens = load(
+            args.model,
+            step=args.step,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            seed=args.seed,
+            offload=args.offload == "params",
+        )
     lm = ZooLM(
         model,
         tokens,

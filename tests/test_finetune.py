@@ -238,6 +238,11 @@ def test_generate_recipe_streams_the_merged_exports_greedy_text(lora_run, capsys
     expected = zoo.generate(zoo.load_hf(merged), prompt, max_new_tokens=8)
     assert result["new_ids"] == [int(t) for t in expected]
     assert capsys.readouterr().out == "def main(" + tokenizer.decode(expected) + "\n"
+    # --offload params loads the checkpoint straight into offload_params' placement.
+    loaded, _, _ = generate.load(str(merged), step=None, dtype=None, offload=True)
+    placed = transforms.offload_params(zoo.load_hf(merged))
+    kinds = lambda m: [x.sharding.memory_kind for x in jax.tree.leaves(m)]
+    assert kinds(loaded) == kinds(placed) and "pinned_host" in kinds(loaded)
 
 
 def test_full_finetuning_keeps_float32_master_weights_and_exports_what_transformers_loads(checkpoints, notes, tmp_path):

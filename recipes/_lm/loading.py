@@ -53,19 +53,25 @@ def has_lora(model) -> bool:
     )
 
 
-def load_for_inference(source: str, *, step: int | None, dtype: str | None, quantize: str | None = None):
+def load_for_inference(
+    source: str, *, step: int | None, dtype: str | None, quantize: str | None = None, offload: bool = False
+):
     """``(model, tokenizer, eos_id)`` of a Hugging Face directory or a ``train_lm`` run directory
     (with ``quantize``, the layers' weights quantized: a checkpoint's as they load, a run's LoRA
-    adapters merged first)."""
+    adapters merged first; with ``offload``, the weights in ``transforms.offload_params``'
+    placement: a checkpoint's loaded straight into it, so a model larger than the device loads)."""
     path = pathlib.Path(source)
     if is_hf_dir(source):
         if not (path / "tokenizer.json").is_file():
             raise SystemExit(f"--model {source}: no tokenizer.json to encode the prompt and decode the text")
         tokenizer = HFTokenizer(source)
+        kind = transforms.offload_params if offload and quantize is None else None
         try:
-            model = zoo.load_hf(source, dtype=dtype, quantize=quantize)
+            model = zoo.load_hf(source, dtype=dtype, quantize=quantize, memory_kind=kind)
         except (ValueError, FileNotFoundError) as err:
             raise SystemExit(f"--model {source}: {err}") from None
+        if offload and kind is None:  # quantized on the device as they load; their codes move now
+            model = transforms.offload_params(model)
         return model, tokenizer, tokenizer.eos_id
     if is_run_dir(source):
         from recipes._lm.run import Run
@@ -80,6 +86,8 @@ def load_for_inference(source: str, *, step: int | None, dtype: str | None, quan
                 model = transforms.quantize(transforms.merge_lora(model) if has_lora(model) else model, quantize)
             except ValueError as err:
                 raise SystemExit(f"--quantize {quantize}: {err}") from None
+        if offload and (quantize is not None or not run.built_on_host):  # else trained with them on host
+            model = transforms.offload_params(model)
         return model, run.tokenizer, getattr(run.tokenizer, "eos_id", None)
     raise SystemExit(
         f"--model {source}: neither a Hugging Face checkpoint (config.json) nor a train_lm run (checkpoints/)"
