@@ -7,6 +7,7 @@ its flags, so they also share its compiled programs (the session's compilation c
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -348,3 +349,28 @@ def test_evaluate_reproduces_the_runs_validation_loss(straight):
     assert result["step"] == STEPS
     assert result["val_bits_per_byte"] == pytest.approx(straight["val"][STEPS], rel=1e-6)
     assert len(result["samples"]) == 2 and all(s.startswith("def main(") for s in result["samples"])
+
+
+def test_sigterm_ends_the_step_saves_it_and_says_how_to_resume(tmp_path, small):
+    """A preempted machine or a scheduler's limit sends SIGTERM: the run finishes the step in
+    progress, checkpoints it (with --save-every 0, no other checkpoint exists) and exits 143."""
+    out = tmp_path / "run"
+    flags = [*small, "--steps", "400", "--save-every", "0", "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recipes.train_lm", *flags], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    metrics = out / "metrics.jsonl"
+
+    def trained() -> bool:
+        return metrics.exists() and sum('"kind": "train"' in line for line in metrics.read_text().splitlines()) >= 2
+
+    _wait_for(lambda: trained() or proc.poll() is not None, 120, "two steps")
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-2000:]
+    said = re.search(r"stopped by SIGTERM after step (\d+) of 400, saved; continue with: --resume (\S+)", text)
+    assert said and said.group(2) == str(out), text[-2000:]
+    step = int(said.group(1))
+    assert 2 <= step < 400 and checkpointing.Checkpointer(out / "checkpoints").latest_step() == step
+    resumed = train_lm.main(["--resume", str(out), "--steps", str(step + 1), "--quiet-samples"])
+    assert resumed["start_step"] == step and resumed["final_step"] == step + 1

@@ -5,7 +5,9 @@ Nothing is lost: the run directory is locked while a run uses it (a second run i
 line naming the holder), ``metrics.jsonl``, ``args.json`` and the plots are replaced whole
 (:mod:`recipes._lm.files`), and a non-finite loss stops the run without saving over the last good
 checkpoint, as does an out-of-memory (one line with the planner's way out: :mod:`recipes._lm.oom`;
-the state a failed step was given is donated, so nothing is saved from it).
+the state a failed step was given is donated, so nothing is saved from it). SIGTERM (a preempted
+machine, a scheduler's time limit) or Ctrl-C ends the step in progress, saves a checkpoint of it and
+exits with 128 + the signal's number, saying how to resume; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import pathlib
+import signal
 import sys
 import time
 
@@ -122,14 +125,47 @@ def stop_on_bad_numbers(step: int, loss: float, ckpt, out, lr: float) -> None:
     raise SystemExit(f"step {step}: {what}; stopping without saving. {todo}")
 
 
-def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, log, progress, summary) -> None:
-    """Steps ``start + 1 .. last``: train, log, validate, checkpoint."""
+class _Stop:
+    """SIGTERM and SIGINT, while the steps run (one process, the main thread): the first asks the
+    loop to stop after the step in progress, with a checkpoint of it; a second one acts as it would
+    have without this (the previous handler: Python's KeyboardInterrupt, or termination)."""
+
+    def __init__(self):
+        self.signum = None
+        self._before = {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # the second: stop now
+            signal.signal(signum, self._before.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+
+    def __enter__(self):
+        import threading
+
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._before[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+
+def train_loop(
+    run: Run, ckpt, out, *, start: int, last: int, baseline: float, log, progress, summary, stop=None
+) -> int:
+    """Steps ``start + 1 .. last``: train, log, validate, checkpoint; returns the last step done
+    (before ``last`` where ``stop`` saw a signal: that step is checkpointed)."""
     args = run.args
     for step in range(start + 1, last + 1):
         batch = run.batch("train", step, args.seed)
         model, opt_state, metrics = run.step_fn(run.model, run.opt_state, batch, key=run.step_key(step))
         loss = float(metrics["loss"])
-        saving = (args.save_every and step % args.save_every == 0) or step == last
+        stopping = stop is not None and stop.signum is not None
+        saving = (args.save_every and step % args.save_every == 0) or step == last or stopping
         if not math.isfinite(loss) or (saving and not bool(all_finite(model))):
             stop_on_bad_numbers(step, loss, ckpt, out, args.lr)
         run.model, run.opt_state = model, opt_state
@@ -155,6 +191,9 @@ def train_loop(run: Run, ckpt, out, *, start: int, last: int, baseline: float, l
                 log.log(kind="val", step=step, val_bits_per_byte=val, time=time.time())
         if saving:
             ckpt.save(step, run.state(), metadata=run.metadata(step))
+        if stopping:
+            return step
+    return last
 
 
 def finish(run: Run, out: pathlib.Path, baseline: float, say) -> None:
@@ -253,15 +292,30 @@ def _train(run: Run, out: pathlib.Path, ckpt, start: int, parsed, recipe_args, s
         raise
     last = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
     summary = {"out": str(out), "start_step": start, "losses": {}, "val": {}}
+    stop = _Stop()
     try:
-        train_loop(
-            run, ckpt, out, start=start, last=last, baseline=baseline, log=log, progress=progress, summary=summary
-        )
+        with stop:
+            done = train_loop(
+                run,
+                ckpt,
+                out,
+                start=start,
+                last=last,
+                baseline=baseline,
+                log=log,
+                progress=progress,
+                summary=summary,
+                stop=stop,
+            )
     finally:
         progress.close()
         ckpt.close()  # waits for the background write of the last checkpoint
         if log:
             log.close()
+    if stop.signum is not None:
+        name = signal.Signals(stop.signum).name
+        say(f"stopped by {name} after step {done} of {args.steps}, saved; continue with: --resume {out}")
+        raise SystemExit(128 + stop.signum)
     summary["final_step"] = last
     summary["finished"] = last == args.steps
     summary["model"], summary["opt_state"] = run.model, run.opt_state
