@@ -68,11 +68,9 @@ def _measure(args) -> dict:
     first = statistics.median(run(1) for _ in range(args.rounds))
     full = statistics.median(run(1 + args.new) for _ in range(args.rounds))
     decode_s = max(full - first, 1e-9)
-    weights = jax.tree.leaves(eqx.filter(model, eqx.is_array))
-    weight_bytes = sum(x.nbytes for x in weights)
-    host_bytes = sum(x.nbytes for x in weights if x.sharding.memory_kind == "pinned_host")
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     stats = memory_stats() or {}
-    bound = decode_bound(cfg, weight_bytes, host_bytes, args.batch, args.prompt, args.new, jax.devices()[0].device_kind)
+    bound = decode_bound(cfg, args.batch, args.prompt, args.new, jax.devices()[0].device_kind, on_host=on_host)
     return {
         "placement": args.placement,
         "device_kind": jax.devices()[0].device_kind,
@@ -89,51 +87,25 @@ def _measure(args) -> dict:
     }
 
 
-def decode_bound(cfg, weight_bytes: int, host_bytes: int, batch: int, prompt: int, new: int, device_kind: str) -> dict:
-    """The decode rate the memories allow: per step every weight and the filled KV cache (at the
-    mean context of the timed tokens) are read once from device memory, at the device profile's
-    memory bandwidth, and the weights in host memory (``host_bytes``) cross the host link, at
-    the profile's link rate; the slower of the two binds."""
-    from transforms.plan import profile_for_kind
+def decode_bound(cfg, batch: int, prompt: int, new: int, device_kind: str, *, on_host: bool) -> dict:
+    """The decode rate the planner bounds for this placement (:func:`transforms.plan.plan_generate`,
+    weights on the device or streamed from host memory, the KV cache on the device): per step every
+    weight and the cache are read from device memory and the streamed weights cross the host link,
+    at the device profile's rates (FLOPs bound it too). Empty where no profile knows the device."""
+    from transforms.plan import plan_generate, profile_for_kind
 
-    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * head_dim * 2  # keys and values, bfloat16
-    step_bytes = weight_bytes + batch * per_token * (prompt + new / 2)
     profile = profile_for_kind(device_kind)
-    rate = profile.memory_bytes_per_s if profile and profile.memory_bytes_per_s else None
-    link = profile.link_bytes_per_s if profile and host_bytes else None
-    bounds = {"HBM": None if rate is None else batch * rate / step_bytes}
-    bounds["link"] = None if link is None else batch * link / host_bytes
-    known = {k: v for k, v in bounds.items() if v}
-    by = min(known, key=known.get) if known else None
+    if profile is None or profile.memory_bytes_per_s is None:
+        return {"bound_tokens_per_s": None, "bound_by": None}
+    rows = plan_generate(cfg, batch=batch, context=prompt + new, prompt=prompt, device=profile).to_dict()["placements"]
+    weights = "stream" if on_host else "device"
+    row = next(r for r in rows if r["weights"] == weights and r["kv_cache"] == "device")
     return {
-        "decode_step_bytes": step_bytes,
-        "host_weight_bytes": host_bytes,
-        "hbm_bytes_per_s": rate,
-        "hbm_bound_tokens_per_s": bounds["HBM"],
-        "link_bytes_per_s": link,
-        "link_bound_tokens_per_s": bounds["link"],
-        "bound_tokens_per_s": known.get(by),
-        "bound_by": by,
+        "decode_step_bytes": row["read_per_step_bytes"],
+        "host_to_device_per_step_bytes": row["host_to_device_per_step_bytes"],
+        "bound_tokens_per_s": row["tokens_per_s"],
+        "bound_by": row["limit"],
     }
-
-
-def host_weight_bytes(model: str) -> int:
-    """The bytes of ``model`` (bf16) that :func:`transforms.offload_params` puts in host memory, from
-    its abstract form (for results recorded before the rows carried them)."""
-    import jax
-    import numpy as np
-
-    import transforms
-    import zoo
-
-    cfg = zoo.config_from_name(model, compute_dtype="bfloat16", param_dtype="bfloat16")
-    placed = jax.tree.leaves(transforms.offload_params(zoo.abstract_model(cfg)))
-    return sum(
-        int(np.prod(x.shape)) * x.dtype.itemsize
-        for x in placed
-        if x.sharding is not None and x.sharding.memory_kind == "pinned_host"
-    )
 
 
 def _failure(done: subprocess.CompletedProcess) -> str:
@@ -226,8 +198,8 @@ def render(report: dict) -> str:
     head = (
         f"zoo.generate, {a['model']} (bf16), batch {a['batch']}, {a['prompt']}-token prompts, "
         f"{a['new']} decode tokens timed; {_device(report)}; ratios are of the device-weight row, same run; "
-        "bound: every weight and the KV cache read once per decode step from HBM, and the host-resident "
-        "weights across the host link, at the device profile's rates (the slower binds)\n\n"
+        "bound: the planner's (transforms.plan.plan_generate) for the placement: every weight and the KV "
+        "cache read once per decode step from HBM, streamed weights across the host link\n\n"
         "| weights | first token (ms) | ratio | decode tokens/s | ratio | bound tokens/s (by, reached) "
         "| peak device (GiB) | ratio |\n"
         "|:---|---:|---:|---:|---:|---:|---:|---:|\n"
@@ -237,23 +209,18 @@ def render(report: dict) -> str:
 
 
 def rerender(path: Path) -> int:
-    """Recompute the bounds of the rows of the results in ``path`` (rows recorded before they
-    carried ``host_weight_bytes`` get it from the model's abstract placement) and rewrite the JSON
-    and its markdown."""
+    """Recompute the bounds of the rows of the results in ``path`` with this planner and rewrite the
+    JSON and its markdown."""
     import zoo
 
     report = json.loads(path.read_text())
     a = report["args"]
     cfg = zoo.config_from_name(a["model"], compute_dtype="bfloat16", param_dtype="bfloat16")
     for r in report["rows"]:
-        host = r.get("host_weight_bytes")
-        if host is None:
-            host = host_weight_bytes(a["model"]) if r["placement"] == "pinned_host" else 0
-        bound = decode_bound(
-            cfg, r["weight_bytes"], host, int(a["batch"]), int(a["prompt"]), int(a["new"]), r["device_kind"]
-        )
-        r.pop("fraction_of_hbm_bound", None)
-        r.update(bound)
+        for stale in ("fraction_of_hbm_bound", "hbm_bytes_per_s", "hbm_bound_tokens_per_s", "host_weight_bytes"):
+            r.pop(stale, None)
+        sizes = int(a["batch"]), int(a["prompt"]), int(a["new"])
+        r.update(decode_bound(cfg, *sizes, r["device_kind"], on_host=r["placement"] == "pinned_host"))
     text = render(report)
     print(text, flush=True)
     env.write_results(path.parent, path.stem, report, text)

@@ -105,6 +105,7 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     import jax
     import jax.numpy as jnp
 
+    from transforms._memory import to_host
     from transforms._train_step import _commit, trainable_mask
 
     def describe(x):
@@ -129,9 +130,7 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     hosts = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", (trainable, frozen, state))
 
     def program(trainable, frozen, state, tokens, key):
-        def typed(x, host):
-            return jax.device_put(x, jax.memory.Space.Host) if host else x
-
+        typed = lambda x, host: to_host(x) if host else x
         trainable, frozen, state = jax.tree.map(typed, (trainable, frozen, state), hosts)
         return built(trainable, frozen, state, tokens, key)
 
