@@ -876,6 +876,14 @@ def test_each_step_is_set_against_its_bound():
     for old in (None, {k: v for k, v in bandwidth.items() if k != "d2h_fresh_gb_per_s"}):
         results.derived({"none": none, "opt_state": slow}, old, "TPU v5 lite")
         assert "tpu-v5e" in slow["transfers"]["link_source"]
+    # A probe slower than a step's own transfers does not bound it: the profile's rate stands in.
+    fast = {**slow, "step_time_s": 1.2}
+    results.derived(
+        {"none": none, "opt_state": fast}, {**bandwidth, "d2h_gb_per_s": 0.5, "both_gb_per_s": 0.5}, "TPU v5 lite"
+    )
+    assert "beaten by a step (opt_state" in fast["transfers"]["link_source"]
+    profile = results.link_time(10e9, 4e9, results.link_rates(None, "TPU v5 lite"))
+    assert fast["bound_s"] == pytest.approx(max(1.0, profile)) and fast["step_over_bound"] >= 1.0
 
 
 def test_an_accelerator_run_is_sized_for_its_device(monkeypatch):

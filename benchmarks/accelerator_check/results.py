@@ -298,12 +298,36 @@ def link_time(h2d: int, d2h: int, rates: dict) -> float:
     return common / 1e9 / rates["both"] + rest / 1e9 / rate
 
 
+def _beaten(configs: dict, rates: dict) -> str | None:
+    """The first configuration whose step moved its bytes faster than ``rates`` allow (by more than
+    5%), as ``"name: X s for a Y s link time"``; ``None`` if no step beats them."""
+    for entry in configs.values():
+        hlo, step = entry.get("hlo") or {}, entry.get("step_time_s")
+        h2d, d2h = hlo.get("h2d_bytes_per_step"), hlo.get("d2h_bytes_per_step")
+        if step and h2d is not None and d2h is not None and entry.get("kind") != "bandwidth":
+            busy = link_time(h2d, d2h, rates)
+            if busy > 1.05 * step:
+                return f"{entry.get('name')}: {step:.3f} s a step for a {busy:.3f} s link time"
+    return None
+
+
 def derived(configs: dict, bandwidth: dict | None, device_kind: str | None = None) -> None:
     """Ratios to ``none``, the bytes each step moves (from the compiled program), the link time they
     take at the in-program bandwidth, and each step against its bound: max(``none``'s step time,
-    the link time)."""
+    the link time).
+
+    A bound is a time no step can beat: when a measured step moves its bytes faster than this run's
+    in-program rates allow (a probe that timed a slower path than the steps take, such as
+    device-to-host copies into buffers the host must first fault in), the rates are not the link's,
+    and the device profile's stand in (``link_source`` names the step that beat them)."""
     none = configs.get("none") or {}
     rates = link_rates(bandwidth, device_kind)
+    beaten = _beaten(configs, rates) if rates and "profile" not in rates["source"] else None
+    if beaten:
+        profile = link_rates(None, device_kind)
+        if profile is not None:
+            note = f"; this run's in-program rates were beaten by a step ({beaten})"
+            rates = {**profile, "source": profile["source"] + note}
     for entry in configs.values():
         if entry.get("kind") == "bandwidth" or "worker" not in entry:
             continue

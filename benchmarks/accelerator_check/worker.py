@@ -140,11 +140,16 @@ def worker_bandwidth(spec: dict, report: dict, write) -> None:
         return
     host, device = (jax.sharding.SingleDeviceSharding(dev, memory_kind=k) for k in ("pinned_host", "device"))
     h2d = jax.jit(to_device, out_shardings=device)
-    # Into a donated host buffer, as a train step writes its offloaded state back (a fresh pinned
-    # buffer per copy costs the host its page faults: "d2h_fresh").
-    d2h = jax.jit(lambda x, old: to_host(x), out_shardings=host, donate_argnums=1)
+
+    # Written over a donated host buffer, in place, as a train step writes its offloaded state back
+    # (a dynamic-update-slice into the buffer it was given; a fresh pinned buffer per copy costs
+    # the host its page faults: "d2h_fresh").
+    def write_over(old, y):
+        return jax.lax.dynamic_update_slice(old, to_host(y), (0,))
+
+    d2h = jax.jit(lambda x, old: write_over(old, x), out_shardings=host, donate_argnums=1)
     d2h_fresh = jax.jit(to_host, out_shardings=host)
-    both = jax.jit(lambda x, y, old: (to_device(x), to_host(y)), out_shardings=(device, host), donate_argnums=2)
+    both = jax.jit(lambda x, y, old: (to_device(x), write_over(old, y)), out_shardings=(device, host), donate_argnums=2)
     rows = report["sizes"] = []
     for mib in spec["bandwidth_mib"]:
         n = mib * 2**20 // 4
