@@ -88,9 +88,12 @@ def test_straight_run_writes_its_log_and_plots(straight):
         assert image.std() > 0.05  # not a blank canvas
 
 
-def test_the_streamed_update_trains_as_the_update_on_the_device(tmp_path, straight, small):
+def test_the_streamed_update_trains_as_the_update_on_the_device(tmp_path, straight, small, capsys):
     out = tmp_path / "run"
     streamed = train_lm.main([*small, "--offload", "opt_state_stream", "--stop-after", "3", "--out", str(out)])
+    (host,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("host memory: ")]
+    # the process's expected peak, not the state's alone
+    assert "runtime baseline" in host and " + step " in host and "expected peak" in host
     assert isinstance(streamed["opt_state"], transforms.StreamedState)  # --offload opt_state_stream streams
     for step in (1, 2, 3):
         assert streamed["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5), step

@@ -104,7 +104,14 @@ def announce(run: Run, out: pathlib.Path, start: int, say) -> float:
     if run.plan is not None:
         say(run.plan)
     if run.offload.any or run.lora:
-        say(transforms.memory_report(params=run.model, opt_state=run.opt_state))
+        # The host line adds the runtime's share (measured at start) and the host bytes the step
+        # adds (gradients of host weights, offloaded activations), so its expected peak is the
+        # process's, not the state's alone.
+        prediction = run.prediction() or None
+        report = transforms.memory_report(
+            params=run.model, opt_state=run.opt_state, host_baseline=run.host_baseline, plan=prediction
+        )
+        say(report)
     baseline = run.corpus.unigram_bits_per_byte()
     say(f"unigram baseline: {baseline:.3f} bits/byte")
     return baseline
