@@ -177,6 +177,9 @@ def measure(args, config: str, device) -> dict:
         }
     n_layers = zoo.config_from_name(args.model).n_layers
     text = compiled.as_text()
+    if getattr(args, "save_hlo", None):
+        args.save_hlo.mkdir(parents=True, exist_ok=True)
+        (args.save_hlo / f"{config}.hlo.txt").write_text(text)
     row["whole_stack_copies"] = whole_stack_copies(text, n_layers)
     row["overlap"] = analyze_hlo(text, n_layers=n_layers)["overlap"]
     return row
@@ -203,6 +206,18 @@ def table(rows: list[dict], head: str) -> str:
             f"{gib(h['temp'])} | {gib(h['argument'])} | {gib(h['alias'])} | {r['whole_stack_copies']} | "
             f"{moved / 1e9:.2f} | {share} |"
         )
+    notes = []
+    for r in rows:
+        parts = (r.get("overlap") or {}).get("by_computation") or {}
+        shown = [
+            f"{name} ({c['trips']} trips) {c['bytes'] / 1e9:.2f} GB, "
+            f"{c['spanning_matmuls_bytes'] / max(c['bytes'], 1):.0%}"
+            for name, c in parts.items()
+        ]
+        if shown:
+            notes.append(f"- {r['config']}: {'; '.join(shown)}")
+    if notes:
+        lines += ["", "Host traffic per computation (bytes per step, share spanning a matmul):", "", *notes]
     return "\n".join(lines) + "\n"
 
 
@@ -232,6 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=("tpu", "cpu"), default="tpu", help="compile for a TPU (default) or this CPU")
     p.add_argument("--topology", default="v5e:1x1", help="the TPU described to the compiler (default v5e:1x1)")
     p.add_argument("--out", type=Path, help="write tpu_compile_<topology>.json and .md here")
+    p.add_argument("--save-hlo", type=Path, help="write each configuration's compiled program here (CONFIG.hlo.txt)")
     p.add_argument("--row", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row as JSON
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]

@@ -680,6 +680,10 @@ def test_hlo_analysis_says_which_host_transfers_span_a_matmul_in_the_schedule():
     overlap = hlo.analyze_hlo(text, n_layers=4)["overlap"]
     assert overlap["h2d_spanning_matmuls_bytes"] == 4 * 1024  # both loop copies, every iteration
     assert overlap["fraction"] == pytest.approx(4 * 1024 / (4 * 1024 + 3 * 2048 + 4 * 32))
+    # Per computation: the loop body's copies (4 trips) span the matmul; the entry's do not.
+    body, entry = overlap["by_computation"]["body"], overlap["by_computation"]["main.10"]
+    assert body == {"bytes": 4 * 1024 + 4 * 32, "spanning_matmuls_bytes": 4 * 1024, "trips": 4}
+    assert entry["bytes"] == 3 * 2048 and entry["spanning_matmuls_bytes"] == 0
 
 
 def test_dump_summary_reads_the_module_the_first_step_compiled(tmp_path):

@@ -11,7 +11,8 @@ from benchmarks import tpu_compile
 
 def test_the_cpu_target_compiles_a_configuration_and_reports_its_memory(tmp_path, capsys):
     argv = ["--target", "cpu", "--model", "llama:tiny", "--batch", "2", "--seq", "16", "--configs", "opt_state_stream"]
-    assert tpu_compile.main([*argv, "--out", str(tmp_path)]) == 0
+    assert tpu_compile.main([*argv, "--out", str(tmp_path), "--save-hlo", str(tmp_path / "hlo")]) == 0
+    assert "HloModule" in (tmp_path / "hlo" / "opt_state_stream.hlo.txt").read_text()
     (row,) = json.loads((tmp_path / "tpu_compile_cpu.json").read_text())["rows"]
     assert row["compiled"] and row["config"] == "opt_state_stream"
     assert row["device"]["argument"] > 0 and row["device"]["alias"] > 0  # the state is donated and aliased

@@ -266,9 +266,12 @@ def transfer_overlap(comps: dict, graph: dict) -> dict:
     holds at least one matmul (a ``dot``/``convolution``, or a fusion or call running one) can
     overlap it; one with an empty window, or a synchronous copy, cannot. Bytes per step, each
     direction: ``async``, ``spanning_matmuls`` (a matmul in the window) and ``sync``; ``fraction``
-    is the share of all host traffic that spans a matmul."""
+    is the share of all host traffic that spans a matmul. ``by_computation``: for each computation
+    that moves host data (a loop body, the entry), its bytes per step and the part spanning a
+    matmul, so a reader sees which loop's copies do not hide."""
     matmul_comps = _matmul_computations(comps)
     out = {f"{d}_{k}": 0 for d in ("h2d", "d2h") for k in ("async_bytes", "spanning_matmuls_bytes", "sync_bytes")}
+    where = {}
     for name in (n for n in graph["order"] if n not in graph["wrapped"]):
         instructions = comps[name]["instructions"]
         factor = graph["multiplier"].get(name, 1)
@@ -284,6 +287,8 @@ def transfer_overlap(comps: dict, graph: dict) -> dict:
             if moved is None:
                 continue
             direction, nbytes = moved[0], moved[1] * factor
+            mine = where.setdefault(name, {"bytes": 0, "spanning_matmuls_bytes": 0, "trips": factor})
+            mine["bytes"] += nbytes
             if ins["opcode"] not in ASYNC_TRANSFERS:
                 out[f"{direction}_sync_bytes"] += nbytes
                 continue
@@ -291,6 +296,8 @@ def transfer_overlap(comps: dict, graph: dict) -> dict:
             end = done_at.get(ins["name"], index)
             if any(runs_matmul[index + 1 : end]):
                 out[f"{direction}_spanning_matmuls_bytes"] += nbytes
+                mine["spanning_matmuls_bytes"] += nbytes
+    out["by_computation"] = dict(sorted(where.items(), key=lambda kv: -kv[1]["bytes"]))
     total = sum(out[f"{d}_{k}"] for d in ("h2d", "d2h") for k in ("async_bytes", "sync_bytes"))
     spanning = out["h2d_spanning_matmuls_bytes"] + out["d2h_spanning_matmuls_bytes"]
     out["fraction"] = spanning / total if total else None

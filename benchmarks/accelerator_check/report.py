@@ -125,9 +125,15 @@ def markdown(results: dict) -> str:
         o = (e.get("hlo") or {}).get("overlap") or {}
         moved = sum(o.get(f"{x}_{k}_bytes", 0) for x in ("h2d", "d2h") for k in ("async", "sync"))
         if moved:
+            exposed = [
+                f"{name} {(c['bytes'] - c['spanning_matmuls_bytes']) / 1e9:.2f}"
+                for name, c in (o.get("by_computation") or {}).items()
+                if c["bytes"] - c["spanning_matmuls_bytes"] >= 0.01 * moved
+            ]
+            where = f"; GB exposed by computation: {', '.join(exposed)}" if exposed else ""
             details.append(
                 f"- {n}: host traffic {moved / 1e9:.2f} GB per step, {o['fraction']:.0%} of it in copies whose "
-                "window in the schedule spans a matmul (the rest cannot hide behind compute)"
+                f"window in the schedule spans a matmul (the rest cannot hide behind compute){where}"
             )
     for n, e in results["configs"].items():
         if e.get("host_rss_growth_bytes") and e.get("planner_host_bytes") is not None:
