@@ -401,6 +401,90 @@ def test_the_update_writes_host_state_and_weights_in_place_no_second_stack(weigh
         assert not copies, copies[:3]
 
 
+# ---- large leaves outside the stacks: row blocks, in place --------------------------------------
+
+
+class WideVocab(eqx.Module):
+    """A stack and a vocabulary large beside it (embedding and head of 256 x 64)."""
+
+    embed: nn.Embedding
+    stack: nn.Stack
+    head: nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = nn.Embedding(256, 64, key=k1)
+        self.stack = nn.Stack(lambda k: nn.Linear(64, 64, axes=("embed", "mlp"), key=k), 2, key=k2)
+        self.head = nn.Linear(64, 256, axes=("embed", "vocab"), key=k3)
+
+
+@pytest.fixture
+def small_row_blocks(monkeypatch):
+    """Row blocks of 4 KiB (16 rows of the embedding, 8 of the head's 64 x 256), and what the
+    update chose, by leaf index."""
+    from transforms import _opt_rows
+
+    monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 4096)
+    chosen = []
+    real = _opt_rows.blocked_leaves
+    monkeypatch.setattr(_opt_rows, "blocked_leaves", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    return chosen
+
+
+@pytest.mark.parametrize("weights", [HOST, DEVICE])
+def test_large_leaves_outside_the_stacks_are_updated_in_row_blocks_as_optax_does(small_row_blocks, weights):
+    params = eqx.filter(WideVocab(jax.random.key(0)), eqx.is_inexact_array)
+    if weights == HOST:
+        params = transforms.offload_params(params)
+    plain = optax.chain(optax.clip_by_global_norm(1.0), injected_adamw())
+    new, state = two_steps(injected_adamw(), params, plain, clip=1.0)
+    assert small_row_blocks[0] == {0: 16, 1: 8}  # the embedding in 16 blocks, the head's 64 rows in 8
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params), strict=True):
+        assert a.sharding.memory_kind == b.sharding.memory_kind  # where they were
+    mu = state.rest.inner_state[0].mu.embed.weight
+    assert mu.shape == (256, 64)  # the state keeps the leaf's shape
+    assert mu.sharding.memory_kind == HOST
+
+
+def test_an_optimizer_not_elementwise_over_rows_updates_the_leaf_whole(small_row_blocks):
+    """LAMB scales each leaf's update by its own norm: in row blocks it would differ."""
+    params = eqx.filter(WideVocab(jax.random.key(0)), eqx.is_inexact_array)
+    params = eqx.tree_at(lambda p: p.stack, params, replace_fn=lambda s: s)  # a stack, no separability issue
+    no_stack = {"embed": params.embed.weight, "head": params.head.weight}
+    two_steps(optax.lamb(1e-3), no_stack)
+    assert small_row_blocks[0] == {}
+
+
+def test_row_blocks_move_one_block_at_a_time_and_never_the_whole_leaf(small_row_blocks):
+    params = transforms.offload_params(eqx.filter(WideVocab(jax.random.key(0)), eqx.is_inexact_array))
+    opt = transforms.offload_opt_state(optax.adamw(1e-3), stream=True, clip_norm=1.0)
+    state = opt.init(params)
+    grads = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), params)
+    jaxpr = jax.make_jaxpr(lambda g, p, s: opt.apply(g, s, p)[:2])(grads, params, state).jaxpr
+    found = list(moves(jaxpr))
+    shapes = {shape for _, _, _, shape in found}
+    assert (256, 64) not in shapes and (64, 256) not in shapes  # neither leaf moves whole
+    # Blocks of 16 embedding rows and 8 head rows cross, inside loops, both ways (the state's
+    # blocks written back to host memory).
+    for block in ((16, 64), (8, 256)):
+        crossing = {(src, dst) for in_scan, src, dst, shape in found if shape == block and in_scan}
+        assert crossing == {(H, DEV), (DEV, H)}, (block, crossing)
+
+
+def test_row_blocks_are_whole_rows_in_multiples_of_eight(monkeypatch):
+    from transforms import _opt_rows
+
+    monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 16 << 20)
+    # 128256 = 2**8 * 3 * 167: the fewest blocks of <= 16 MiB whose rows are a multiple of 8 are
+    # 96 blocks of 1336 rows (10.4 MiB).
+    assert _opt_rows.row_blocks((128256, 2048), 4) == 96
+    assert _opt_rows.row_blocks((32000, 768), 4) == 8  # 4000 rows, 11.7 MiB
+    assert _opt_rows.row_blocks((768, 32000), 4) == 6  # 128 rows, 15.6 MiB
+    assert _opt_rows.row_blocks((1000, 768), 4) is None  # within the size: whole
+    assert _opt_rows.row_blocks((50257, 768), 4) is None  # no block of a multiple of 8 rows divides 50257
+    assert _opt_rows.row_blocks((2**30,), 4) is None  # a vector
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 

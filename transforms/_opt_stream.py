@@ -7,7 +7,8 @@ host memory into the old buffers (in place: with the train step's donated inputs
 an offloaded stack exists in host memory); new device-resident weights are stacked scan outputs.
 The next layer's host slices are fetched one iteration ahead (a double buffer carried by the
 scan), so the device holds about two layers of them at a time. Leaves outside the stacks
-(embeddings, head, final norm) are updated once, leaf by leaf.
+(embeddings, head, final norm) are updated once, leaf by leaf; large ones in row blocks, in place,
+as the stacks are (see ``_opt_rows``).
 
 The optimizer state has its own layout, :class:`StreamedState`: the wrapped optimizer's state for
 each stack, built per layer, so every leaf of it (step counters included) carries the stack's
@@ -33,6 +34,7 @@ import optax
 
 from zoo.nn import on_host, prefetch_scan
 
+from . import _opt_rows as rows
 from ._memory import (
     DEVICE,
     HOST,
@@ -40,6 +42,7 @@ from ._memory import (
     mesh_of,
     restore_kinds,
     state_shardings,
+    to_device,
     to_host,
     traced_kind,
     tree_to_device,
@@ -427,12 +430,22 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
             "offload_opt_state(stream=True): the optimizer state does not match the parameters "
             f"({n} stacks); create it with this optimizer's init on the same parameter tree"
         )
-    grads_rest = tree_to_device(_view(grads, units, -1))
     lengths = [_layer_count(units, grads, k) for k in range(n)]
+    # Large leaves outside the stacks (embedding, head) are updated in row blocks, in place (see
+    # _opt_rows); their gradients stay where they are and are read a block at a time.
+    g_view, p_rest = _view(grads, units, -1), _view(params, units, -1)
+    blocked = rows.blocked_leaves(inner, p_rest, state.rest) if apply else {}
+    idx = rows.index_tree(g_view)
+    grads_rest = jax.tree.map(
+        lambda g, i: None if i in blocked else (to_device(g) if is_arraylike(g) else g), g_view, idx, is_leaf=_is_none
+    )
+    g_blocked = {j: x for j, x in enumerate(jax.tree.leaves(g_view)) if j in blocked}
 
     g_norm, scale = None, None
     if clip_norm is not None:  # first pass: the global norm over every layer
         total = sum_squares(grads_rest)
+        for j, k in blocked.items():
+            total = total + _stackedsum_squares(rows.blocks_view(g_blocked[j], k), k)
         for k in range(n):
             total = total + _stackedsum_squares(_view(grads, units, k), lengths[k])
         g_norm = jnp.sqrt(total)
@@ -475,9 +488,40 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
         new_stacked.append(s)
         outs.append(out)
 
-    # Leaves outside the stacks: once, leaf by leaf, as the plain offloaded update does.
-    p_rest = _view(params, units, -1)
-    out_rest, s_rest = update(grads_rest, tree_to_device(state.rest), tree_to_device(p_rest))
+    # Large leaves outside the stacks: in row blocks, in place.
+    new_blocked, new_copies = {}, {}
+    if blocked:
+        p_leaves = jax.tree.leaves(p_rest)
+        # The other leaves' copies absent, the rest of the state (step counts, ...) on the device.
+        template = tree_to_device(rows.without(inner, state.rest, idx, set(range(len(p_leaves)))))
+        for j, k in blocked.items():
+            p_j, host = p_leaves[j], on_host(p_leaves[j])
+
+            def rows_body(acc, read, write, j=j, host=host):
+                (g_c, p_device), (s_cs, p_host) = read, write
+                s_tree = rows.with_copies(inner, template, idx, {j: s_cs})
+                p_c = rows.only(p_rest, j, p_host if host else p_device)
+                new_p, new_s = update(rows.only(p_rest, j, g_c), s_tree, p_c)
+                (new_p,) = jax.tree.leaves(new_p)
+                new_cs = rows.copies_of(inner, new_s, idx, j)
+                return norm(acc, g_c), ((new_cs, new_p if host else None), None if host else new_p)
+
+            view = lambda x, k=k: rows.blocks_view(x, k)
+            copies = [view(c) for c in rows.copies_of(inner, state.rest, idx, j)]
+            read, write = (view(g_blocked[j]), None if host else view(p_j)), (copies, view(p_j) if host else None)
+            squares, (cs, p_written), ys = _in_place_scan(rows_body, squares, read, write, k)
+            new_blocked[j] = (p_written if host else ys).reshape(p_j.shape)
+            new_copies[j] = [c.reshape(p_j.shape) for c in cs]
+
+    # The other leaves outside the stacks: once, leaf by leaf, as the plain offloaded update does.
+    p_small, s_small = p_rest, state.rest
+    if blocked:
+        p_small = jax.tree.map(lambda x, i: None if i in blocked else x, p_rest, idx, is_leaf=_is_none)
+        s_small = rows.without(inner, state.rest, idx, set(blocked))
+    out_rest, s_rest = update(grads_rest, tree_to_device(s_small), tree_to_device(p_small))
+    if blocked:
+        out_rest = jax.tree.map(lambda i, o: new_blocked.get(i, o), idx, out_rest, is_leaf=_is_none)
+        s_rest = rows.with_copies(inner, s_rest, idx, new_copies)
     if apply:
         out_rest = restore_kinds(out_rest, jax.tree.map(traced_kind, p_rest))
     new_state = StreamedState(tuple(new_stacked), restore_kinds(s_rest, jax.tree.map(traced_kind, state.rest)))

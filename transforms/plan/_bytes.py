@@ -677,8 +677,15 @@ def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, 
     layer_in, layer_out = stream_layer_bytes(cand, sh)
     layer_update = g.two_largest_layer_weights // sh.fsdp
     stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else sh.T_stack)
-    largest_out = max(g.outside_largest_leaf_bytes // sh.fsdp, 1)
-    rest_work = (sh.T_out if cand.params else 0) + 2 * largest_out + int(2 * opt.moments_per_param * largest_out)
+    # Leaves outside the stacks: on one device the large ones in row blocks, two in flight
+    # (transforms._opt_rows), the others whole; over a mesh, every one whole.
+    if sh.fsdp == 1 and g.outside_unit_bytes is not None:
+        unit = max(g.outside_unit_bytes, 1)
+        weights = min(sh.T_out, g.outside_whole_bytes + 2 * unit) if cand.params else 0
+    else:
+        unit = max(g.outside_largest_leaf_bytes // sh.fsdp, 1)
+        weights = sh.T_out if cand.params else 0
+    rest_work = weights + 2 * unit + int(2 * opt.moments_per_param * unit)
     return {
         "gradients": (sh.T_out if sh.host_grads else sh.G) + accum_buf,
         "working buffers": int(max(stack_work, rest_work)),
@@ -735,7 +742,9 @@ def host_resident(cand: Candidate, sh: Shares, saved: Saved, g: Geometry, opt: O
         # (embeddings, head) are updated leaf by leaf and each written back as new host buffers
         # while the old ones are held: the largest one's state (and weight). XLA:TPU's host
         # temporaries of llama:small's step: 0.18 GiB, its embedding's two moments.
-        largest_out = g.outside_largest_leaf_bytes // sh.fsdp
+        # (On one device, large ones are written in row blocks, in place: only the others count.)
+        blocked = sh.fsdp == 1 and g.outside_whole_largest_bytes is not None
+        largest_out = g.outside_whole_largest_bytes if blocked else g.outside_largest_leaf_bytes // sh.fsdp
         host["update outputs"] = int(opt.moments_per_param * largest_out) + (largest_out if cand.params else 0)
     return host
 

@@ -22,6 +22,7 @@ from zoo.nn import DEFAULT_ATTENTION_BLOCK as DEFAULT_BLOCK
 from zoo.nn import resolve_attention
 
 from .._memory import is_arraylike, is_floating
+from .._opt_rows import row_blocks
 from .._report import nbytes
 from .._tree import is_stack as _is_stack
 from .._tree import stack_units, stack_view
@@ -90,6 +91,11 @@ def _stored_bytes(tree) -> dict[str, int]:
     )
     rows = [(u, x, q, trained) for u, x, q, trained in flags if q or is_floating(x)]
     dense_matrices = [x for u, x, q, _ in rows if u >= 0 and not q and len(x.shape) >= 3]
+    # The streamed update takes a large leaf outside the stacks in row blocks (transforms._opt_rows).
+    outside = [(tuple(x.shape), x.dtype.itemsize, nbytes(x)) for u, x, q, t in rows if u == -1 and t and not q]
+    blocks = [(row_blocks(shape, size), shape, size, b) for shape, size, b in outside]
+    units = [b // k if k else b for k, _, _, b in blocks]
+    whole = [b for k, _, _, b in blocks if not k]
     rows, quantized = [(u, nbytes(x), t) for u, x, _, t in rows], any(q and u >= 0 for u, _, q, _ in rows)
     trained = [(u, b) for u, b, t in rows if t]
     return {
@@ -100,6 +106,9 @@ def _stored_bytes(tree) -> dict[str, int]:
         "stack_trained_bytes": sum(b for u, b in trained if u >= 0),
         "largest_leaf_bytes": max((b for _, b in trained), default=0),
         "outside_largest_leaf_bytes": max((b for u, b in trained if u == -1), default=0),
+        "outside_unit_bytes": max(units, default=0),
+        "outside_whole_bytes": sum(whole),
+        "outside_whole_largest_bytes": max(whole, default=0),
     }
 
 
@@ -213,6 +222,12 @@ class Geometry:
     attention_block: int = DEFAULT_BLOCK  # keys per block of the "blockwise" implementation
     loss_chunk: int | str = 0  # tokens per loss chunk (0: the whole logits; "auto": zoo.loss_chunk_for)
     frozen_matmuls: bool = False  # every matmul weight of the layers is quantized: no weight gradient
+    # The streamed update on one device takes large leaves outside the stacks in row blocks
+    # (transforms._opt_rows): the largest block or whole leaf it holds, the trained bytes of the
+    # leaves it takes whole, the largest of those (None: every leaf whole, as with a mesh).
+    outside_unit_bytes: int | None = None
+    outside_whole_bytes: int | None = None
+    outside_whole_largest_bytes: int | None = None
     compute_capability: float | None = None  # the planned GPU's generation (cuDNN's widest head); None: unknown
     platform: str = "gpu"  # the planned device's platform ("gpu" or "tpu": cuDNN's kernel exists on a GPU only)
 
