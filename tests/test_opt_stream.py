@@ -425,6 +425,7 @@ def small_row_blocks(monkeypatch):
     from transforms import _opt_rows
 
     monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_opt_rows, "BLOCKED_LEAF_BYTES", 4096)
     chosen = []
     real = _opt_rows.blocked_leaves
     monkeypatch.setattr(_opt_rows, "blocked_leaves", lambda *a: chosen.append(real(*a)) or chosen[-1])
@@ -475,6 +476,9 @@ def test_row_blocks_are_whole_rows_in_multiples_of_eight(monkeypatch):
     from transforms import _opt_rows
 
     monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 16 << 20)
+    assert _opt_rows.BLOCKED_LEAF_BYTES == 256 << 20
+    assert _opt_rows.row_blocks((32000, 768), 4) is None  # 98 MB: updated whole
+    monkeypatch.setattr(_opt_rows, "BLOCKED_LEAF_BYTES", 16 << 20)
     # 128256 = 2**8 * 3 * 167: the fewest blocks of <= 16 MiB whose rows are a multiple of 8 are
     # 96 blocks of 1336 rows (10.4 MiB).
     assert _opt_rows.row_blocks((128256, 2048), 4) == 96

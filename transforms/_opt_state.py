@@ -52,7 +52,7 @@ def offload_opt_state(
     applies the update and sends the new state and weights back to host, fetching the next layer
     while the current one is updated; the device holds about two layers of them at a time, never
     the whole ``updates`` tree. Leaves outside the stacks (embeddings, head, final norm) are
-    updated once, leaf by leaf; on one device, one larger than 16 MiB whose state is in host memory
+    updated once, leaf by leaf; on one device, one larger than 256 MiB whose state is in host memory
     is updated in blocks of whole rows, in place, when the optimizer treats its rows apart (Adam,
     SGD, Lion, weight decay; a probe checks it, LAMB's per-leaf norm keeps the leaf whole).
     :class:`transforms.TrainStep` runs this path through the wrapper's
