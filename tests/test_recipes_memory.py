@@ -6,6 +6,7 @@ model is built."""
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import pytest
@@ -123,3 +124,27 @@ def test_the_progress_line_reads_transforms_host_rss(monkeypatch):
     monkeypatch.setattr(transforms, "host_rss", lambda: 123 * 2**20)
     assert monitor.memory_in_use()["host"] == 123 * 2**20
     assert not hasattr(monitor, "host_rss")
+
+
+def test_generation_needs_a_placement_that_fits_the_device_and_the_host_the_runtime_leaves(monkeypatch):
+    """llama:1b, 8 sequences of 2,048 positions: its smallest device placement (weights and KV cache
+    in host memory) needs 5.6 GiB of host memory, which a v5e host of 19 GiB less the runtime's
+    13.5 cannot give; with 21 GiB it can. A device too small for every placement is the device's line."""
+    from transforms.plan import plan_generate
+
+    config = zoo.config_from_name("llama:1b")
+    plan = plan_generate(config, batch=8, context=2048, device=memory._estimating_device()).to_dict()
+    smallest = min(plan["placements"], key=lambda p: p["device_bytes"])["device_bytes"]
+    monkeypatch.setattr(jax, "local_devices", lambda: ON_V5E)
+    check = functools.partial(memory.check_generation_memory, config, batch=8, context=2048, flags="--samples 8")
+    monkeypatch.setattr(memory, "machine_memory", lambda: (smallest + 2**20, 19 * GiB))
+    with pytest.raises(SystemExit) as refused:
+        check()
+    line = str(refused.value)
+    assert line.startswith("--samples 8: generating 8 sequences of up to 2,048 positions at once needs about ")
+    assert "the host memory the accelerator's runtime leaves" in line and "\n" not in line
+    monkeypatch.setattr(memory, "machine_memory", lambda: (smallest + 2**20, 21 * GiB))
+    check()
+    monkeypatch.setattr(memory, "machine_memory", lambda: (smallest - 2**20, 64 * GiB))
+    with pytest.raises(SystemExit, match="the device's memory"):
+        check()

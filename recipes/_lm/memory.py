@@ -123,9 +123,10 @@ def _estimating_device():
 
 
 def check_generation_memory(config, *, batch: int, context: int, flags: str, quantize: str | None = None) -> None:
-    """Refuse generating ``batch`` sequences of ``context`` positions at once when the smallest
-    placement the planner knows (weights and KV cache on the device or in host memory) needs more
-    memory than this machine has; ``flags``: the flags that set the sizes, for the message."""
+    """Refuse generating ``batch`` sequences of ``context`` positions at once when no placement the
+    planner knows (weights and KV cache on the device or in host memory) fits this machine: on an
+    accelerator, its device bytes within the device's limit and its host bytes within the RAM the
+    runtime leaves; ``flags``: the flags that set the sizes, for the message."""
     from transforms.plan import plan_generate
 
     device_limit, ram = machine_memory()
@@ -140,8 +141,15 @@ def check_generation_memory(config, *, batch: int, context: int, flags: str, qua
         need = min(p["device_bytes"] + p["host_bytes"] for p in placements)
         have, where = ram, "this machine's memory"
     else:
-        need = min(p["device_bytes"] for p in placements)
-        have, where = device_limit, "the device's memory"
+        # A placement must fit the device and, for what it keeps in host memory, the RAM the
+        # accelerator's runtime leaves.
+        host_have = max(ram - runtime_share()[0], 0)
+        on_device = [p for p in placements if p["device_bytes"] <= device_limit]
+        if not on_device:
+            need, have, where = min(p["device_bytes"] for p in placements), device_limit, "the device's memory"
+        else:
+            need = min(p["host_bytes"] for p in on_device)
+            have, where = host_have, "the host memory the accelerator's runtime leaves"
     if need > have:
         raise SystemExit(
             f"{flags}: generating {batch:,} sequences of up to {context:,} positions at once needs about "
