@@ -105,8 +105,18 @@ def allowed(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerator_check")
     flags = ["--configs", "none,params,opt_state", "--test-crash", "opt_state"]
     flags += ["--test-break", "params", "--deadline", "400"]  # generous: a busy machine must not skip
-    data, printed = run_check(out, *flags)
-    return {"results": data, "printed": printed, "files": sorted(p.name for p in out.iterdir())}
+    profile = tmp_path_factory.mktemp("profile")
+    data, printed = run_check(out, *flags, "--profile", str(profile))
+    return {"results": data, "printed": printed, "files": sorted(p.name for p in out.iterdir()), "profile": profile}
+
+
+def test_profile_traces_each_training_configuration_after_its_timed_steps(allowed):
+    """``--profile DIR``: two more steps of each configuration that trained, traced with
+    jax.profiler into DIR/<config>, after the timing and the peak were read."""
+    none = allowed["results"]["configs"]["none"]
+    assert none["worker"]["profile_dir"] == str(allowed["profile"] / "none")
+    assert list((allowed["profile"] / "none").rglob("*.xplane.pb")), "no trace written"
+    assert not (allowed["profile"] / "opt_state").exists()  # the crashed worker never reached its steps
 
 
 def test_help_documents_the_flags():

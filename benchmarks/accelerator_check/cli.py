@@ -139,6 +139,13 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--compile-cache", choices=("on", "off"), default="on", help="share compiles between workers")
     p.add_argument("--keep-work-dir", action="store_true")
     p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after the timed steps, trace two more of each training configuration with jax.profiler into DIR/<config>",
+    )
+    p.add_argument(
         "--recheck",
         type=Path,
         nargs="+",

@@ -153,6 +153,7 @@ def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None, at
         "seed": 0,
         **{k: getattr(args, k) for k in ("lr", "plan_device", "bandwidth_mib", "bandwidth_reps", "memory_analysis")},
         "compile_cache": compile_cache,
+        "profile_dir": str(Path(args.profile).resolve() / conf.name) if getattr(args, "profile", None) else None,
         "allow_cpu": args.allow_cpu,
         **{k: conf.name in (v or ()) for k, v in test.items()},
     }

@@ -344,6 +344,11 @@ def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles:
             times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))
     report["memory_stats"] = memory_stats()  # before any other program runs
+    if spec.get("profile_dir"):  # after the timed steps and the peak: the tracing costs them nothing
+        with jax.profiler.trace(spec["profile_dir"]):
+            for _ in range(2):
+                model, state, _ = jax.block_until_ready(step(model, state, tokens))
+        report["profile_dir"] = spec["profile_dir"]
     report["step_memory"] = step_memory(step, model, state, tokens)
     report["losses"] = [report["first_step"]["loss"], *losses]
     report["compiles"] = {"after_first_step": compiles["count"] - before, "total": compiles["count"]}
