@@ -102,8 +102,15 @@ def without(inner, state, idx, drop: set):
     return optax.tree_utils.tree_map_params(inner, lambda x, i: None if i in drop else x, state, idx, is_leaf=_is_none)
 
 
-@functools.lru_cache(maxsize=256)
 def rows_separable(inner, treedef, j: int, ndim: int) -> bool:
+    """:func:`_rows_separable`, remembered per optimizer and leaf (each step traces it again)."""
+    try:
+        return _remembered(inner, treedef, j, ndim)
+    except TypeError:  # an optimizer that cannot be hashed: probed every time
+        return _rows_separable(inner, treedef, j, ndim)
+
+
+def _rows_separable(inner, treedef, j: int, ndim: int) -> bool:
     """Whether ``inner`` updates leaf ``j`` of a tree of ``treedef`` row by row: one step on a tiny
     copy of the leaf (16 rows; gradients of very different sizes in each half), whole and in two
     halves, gives the same update and the same new state."""
@@ -142,6 +149,9 @@ def rows_separable(inner, treedef, j: int, ndim: int) -> bool:
         a.shape == b.shape and np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=0)
         for a, b in zip(flat_whole, flat_joined, strict=True)
     )
+
+
+_remembered = functools.lru_cache(maxsize=256)(_rows_separable)
 
 
 def _one_device(x) -> bool:
