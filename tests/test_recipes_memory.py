@@ -148,3 +148,23 @@ def test_generation_needs_a_placement_that_fits_the_device_and_the_host_the_runt
     monkeypatch.setattr(memory, "machine_memory", lambda: (smallest - 2**20, 64 * GiB))
     with pytest.raises(SystemExit, match="the device's memory"):
         check()
+
+
+def test_a_whole_state_update_that_crowds_the_device_gets_the_streamed_updates_figure(monkeypatch):
+    """--offload params,opt_state brings the whole optimizer state to the device for the update;
+    when that fills most of it (llama:1b on a v5e: 15.2 of 15.75 GiB), the run says what
+    opt_state_stream would need. With room to spare, or already streamed, it says nothing."""
+    # llama:small at 2 x 64: the whole-state update peaks at about 1.7 GiB, the streamed one at 1.05.
+    args = argparse.Namespace(batch=2, seq=64, accum=1, model="llama:small", quantize=None)
+    config, spec = zoo.config_from_name("llama:small"), OffloadSpec(params=True, opt_state="offload")
+    estimate = transforms.plan(config, batch=2, seq=64, device=memory._estimating_device())
+    device, _ = memory.memory_need(spec.predict(estimate), lora=False)
+    monkeypatch.setattr(jax, "local_devices", lambda: ON_V5E)
+    monkeypatch.setattr(memory, "machine_memory", lambda: (int(device * 1.1), 64 * GiB))
+    (line,) = memory.check_memory(args, config, spec, None, lora=False)
+    assert line.startswith("--offload opt_state brings the whole optimizer state to the device for the update")
+    assert "--offload opt_state_stream updates it layer by layer" in line
+    streamed = dataclasses.replace(spec, opt_state="stream")
+    assert memory.check_memory(args, config, streamed, None, lora=False) == []
+    monkeypatch.setattr(memory, "machine_memory", lambda: (device * 4, 64 * GiB))
+    assert memory.check_memory(args, config, spec, None, lora=False) == []

@@ -12,6 +12,7 @@ the start of the run (:func:`transforms.host_baseline`), or the device profile's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -57,13 +58,14 @@ def runtime_share(host_baseline: int | None = None) -> tuple[int, str]:
 
 def check_memory(
     args, config, spec: OffloadSpec, mesh, *, lora: bool, plan=None, host_baseline: int | None = None
-) -> None:
+) -> list[str]:
     """Refuse a step that cannot fit this machine by the planner's estimate (``--batch``, ``--seq``
     far beyond it): one line before anything is allocated, not an out-of-memory crash later.
 
     With ``--plan`` (``plan``: the planner's result), a plan in which nothing fits is refused with
     the planner's own line (:attr:`transforms.Plan.refusal`). ``host_baseline``: the runtime's
-    share of the host measured at the start of the run (see :func:`runtime_share`)."""
+    share of the host measured at the start of the run (see :func:`runtime_share`). Returns lines
+    of advice for a step that fits but crowds the device (see :func:`_update_advice`)."""
     if spec.plan and plan is not None and plan.refusal is not None:
         raise SystemExit(f"--plan {spec.plan} --batch {args.batch} --seq {args.seq}: {plan.refusal}")
     device_limit, ram = machine_memory()
@@ -82,12 +84,12 @@ def check_memory(
         if spec.plan:
             chosen = plan.candidate if plan is not None else None
             if chosen is None:
-                return  # no plan given to check
+                return []  # no plan given to check
             prediction = estimate.predict(params=chosen.params, opt_state=chosen.opt_state, activations=chosen.policy)
         else:
             prediction = spec.predict(estimate)
     except (ValueError, TypeError):
-        return  # a shape the planner does not model (the run's own checks come later)
+        return []  # a shape the planner does not model (the run's own checks come later)
     device, host = memory_need(prediction, lora=lora)
     local = 1 if mesh is None else min(mesh.devices.size, jax.local_device_count())  # the devices this process uses
     fmt = transforms.format_bytes
@@ -108,6 +110,29 @@ def check_memory(
             f"--batch {args.batch} --seq {args.seq}: one step needs about {fmt(need)} (the planner's estimate for "
             f"{args.model} with {spec.label}), more than {room}; lower --batch or --seq, raise --accum, or offload more"
         )
+    return _update_advice(spec, estimate, prediction, device, device_limit, lora=lora)
+
+
+#: Above this share of the device, a whole-state update in host memory gets the streamed one's figure.
+CROWDED = 0.8
+
+
+def _update_advice(spec: OffloadSpec, estimate, prediction: dict, device: int, limit, *, lora: bool) -> list[str]:
+    """A line for a run whose offloaded optimizer state comes to the device whole for the update
+    and fills most of it (``llama:1b`` with ``--offload params,opt_state`` on a TPU v5e: 15.2 of
+    15.75 GiB): what the streamed update would need instead."""
+    if not limit or spec.plan or spec.opt_state != "offload" or prediction.get("peak_phase") != "update":
+        return []
+    if device <= CROWDED * limit:
+        return []
+    streamed, _ = memory_need(dataclasses.replace(spec, opt_state="stream").predict(estimate), lora=lora)
+    if streamed >= device:
+        return []
+    fmt = transforms.format_bytes
+    return [
+        f"--offload opt_state brings the whole optimizer state to the device for the update: about {fmt(device)} "
+        f"of its {fmt(limit)}; --offload opt_state_stream updates it layer by layer (about {fmt(streamed)})"
+    ]
 
 
 #: The device the estimates are made for: memory without bound, so that the planner answers

@@ -180,7 +180,7 @@ class Run:
                 )
             except (ValueError, TypeError) as err:
                 raise SystemExit(f"--plan {self.offload.plan}: {err}") from None
-        check_memory(
+        self.warnings += check_memory(
             args, self.config, self.offload, self.mesh, lora=self.lora, plan=self.plan, host_baseline=self.host_baseline
         )
         self.corpus = open_corpus(
