@@ -1,7 +1,7 @@
 """The streamed update of large leaves outside the stacks, in row blocks, in place.
 
-The embedding and the head of a large vocabulary are the largest leaves of a model (``llama:1b``:
-two of 0.98 GiB in float32). Updated whole, each brings itself, its gradient and its optimizer
+The embedding and the head of a large vocabulary are the largest leaves of a model (``llama:1b``'s
+tied embedding: 0.98 GiB in float32). Updated whole, each brings itself, its gradient and its optimizer
 state to the device at once and leaves a second copy of its state in host memory until the step
 ends: that set ``llama:1b``'s peak on a TPU v5e. Here such a leaf is viewed as ``(blocks, rows,
 ...)`` (whole rows along its first dimension, a multiple of 8 rows a block, about
