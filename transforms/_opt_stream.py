@@ -42,7 +42,6 @@ from ._memory import (
     mesh_of,
     restore_kinds,
     state_shardings,
-    to_device,
     to_host,
     traced_kind,
     tree_to_device,
@@ -436,9 +435,11 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     g_view, p_rest = _view(grads, units, -1), _view(params, units, -1)
     blocked = rows.blocked_leaves(inner, p_rest, state.rest) if apply else {}
     idx = rows.index_tree(g_view)
-    grads_rest = jax.tree.map(
-        lambda g, i: None if i in blocked else (to_device(g) if is_arraylike(g) else g), g_view, idx, is_leaf=_is_none
-    )
+
+    def unblocked(tree):  # the leaves outside the stacks updated whole (None for the blocked ones)
+        return jax.tree.map(lambda x, i: None if i in blocked else x, tree, idx, is_leaf=_is_none)
+
+    grads_rest = tree_to_device(unblocked(g_view))
     g_blocked = {j: x for j, x in enumerate(jax.tree.leaves(g_view)) if j in blocked}
 
     g_norm, scale = None, None
@@ -514,11 +515,8 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
             new_copies[j] = [c.reshape(p_j.shape) for c in cs]
 
     # The other leaves outside the stacks: once, leaf by leaf, as the plain offloaded update does.
-    p_small, s_small = p_rest, state.rest
-    if blocked:
-        p_small = jax.tree.map(lambda x, i: None if i in blocked else x, p_rest, idx, is_leaf=_is_none)
-        s_small = rows.without(inner, state.rest, idx, set(blocked))
-    out_rest, s_rest = update(grads_rest, tree_to_device(s_small), tree_to_device(p_small))
+    s_small = rows.without(inner, state.rest, idx, set(blocked)) if blocked else state.rest
+    out_rest, s_rest = update(grads_rest, tree_to_device(s_small), tree_to_device(unblocked(p_rest)))
     if blocked:
         out_rest = jax.tree.map(lambda i, o: new_blocked.get(i, o), idx, out_rest, is_leaf=_is_none)
         s_rest = rows.with_copies(inner, s_rest, idx, new_copies)

@@ -298,12 +298,17 @@ def link_time(h2d: int, d2h: int, rates: dict) -> float:
     return common / 1e9 / rates["both"] + rest / 1e9 / rate
 
 
+def _moved(entry: dict) -> tuple:
+    """``(step seconds, host-to-device bytes, device-to-host bytes)`` of a configuration's step."""
+    hlo = entry.get("hlo") or {}
+    return entry.get("step_time_s"), hlo.get("h2d_bytes_per_step"), hlo.get("d2h_bytes_per_step")
+
+
 def _beaten(configs: dict, rates: dict) -> str | None:
     """The first configuration whose step moved its bytes faster than ``rates`` allow (by more than
     5%), as ``"name: X s for a Y s link time"``; ``None`` if no step beats them."""
     for entry in configs.values():
-        hlo, step = entry.get("hlo") or {}, entry.get("step_time_s")
-        h2d, d2h = hlo.get("h2d_bytes_per_step"), hlo.get("d2h_bytes_per_step")
+        step, h2d, d2h = _moved(entry)
         if step and h2d is not None and d2h is not None and entry.get("kind") != "bandwidth":
             busy = link_time(h2d, d2h, rates)
             if busy > 1.05 * step:
@@ -336,8 +341,7 @@ def derived(configs: dict, bandwidth: dict | None, device_kind: str | None = Non
             other = entry.get("capped") or entry.get("capacity")  # another model
             entry[ratio] = mine / base if mine and base and not other else None
         entry["mfu"] = _mfu(entry)
-        hlo, step = entry.get("hlo") or {}, entry.get("step_time_s")
-        h2d, d2h = hlo.get("h2d_bytes_per_step"), hlo.get("d2h_bytes_per_step")
+        step, h2d, d2h = _moved(entry)
         moved = {"h2d_bytes_per_step": h2d, "d2h_bytes_per_step": d2h, "source": "compiled HLO (x loop trips)"}
         if step and h2d is not None and d2h is not None:
             moved["achieved_total_gb_per_s"] = (h2d + d2h) / step / 1e9

@@ -8,6 +8,7 @@ every check that reads files or the model's abstract form done before anything i
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import pathlib
 import time
@@ -338,13 +339,18 @@ class Run:
             "tokens_seen": step * self.args.batch * self.args.seq,
         }
 
-    def prediction(self) -> dict:
-        """The planner's bytes for the transforms this run uses (gradients and activations)."""
+    @functools.cached_property
+    def _prediction(self) -> dict:
         a = self.args
         plan = self.plan or transforms.plan(
             self.config, batch=a.batch, seq=a.seq, device="h100", quantize=getattr(a, "quantize", None)
         )
         return self.offload.predict(plan)
+
+    def prediction(self) -> dict:
+        """The planner's bytes for the transforms this run uses (gradients and activations): made
+        once a run (its sizes and transforms do not change)."""
+        return self._prediction
 
 
 @eqx.filter_jit
