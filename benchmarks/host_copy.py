@@ -92,11 +92,14 @@ def measure(gib: float, reps: int) -> dict:
     try:
         host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         one("device_put_pinned", fresh, lambda x: jax.device_put(x, host).block_until_ready())
-        pinned = lambda v: jax.device_put(fresh(v), host).block_until_ready()  # noqa: E731
+
+        def pinned(v):
+            return jax.device_put(fresh(v), host).block_until_ready()
+
         one("asarray_pinned", pinned, np.asarray)
         to_host = jax.jit(lambda x: x * 2, out_shardings=host)
         one("jit_to_pinned", fresh, lambda x: to_host(x).block_until_ready())
-    except Exception as e:  # noqa: BLE001 - a runtime without host memory kinds: say so, keep the rest
+    except Exception as e:
         error = f"{type(e).__name__}: {e}"[:300]
     rates = {k: [round(nbytes / s / 1e9, 2) for s in v] for k, v in secs.items()}
     return {
