@@ -41,15 +41,20 @@ def test_compact_state_trains_like_float32_state_in_fewer_host_bytes(dtype, stat
         for _ in range(4):
             model, state, metrics = step(model, state, tokens)
             losses.append(float(metrics["loss"]))
-        moments = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 0]
+        named = jax.tree_util.tree_flatten_with_path(state)[0]
+        moments = {jax.tree_util.keystr(p): x for p, x in named if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 0}
         return losses, moments
 
     ref, ref_state = run(lambda o: o)
     got, state = run(lambda o: transforms.compact_state(o, dtype))
     assert np.allclose(got, ref, rtol=loss_rtol), (got, ref)
     assert got[-1] < got[0]
-    assert all(x.sharding.memory_kind == "pinned_host" for x in state)  # codes and scales offloaded
-    ratio = sum(x.nbytes for x in state) / sum(x.nbytes for x in ref_state)
+    # Codes and scales offloaded; streamed, a stack's per-layer vectors in 8 bits stay on the device
+    # (XLA:TPU cannot copy one layer's row of them out of host memory; a norm's scale is tiny).
+    kept = {k for k, x in state.items() if stream and k.startswith(".stacked") and x.ndim == 2 and x.dtype.itemsize < 4}
+    assert {k for k, x in state.items() if x.sharding.memory_kind != "pinned_host"} == kept
+    assert len(kept) == (4 if stream else 0)  # mu and nu of the attention and MLP norms
+    ratio = sum(x.nbytes for x in state.values()) / sum(x.nbytes for x in ref_state.values())
     assert ratio == pytest.approx(state_ratio, abs=0.02)
 
 

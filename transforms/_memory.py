@@ -142,3 +142,14 @@ def state_shardings(abstract, chosen, params, mesh):
         return jax.tree.unflatten(treedef, out)
 
     return jax.tree.map(one, abstract, chosen, is_leaf=lambda n: is_empty(n) or mirrors(n))
+
+
+def packed_layer_vector(x, in_stack: bool) -> bool:
+    """Whether ``x`` is a stack's per-layer vector (a norm's scale, a bias: ``(layers, d)``) of a
+    dtype narrower than 32 bits. XLA:TPU packs two or more rows of such an array into one sublane
+    and refuses to copy a single layer's row out of host memory ("Sublane slicing size must be
+    multiple of element packing factor"), so :func:`transforms.offload_params` and the streamed
+    update of :func:`transforms.offload_opt_state` (for 16- or 8-bit moments,
+    :func:`transforms.compact_state`) leave these on the device by default: they are
+    ``layers x d`` elements, a rounding error beside the matrices."""
+    return in_stack and len(x.shape) == 2 and jnp.dtype(x.dtype).itemsize < 4

@@ -40,6 +40,7 @@ from ._memory import (
     HOST,
     is_arraylike,
     mesh_of,
+    packed_layer_vector,
     restore_kinds,
     state_shardings,
     to_host,
@@ -394,6 +395,9 @@ def _init(inner, select: Callable, where_given: bool, params):
     chosen = jax.tree.map(lambda a: bool(is_arraylike(a) and select(a)), abstract)
     if where_given and not any(jax.tree.leaves(chosen)):
         raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
+    if not where_given:  # by default, as offload_params does with such weights (see packed_layer_vector)
+        stacked = jax.tree.map(lambda a, c: c and not packed_layer_vector(a, True), abstract.stacked, chosen.stacked)
+        chosen = chosen._replace(stacked=stacked)
 
     def build(p):
         stacked = []

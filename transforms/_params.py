@@ -9,7 +9,7 @@ import jax
 from zoo import nn
 
 from ._lora import adapter_mask
-from ._memory import HOST, is_arraylike, is_floating, memory_kind, place, require_host_memory
+from ._memory import HOST, is_arraylike, is_floating, memory_kind, packed_layer_vector, place, require_host_memory
 from ._tree import stack_units
 
 
@@ -28,15 +28,6 @@ def _selected(model, where: Callable | None):
     if not callable(where):
         raise TypeError(f"where must be a callable filter (leaf -> bool) or None, got {type(where).__name__}")
     return jax.tree.map(lambda x: bool(is_arraylike(x) and where(x)), model)
-
-
-def packed_layer_vector(x, in_stack: bool) -> bool:
-    """Whether ``x`` is a stack's per-layer vector (a norm's scale, a bias: ``(layers, d)``) of a
-    dtype narrower than 32 bits. XLA:TPU packs two or more rows of such an array into one sublane
-    and refuses to copy a single layer's row out of host memory ("Sublane slicing size must be
-    multiple of element packing factor"), so :func:`offload_params` leaves these on the device by
-    default: they are ``layers x d`` elements, a rounding error beside the matrices."""
-    return in_stack and len(x.shape) == 2 and jax.numpy.dtype(x.dtype).itemsize < 4
 
 
 def _quantized_mask(model):
