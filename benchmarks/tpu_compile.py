@@ -45,19 +45,13 @@ import time
 from pathlib import Path
 
 from benchmarks import _environment as env
+from benchmarks.accelerator_check.configs import apply_transforms, config_table, make_optimizer
 from benchmarks.accelerator_check.hlo import analyze_hlo
 
-#: Configuration -> (offload_params: False, True or "prefetch"; activation policy or None; optimizer state:
-#: False, "offload" or "stream").
-CONFIGS = {
-    "none": (False, None, False),
-    "act_block_input": (False, "block_input", False),
-    "opt_state": (False, None, "offload"),
-    "opt_state_stream": (False, None, "stream"),
-    "params": (True, None, False),
-    "params_prefetch": ("prefetch", None, False),
-    "all_three": (True, "block_input", "stream"),
-}
+#: The configurations it compiles: the accelerator check's training configurations (the same
+#: transforms and optimizer, :mod:`benchmarks.accelerator_check.configs`), but the capacity and
+#: capped runs (another model each).
+CONFIGS = tuple(c.name for c in config_table() if c.kind == "train" and not (c.capacity or c.capped))
 
 
 def _device(target: str, topology: str):
@@ -73,28 +67,18 @@ def _device(target: str, topology: str):
     return topo.devices[0]
 
 
-def build(model_name: str, config: str, *, lr: float = 1e-3, clip: float = 1.0):
-    """The configuration's model, optimizer state and train step, built on this machine."""
+def build(model_name: str, config: str, *, lr: float = 1e-3):
+    """The configuration's model, optimizer state and train step, built on this machine (the
+    check's transforms and optimizer: AdamW after global-norm clipping at 1.0)."""
     import jax
-    import optax
 
     import transforms
     import zoo
 
-    params, activations, opt_state = CONFIGS[config]
+    conf = {c.name: c for c in config_table()}[config]
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
-    model = zoo.build_model(cfg, key=jax.random.key(0))
-    if params:
-        model = transforms.offload_params(model, prefetch=params == "prefetch")
-    if activations:
-        model = transforms.offload_activations(model, policy=activations)
-    if opt_state == "stream":
-        optimizer = transforms.offload_opt_state(optax.adamw(lr), stream=True, clip_norm=clip)
-    else:
-        optimizer = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr))
-        if opt_state == "offload":
-            optimizer = transforms.offload_opt_state(optimizer)
-    step = transforms.train_step(zoo.lm_loss, optimizer)
+    model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), conf)
+    step = transforms.train_step(zoo.lm_loss, make_optimizer(conf.opt, lr, conf.state))
     return model, step.init(model), step
 
 

@@ -1001,3 +1001,24 @@ def test_a_peak_that_adds_the_builds_in_use_peak_to_the_steps_scratch_is_told_ap
     results._figures(entry)
     assert not entry["peak_in_use_from_init"] and entry["training_peak_low_bytes"] is None
     assert entry["peak_set_by"] == "working buffers"
+
+
+def test_compact_moment_configurations_are_checked_against_the_same_storage_on_the_device():
+    table = {c.name: c for c in configs.config_table()}
+    for name, dtype in (("opt_state_stream_bf16", "bfloat16"), ("opt_state_stream_f8", "float8")):
+        conf = table[name]
+        assert (conf.opt, conf.state, conf.parity) == ("stream", dtype, (name,)) and name not in configs.DEFAULT_PLAN
+        assert conf.transforms()["state_dtype"] == dtype and parity.reference_of(conf).state == dtype
+    assert parity.reference_of(table["opt_state_stream"]) is None
+    everyday = parity.selected_cases({"mode": "all", "needed": []})
+    assert "opt_state_stream" in everyday and not {"opt_state_stream_bf16", "opt_state_stream_f8"} & set(everyday)
+    assert "opt_state_stream_f8" in parity.selected_cases({"mode": "all", "needed": ["opt_state_stream_f8"]})
+    report = {}
+    parity.worker_parity({"dtype": "float32", "mode": "needed", "needed": ["opt_state_stream_f8"]}, report, print)
+    assert report["selected"] == ["opt_state_stream_f8"]
+    case = report["cases"]["opt_state_stream_f8"]
+    assert case["passed"], case["failures"]
+    assert case["reference"].startswith("compact_state('float8')")
+    # The 8-bit moments round: the plain float32 run is not what the case matched.
+    f8_losses = report["other_references"]["plain_float8"]
+    assert f8_losses[-1] != report["reference_losses"][-1] and case["losses"] == pytest.approx(f8_losses, rel=1e-5)

@@ -37,7 +37,7 @@ def test_whole_stack_copies_counts_stacks_crossing_between_host_and_device_only(
 def test_bad_configurations_and_a_missing_compiler_are_one_line_errors(capsys):
     with pytest.raises(SystemExit):
         tpu_compile.main(["--configs", "nonsense"])
-    assert "valid: none, act_block_input" in capsys.readouterr().err
+    assert "valid: none, all_three, act_block_input" in capsys.readouterr().err
     if importlib.util.find_spec("libtpu") is None:
         with pytest.raises(SystemExit):
             tpu_compile.main(["--configs", "none"])

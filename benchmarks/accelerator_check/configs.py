@@ -23,6 +23,7 @@ class Config:
     activations: str | None = None  # a preset of transforms.offload_activations, or one name to offload
     remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
     opt: str = "device"  # "device", "offload" (offload_opt_state) or "stream" (stream=True)
+    state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -30,7 +31,8 @@ class Config:
     def transforms(self) -> dict:
         """The transforms of this configuration, as recorded in the results."""
         out = {"offload_params": self.params, "activations": self.activations, "opt_state": self.opt}
-        return {**out, **({"remat": "full"} if self.remat else {}), **({"prefetch": True} if self.prefetch else {})}
+        out.update({"remat": "full"} if self.remat else {}, **({"prefetch": True} if self.prefetch else {}))
+        return {**out, **({"state_dtype": self.state} if self.state else {})}
 
     def offloads_in_layer_loops(self) -> bool:
         """Whether a forward pass moves data between host and device inside the layer loops (then
@@ -94,6 +96,18 @@ def config_table() -> list[Config]:
             capped=True,
             parity=ALL_THREE,
         ),
+        _checked(
+            "opt_state_stream_bf16",
+            "offload_opt_state(compact_state(adamw, 'bfloat16'), stream=True, clip_norm=1.0) (moments in 16 bits)",
+            opt="stream",
+            state="bfloat16",
+        ),
+        _checked(
+            "opt_state_stream_f8",
+            "offload_opt_state(compact_state(adamw, 'float8'), stream=True, clip_norm=1.0) (moments in 8 bits)",
+            opt="stream",
+            state="float8",
+        ),
         Config(
             "act_block_input_and_projections",
             "offload_activations(policy='block_input_and_projections')",
@@ -129,18 +143,21 @@ def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16", **overr
     return cfg.replace(max_seq_len=seq) if seq > cfg.max_seq_len else cfg
 
 
-def make_optimizer(kind: str, lr: float):
+def make_optimizer(kind: str, lr: float, state: str | None = None):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
-    (``offload``) or offloaded and streamed (``stream``)."""
+    (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
+    in that dtype (:func:`transforms.compact_state`), the same arithmetic wherever they live."""
     import optax
 
     import transforms
 
     if kind not in ("device", "offload", "stream"):
         raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream")
+    adamw = optax.adamw(lr, b1=ADAM_B1)
+    adamw = transforms.compact_state(adamw, state) if state else adamw
     if kind == "stream":
-        return transforms.offload_opt_state(optax.adamw(lr, b1=ADAM_B1), stream=True, clip_norm=CLIP_NORM)
-    plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adamw(lr, b1=ADAM_B1))
+        return transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM)
+    plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
     return transforms.offload_opt_state(plain) if kind == "offload" else plain
 
 

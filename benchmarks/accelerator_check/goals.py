@@ -88,7 +88,7 @@ def optimizer_goals(configs: dict) -> list[dict]:
     target = f">= {GOALS['opt_freed_fraction']:.0%}"
     title = f"optimizer-state offload: frees {target} of its bytes (peak)"
     speed_title = f"optimizer-state offload: step time <= {GOALS['opt_step_ratio']:.2f}x no offload"
-    for name in ("opt_state_stream", "opt_state"):
+    for name in ("opt_state_stream", "opt_state", "opt_state_stream_bf16", "opt_state_stream_f8"):
         entry = configs.get(name)
         if entry is None:
             continue

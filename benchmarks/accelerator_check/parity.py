@@ -30,7 +30,27 @@ def parity_table() -> list[Config]:
     cfg = make_config(PARITY_MODEL["name"], seq=PARITY_MODEL["seq"], n_layers=PARITY_MODEL["n_layers"])
     others = [n for n in checkpoint_names(zoo.abstract_model(cfg)) if n != "block_input"]
     cases = [c for c in config_table() if c.name in DEFAULT_PLAN and c.name != "none"]
-    return cases + [Config(f"act_{n}", f"offload_activations(names=({n!r},))", activations=n) for n in others]
+    compact = [c for c in config_table() if c.state and c.parity == (c.name,)]
+    acts = [Config(f"act_{n}", f"offload_activations(names=({n!r},))", activations=n) for n in others]
+    return cases + acts + compact
+
+
+def reference_of(conf: Config | None) -> Config | None:
+    """The plain run a case is compared with: no transform, and the case's optimizer-state storage
+    (moments in 16 or 8 bits round differently from float32 ones; the same storage with the state on
+    the device is the same arithmetic, so the offloaded case must match it to rounding)."""
+    if conf is None or not conf.state:
+        return None
+    return Config(f"plain_{conf.state}", f"compact_state({conf.state!r}), no offload", state=conf.state)
+
+
+def selected_cases(spec: dict) -> list[str]:
+    """The cases a parity pass runs: ``spec["cases"]`` if given; else, in ``"all"`` mode, every
+    case but the opt-in compact-state ones, and in any mode those in ``spec["needed"]``."""
+    if spec.get("cases"):
+        return list(spec["cases"])
+    every = spec["mode"] == "all"
+    return [c.name for c in parity_table() if (every and not c.state) or c.name in spec["needed"]]
 
 
 def host_tree(model) -> dict:
@@ -66,7 +86,7 @@ def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict
     model = _builder(cfg)(jax.random.key(0))
     initial = host_tree(model)
     model = apply_transforms(model, conf) if conf else model
-    optimizer = make_optimizer(conf.opt if conf else "device", m["lr"])
+    optimizer = make_optimizer(conf.opt if conf else "device", m["lr"], conf.state if conf else None)
     tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"] + 1), 0, cfg.vocab_size, jnp.int32)
     step = transforms.train_step(zoo.lm_loss, optimizer)
     state = step.init(model)
@@ -124,20 +144,28 @@ def worker_parity(spec: dict, report: dict, write) -> None:
     tol = tolerance(spec["dtype"])
     report.update(model=PARITY_MODEL, dtype=spec["dtype"], tolerances=tol, cases={})
     table = {c.name: c for c in parity_table()}
-    report["selected"] = spec.get("cases") or [n for n in table if spec["mode"] == "all" or n in spec["needed"]]
+    report["selected"] = selected_cases(spec)
     if spec.get("test_break") and spec["test_break"] not in report["selected"]:
         report["test_break_unknown"] = f"{spec['test_break']!r} is not among the cases {report['selected']}"
     write("selected")
     ref_losses, ref_weights, initial = train_case(None, spec)
     report["reference_losses"] = ref_losses
     write("reference")
+    references = {None: (ref_losses, ref_weights)}
     for name in report["selected"]:
         t = time.perf_counter()
         try:
+            plain = reference_of(table[name])
+            if (plain and plain.name) not in references:
+                references[plain.name] = train_case(plain, spec)[:2]
+                report.setdefault("other_references", {})[plain.name] = references[plain.name][0]
+            case_ref_losses, case_ref_weights = references[plain and plain.name]
             losses, weights, _ = train_case(table[name], spec)
             if name == spec.get("test_break"):
                 weights = break_result(weights, PARITY_MODEL["n_layers"])
-            result = compare(losses, weights, ref_losses, ref_weights, initial, tol)
+            result = compare(losses, weights, case_ref_losses, case_ref_weights, initial, tol)
+            if plain:
+                result["reference"] = plain.description
         except Exception as err:  # a transform that does not run fails its case; the pass goes on
             result = {"passed": False, "failures": [f"{type(err).__name__}: {str(err)[:500]}"]}
         result.update(description=table[name].description, seconds=round(time.perf_counter() - t, 3))

@@ -283,7 +283,7 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     report["model"].update(param_bytes=param_bytes, stack_bytes=stack_bytes, layer_bytes=stack_bytes // cfg.n_layers)
     if plan is None:
         model = apply_transforms(model, rest)  # no reference to the device weights may outlive this
-        optimizer = make_optimizer(conf.opt, spec["lr"])
+        optimizer = make_optimizer(conf.opt, spec["lr"], conf.state)
         tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     else:  # the plan's transforms (weights already built in host memory where it offloads them)
         from .capacity import text_tokens
@@ -371,7 +371,7 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             batch=spec["batch"],
             seq=spec["seq"],
             device=spec["plan_device"],
-            optimizer=make_optimizer("device", spec["lr"]),
+            optimizer=make_optimizer("device", spec["lr"], conf.state),
             accum_steps=spec["accum_steps"],
         )
         opt = {"device": False, "offload": "offload", "stream": "stream"}[conf.opt]
@@ -389,7 +389,10 @@ def _extras(spec: dict, conf: Config, cfg, report: dict, mu, model, optimizer, s
     configuration and, with ``--memory-analysis on``, ``transforms.compiled_memory`` (an extra compile)."""
     import transforms
 
-    if mu is None:
+    if conf.state:
+        why = f"the first moment is stored as {conf.state}, not the step-1 gradient to rounding; the parity"
+        report["gradients"] = {"unavailable": why + " pass checks this optimizer against its state on the device"}
+    elif mu is None:
         report["gradients"] = {"unavailable": "no Adam first moment found in the optimizer state"}
     else:
         summary = scale_summary(gradient_summary(mu), 1.0 / (1.0 - ADAM_B1))
