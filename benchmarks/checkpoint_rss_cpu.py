@@ -179,6 +179,7 @@ def run_phase(args) -> dict:
     import jax
 
     import checkpointing
+    from checkpointing._stream import SAVE_SECONDS
 
     state = build(args)
     state_bytes, total_bytes = host_bytes(state), sum(x.nbytes for x in _arrays(state))
@@ -186,6 +187,7 @@ def run_phase(args) -> dict:
     try:
         if args.phase in ("save", "async save"):
             step = STEP_SYNC if args.phase == "save" else STEP_ASYNC
+            SAVE_SECONDS.clear()
             with PeakRSS() as peak:
                 ckpt.save(step, state)
                 ckpt.wait()
@@ -220,6 +222,7 @@ def run_phase(args) -> dict:
         "extra_bytes": peak.extra,
         "peak_from": "VmHWM" if peak.kernel else "sampled VmRSS",
         "seconds": peak.seconds,
+        "save_seconds_by_part": {k: round(v, 3) for k, v in SAVE_SECONDS.items()} if "save" in args.phase else None,
     }
 
 
@@ -250,6 +253,10 @@ def table(rows: list[dict]) -> str:
             f"{r['extra_bytes'] / 2**20:,.0f} | {r['extra_bytes'] / r['state_bytes']:.1%} | {r['seconds']:.1f} | "
             f"{rate:.2f} |"
         )
+    parts = [(r["phase"], r.get("save_seconds_by_part")) for r in rows if r.get("save_seconds_by_part")]
+    if parts:
+        lines += ["", "Where a save's time goes (seconds summed over its blocks, `_stream.SAVE_SECONDS`):"]
+        lines += [f"- {phase}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by.items())) for phase, by in parts]
     return "\n".join(lines) + "\n"
 
 

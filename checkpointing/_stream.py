@@ -20,6 +20,7 @@ The host holds the blocks in flight, never a second copy of a shard.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import hashlib
@@ -27,6 +28,7 @@ import itertools
 import json
 import math
 import os
+import time
 from collections import deque
 
 import jax
@@ -45,6 +47,12 @@ FINGERPRINTS = "fingerprints.json"
 _LEAVES = "leaves"
 #: The default size of the blocks a save or restore moves through host memory at a time.
 BLOCK_BYTES = 16 << 20
+#: Seconds the saves of this process spent in each part of :func:`write_leaf`, summed: ``create``
+#: (opening each array's store), ``fetch`` (a block from a device or host-memory array: its slice
+#: and fingerprint under `jit`, then its copy into NumPy), ``fingerprint_host`` (NumPy arrays'
+#: blocks), ``write_wait`` (waiting for an earlier block's write to finish). Read by
+#: ``benchmarks/checkpoint_rss_cpu.py``; clear it to time one save.
+SAVE_SECONDS: collections.Counter = collections.Counter()
 #: Writes (each one block) in flight at once: the next block is fetched while these are written.
 _IN_FLIGHT = 2
 
@@ -302,28 +310,42 @@ def _shard_shape(x) -> tuple:
     return tuple(x.sharding.shard_shape(tuple(x.shape)))
 
 
+def _count(part: str, since: float) -> float:
+    """Add the time since ``since`` to ``SAVE_SECONDS[part]``; returns now."""
+    now = time.perf_counter()
+    SAVE_SECONDS[part] += now - since
+    return now
+
+
 def write_leaf(directory: str, key: str, x, block_bytes: int, pending: deque) -> list[int]:
     """Write the shards of ``x`` this process holds, block by block; returns their share of the
     fingerprint. ``pending``: the writes in flight (waited for here as it fills)."""
     full, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
     block = block_shape(_shard_shape(x), full, dtype.itemsize, block_bytes)
+    clock = time.perf_counter
+    t = clock()
     store = _create(directory, key, full, dtype.itemsize, block)
+    t = _count("create", t)
     shares = [[0, 0]]
     for index, data in _shards(x):
         origin = _starts(index, full)
         shape = tuple(np.shape(data))
         for start, size in _blocks(shape, block):
             offset = tuple(o + s for o, s in zip(origin, start, strict=True))
+            t = clock()
             if isinstance(data, np.ndarray):
                 piece = data[tuple(slice(s, s + n) for s, n in zip(start, size, strict=True))]
                 share = fingerprint_np(piece, offset, full)
+                t = _count("fingerprint_host", t)
             else:
                 piece, share, data = _block_to_host(data, start, size, offset, full, whole=size == shape)
+                t = _count("fetch", t)
             shares.append(share)
             raw = _as_bytes(piece)
             while len(pending) >= _IN_FLIGHT:
                 pending.popleft()[0].result()
                 release_freed_memory()
+            _count("write_wait", t)
             region = store[_byte_region(offset, size, dtype.itemsize)]
             pending.append((region.write(raw, can_reference_source_data_indefinitely=True), raw))
     return add(*shares)
@@ -346,8 +368,10 @@ def write_arrays(directory: str, arrays: dict, block_bytes: int, digest: str) ->
         for key, x in arrays.items():
             shares[key] = write_leaf(directory, key, x, block_bytes, pending)
     finally:
+        t = time.perf_counter()
         while pending:
             pending.popleft()[0].result()
+        _count("write_wait", t)
     found = dict(zip(shares, total_shares(list(shares.values())), strict=True))
     if jax.process_index() == 0:
         _write_text(directory, FINGERPRINTS, json.dumps({"record": digest, "fingerprints": found}))

@@ -117,3 +117,22 @@ def test_save_and_restore_add_far_less_host_memory_than_the_state(tmp_path):
     assert child.returncode == 0, child.stderr[-3000:]
     assert list(measured) == ["save", "async save", "restore into the live state"]
     assert phases["done"]["kinds"] == ["device", "pinned_host"]
+
+
+def test_a_save_says_where_its_time_went(tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import checkpointing
+    from benchmarks import checkpoint_rss_cpu
+    from checkpointing._stream import SAVE_SECONDS
+
+    SAVE_SECONDS.clear()
+    with checkpointing.Checkpointer(tmp_path, keep=1, async_save=False) as ckpt:
+        ckpt.save(1, {"device": jnp.ones((64, 32)), "numpy": np.ones((16, 8), np.float32)})
+    assert set(SAVE_SECONDS) == {"create", "fetch", "fingerprint_host", "write_wait"}
+    assert all(v >= 0 for v in SAVE_SECONDS.values()) and SAVE_SECONDS["fetch"] > 0
+    row = dict(phase="save", device="cpu", platform="cpu", state_bytes=2**30, state_bytes_total=2**30)
+    row.update(baseline_rss_bytes=2**30, peak_rss_bytes=2**31, extra_bytes=2**20, seconds=2.0)
+    text = checkpoint_rss_cpu.table([{**row, "save_seconds_by_part": {"fetch": 1.5, "write_wait": 0.25}}])
+    assert "- save: fetch 1.50, write_wait 0.25" in text
