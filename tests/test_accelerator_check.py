@@ -115,7 +115,10 @@ def test_profile_traces_each_training_configuration_after_its_timed_steps(allowe
     jax.profiler into DIR/<config>, after the timing and the peak were read."""
     none = allowed["results"]["configs"]["none"]
     assert none["worker"]["profile_dir"] == str(allowed["profile"] / "none")
-    assert list((allowed["profile"] / "none").rglob("*.xplane.pb")), "no trace written"
+    traces = list((allowed["profile"] / "none").rglob("*.xplane.pb"))
+    assert traces and all(t.parent == allowed["profile"] / "none" for t in traces)  # flat: easy to copy back
+    assert set(none["worker"]["profile_files"]) >= {t.name for t in traces}
+    assert not (allowed["profile"] / "none" / "plugins").exists()
     assert not (allowed["profile"] / "opt_state").exists()  # the crashed worker never reached its steps
 
 

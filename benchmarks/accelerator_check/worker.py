@@ -332,6 +332,24 @@ def _first_step(spec: dict, report: dict, model, step, state, tokens):
     return model, state, jax.device_get(mu)
 
 
+def _flatten_traces(where: Path) -> list[str]:
+    """Move the files jax.profiler wrote under ``where/plugins/profile/<run>/`` to ``where`` itself
+    (tools that copy results back often refuse deep folders; the trace viewers take the file's
+    path: ``xprof.convert.raw_to_tool_data.xspace_to_tool_data([path], "trace_viewer", {})``)."""
+    import shutil
+
+    moved = []
+    for trace in sorted(p for p in where.rglob("*") if p.is_file()):  # .xplane.pb, and .trace.json.gz
+        if trace.parent != where:
+            target = where / trace.name
+            shutil.move(str(trace), str(target))
+            moved.append(target.name)
+    for folder in sorted((d for d in where.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+        if not any(folder.iterdir()):  # the run folders left empty
+            folder.rmdir()
+    return moved
+
+
 def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles: dict):
     """The warm-up and timed steps; the peak device memory is read right after them."""
     import jax
@@ -349,6 +367,7 @@ def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles:
             for _ in range(2):
                 model, state, _ = jax.block_until_ready(step(model, state, tokens))
         report["profile_dir"] = spec["profile_dir"]
+        report["profile_files"] = _flatten_traces(Path(spec["profile_dir"]))
     report["step_memory"] = step_memory(step, model, state, tokens)
     report["losses"] = [report["first_step"]["loss"], *losses]
     report["compiles"] = {"after_first_step": compiles["count"] - before, "total": compiles["count"]}
