@@ -159,3 +159,12 @@ def write_results(out: Path, stem: str, report: dict, text: str, *, quiet: bool 
     if not quiet:
         print(f"wrote {out / stem}.json and .md", flush=True)
     return out / f"{stem}.json"
+
+
+def save_run(args, prefix: str, result: dict, text: str) -> Path:
+    """Print a device benchmark's table ``text`` and write it with ``result`` (which names its
+    ``device_kind``), the software and the arguments to ``args.out/<prefix>_<device>.json`` and
+    ``.md``; returns the JSON file's path."""
+    print(text)
+    report = {"software": software(), "args": vars(args) | {"out": str(args.out)}, **result}
+    return write_results(args.out, f"{prefix}_{sanitize(result['device_kind'])}", report, text)

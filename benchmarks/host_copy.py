@@ -137,11 +137,7 @@ def main(argv=None) -> int:
         p.error(f"--gib {args.gib}: give a size above 0 and at most 8")
     result = measure(args.gib, args.reps)
     text = table(result, f"Host copies of {result['bytes'] / GIB:.3g} GiB on {result['device_kind']}")
-    print(text)
-    stem = "host_copy_" + env.sanitize(result["device_kind"])
-    env.write_results(
-        args.out, stem, {"software": env.software(), "args": vars(args) | {"out": str(args.out)}, **result}, text
-    )
+    env.save_run(args, "host_copy", result, text)
     return 0
 
 

@@ -181,11 +181,7 @@ def main(argv=None) -> int:
     head = f"Optimizer update of {args.model} (fp32 weights, AdamW, clip 1.0), state in host memory"
     head += f", on {result['device_kind']}"
     text = table(result, head)
-    print(text)
-    stem = "update_speed_" + env.sanitize(result["device_kind"])
-    env.write_results(
-        args.out, stem, {"software": env.software(), "args": vars(args) | {"out": str(args.out)}, **result}, text
-    )
+    env.save_run(args, "update_speed", result, text)
     return 0
 
 

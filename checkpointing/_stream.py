@@ -322,17 +322,16 @@ def write_leaf(directory: str, key: str, x, block_bytes: int, pending: deque) ->
     fingerprint. ``pending``: the writes in flight (waited for here as it fills)."""
     full, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
     block = block_shape(_shard_shape(x), full, dtype.itemsize, block_bytes)
-    clock = time.perf_counter
-    t = clock()
+    t = time.perf_counter()
     store = _create(directory, key, full, dtype.itemsize, block)
-    t = _count("create", t)
+    _count("create", t)
     shares = [[0, 0]]
     for index, data in _shards(x):
         origin = _starts(index, full)
         shape = tuple(np.shape(data))
         for start, size in _blocks(shape, block):
             offset = tuple(o + s for o, s in zip(origin, start, strict=True))
-            t = clock()
+            t = time.perf_counter()
             if isinstance(data, np.ndarray):
                 piece = data[tuple(slice(s, s + n) for s, n in zip(start, size, strict=True))]
                 share = fingerprint_np(piece, offset, full)

@@ -31,8 +31,13 @@ class Config:
     def transforms(self) -> dict:
         """The transforms of this configuration, as recorded in the results."""
         out = {"offload_params": self.params, "activations": self.activations, "opt_state": self.opt}
-        out.update({"remat": "full"} if self.remat else {}, **({"prefetch": True} if self.prefetch else {}))
-        return {**out, **({"state_dtype": self.state} if self.state else {})}
+        if self.remat:
+            out["remat"] = "full"
+        if self.prefetch:
+            out["prefetch"] = True
+        if self.state:
+            out["state_dtype"] = self.state
+        return out
 
     def offloads_in_layer_loops(self) -> bool:
         """Whether a forward pass moves data between host and device inside the layer loops (then

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .configs import GiB
+from .configs import GiB, config_table
 
 GOALS = {
     "act_step_ratio": 1.10,  # activation offload: step time <= 1.10x no remat ...
@@ -83,12 +83,21 @@ def activation_goals(configs: dict) -> list[dict]:
     return goals
 
 
+#: The configurations that offload the optimizer state and nothing else (float32 moments, then the
+#: 16- and 8-bit ones): the optimizer-state goals' rows.
+OPTIMIZER_ONLY = tuple(
+    c.name
+    for c in config_table()
+    if c.opt != "device" and not (c.params or c.activations or c.remat or c.capped or c.capacity)
+)
+
+
 def optimizer_goals(configs: dict) -> list[dict]:
     none, goals = configs.get("none"), []
     target = f">= {GOALS['opt_freed_fraction']:.0%}"
     title = f"optimizer-state offload: frees {target} of its bytes (peak)"
     speed_title = f"optimizer-state offload: step time <= {GOALS['opt_step_ratio']:.2f}x no offload"
-    for name in ("opt_state_stream", "opt_state", "opt_state_stream_bf16", "opt_state_stream_f8"):
+    for name in OPTIMIZER_ONLY:
         entry = configs.get(name)
         if entry is None:
             continue

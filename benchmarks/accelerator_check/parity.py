@@ -156,10 +156,11 @@ def worker_parity(spec: dict, report: dict, write) -> None:
         t = time.perf_counter()
         try:
             plain = reference_of(table[name])
-            if (plain and plain.name) not in references:
-                references[plain.name] = train_case(plain, spec)[:2]
-                report.setdefault("other_references", {})[plain.name] = references[plain.name][0]
-            case_ref_losses, case_ref_weights = references[plain and plain.name]
+            key = plain.name if plain else None
+            if key not in references:
+                references[key] = train_case(plain, spec)[:2]
+                report.setdefault("other_references", {})[key] = references[key][0]
+            case_ref_losses, case_ref_weights = references[key]
             losses, weights, _ = train_case(table[name], spec)
             if name == spec.get("test_break"):
                 weights = break_result(weights, PARITY_MODEL["n_layers"])
