@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 
 PHASES = ("save", "async save", "restore (live, donated)", "restore (abstract)")
+#: ``--phases`` keys of the phases, in their order.
+PHASE_KEYS = dict(zip(("save", "async", "live", "abstract"), PHASES, strict=True))
 STEP_SYNC, STEP_ASYNC = 1, 2
 _KIB = 1024
 
@@ -181,7 +183,9 @@ def run_phase(args) -> dict:
     import checkpointing
     from checkpointing._stream import SAVE_SECONDS
 
+    start = time.perf_counter()
     state = build(args)
+    build_seconds = time.perf_counter() - start
     state_bytes, total_bytes = host_bytes(state), sum(x.nbytes for x in _arrays(state))
     ckpt = checkpointing.Checkpointer(args.dir, keep=1, async_save=args.phase == "async save")
     try:
@@ -222,6 +226,7 @@ def run_phase(args) -> dict:
         "extra_bytes": peak.extra,
         "peak_from": "VmHWM" if peak.kernel else "sampled VmRSS",
         "seconds": peak.seconds,
+        "build_seconds": build_seconds,
         "save_seconds_by_part": {k: round(v, 3) for k, v in SAVE_SECONDS.items()} if "save" in args.phase else None,
     }
 
@@ -274,8 +279,14 @@ def main(argv=None) -> None:
     parser.add_argument("--offload", default="all", help="with --model: all, none, or params,opt_state")
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary one)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    keys = ",".join(PHASE_KEYS)
+    parser.add_argument("--phases", default=keys, help=f"comma-separated phases to run (default all: {keys})")
     parser.add_argument("--phase", choices=PHASES, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    keys = [k.strip() for k in args.phases.split(",") if k.strip()]
+    if not keys or any(k not in PHASE_KEYS for k in keys):
+        raise SystemExit(f"--phases {args.phases}: choose from {','.join(PHASE_KEYS)}")
+    chosen = [PHASE_KEYS[k] for k in PHASE_KEYS if k in keys]
     if args.gib <= 0:
         raise SystemExit(f"--gib {args.gib}: the state's size must be > 0")
     if args.phase is not None:  # a child: one phase, one JSON line
@@ -287,7 +298,7 @@ def main(argv=None) -> None:
     workdir = tempfile.mkdtemp(prefix="checkpoint-rss-", dir=args.dir)
     rows = []
     try:
-        for phase in PHASES:
+        for phase in chosen:
             command = [sys.executable, "-m", "benchmarks.checkpoint_rss_cpu", "--phase", phase, "--dir", workdir]
             command += ["--gib", str(args.gib), "--offload", args.offload]
             command += ["--model", args.model] if args.model else []
@@ -298,7 +309,12 @@ def main(argv=None) -> None:
                 raise SystemExit(f"phase {phase!r} failed (exit status {done.returncode})")
             rows.append(json.loads(lines[-1].removeprefix("RESULT ")))
             r = rows[-1]
-            print(f"{phase}: +{r['extra_bytes'] / 2**20:,.0f} MiB over {r['state_bytes'] / 2**30:.2f} GiB", flush=True)
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted((r["save_seconds_by_part"] or {}).items()))
+            print(
+                f"{phase}: +{r['extra_bytes'] / 2**20:,.0f} MiB over {r['state_bytes'] / 2**30:.2f} GiB in "
+                f"{r['seconds']:.1f} s (state built in {r['build_seconds']:.1f} s){'; ' + parts if parts else ''}",
+                flush=True,
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     text = "## Checkpoint host memory\n\n" + table(rows)

@@ -782,6 +782,32 @@ def test_goals_compare_each_configuration_with_no_offload():
     assert goal["pass"] is None and "INVALID" in goal["note"]
 
 
+def test_offload_speed_and_bound_goals():
+    moved = {"transfers": {"link_time_s": 0.5}}
+    entries = {
+        "none": _entry("none", step=1.0),
+        "params": {**_entry("params", step=1.4), **moved, "bound_s": 1.0, "bound_by": "compute (none's step)"},
+        "all_three": {**_entry("all_three", step=2.6), **moved, "bound_s": 2.0, "bound_by": "link"},
+        "act_block_input": _entry("act_block_input", step=1.05),  # moves nothing: no bound goal
+    }
+    found = {(g["goal"].split(":")[0], g["config"]): g for g in goals.evaluate_goals(entries)}
+    assert found[("offloaded step", "params")]["pass"] is True  # 1.4x <= 1.5x
+    assert found[("offloaded step", "all_three")]["pass"] is False  # 2.6x > 2.0x
+    assert found[("offload at the link limit", "params")]["ratio"] == pytest.approx(1.4)
+    assert found[("offload at the link limit", "params")]["pass"] is False
+    bound = found[("offload at the link limit", "all_three")]
+    assert bound["pass"] is False and bound["ratio"] == pytest.approx(1.3) and "(link)" in bound["measured"]
+    assert ("offload at the link limit", "act_block_input") not in found
+    entries["all_three"]["step_time_s"] = 2.4  # 1.2x its bound
+    assert next(g for g in goals.bound_goals(entries) if g["config"] == "all_three")["pass"] is True
+    # The table shows the bytes moved and the step over its bound.
+    entry = {**entries["all_three"], "step_over_bound": 1.2}
+    entry["transfers"] = {"h2d_bytes_per_step": 3e9, "d2h_bytes_per_step": 1.5e9}
+    (row,) = report.table_rows({"order": ["all_three"], "configs": {"all_three": entry}})
+    row = dict(zip(report.HEADER[2:], row[2:]))  # "x none" is there twice
+    assert row["x bound"] == "1.20" and row["GB moved"] == "4.50"
+
+
 def test_capacity_goal_needs_the_state_over_the_cap_and_training():
     gib = 2**30
     worker = {

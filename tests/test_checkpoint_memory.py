@@ -17,6 +17,8 @@ import sys
 import tempfile
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 LEAF_SHAPE = (20, 1 << 20)  # 80 MiB: rows of 4 MiB
 STATE_BYTES = 8 * 20 * (1 << 20) * 4
@@ -136,3 +138,10 @@ def test_a_save_says_where_its_time_went(tmp_path):
     row.update(baseline_rss_bytes=2**30, peak_rss_bytes=2**31, extra_bytes=2**20, seconds=2.0)
     text = checkpoint_rss_cpu.table([{**row, "save_seconds_by_part": {"fetch": 1.5, "write_wait": 0.25}}])
     assert "- save: fetch 1.50, write_wait 0.25" in text
+
+
+def test_the_benchmark_refuses_an_unknown_phase(capsys):
+    from benchmarks import checkpoint_rss_cpu
+
+    with pytest.raises(SystemExit, match="--phases save,restore: choose from save,async,live,abstract"):
+        checkpoint_rss_cpu.main(["--phases", "save,restore"])

@@ -16,6 +16,9 @@ GOALS = {
     "capacity_ratio": 2.0,  # trainable state >= 2x the capped device memory; the capacity run's plain step too
     "capacity_steps": 20,  # the capacity run trains at least this many steps
     "prefetch_step_ratio": 1.0,  # offload_params(prefetch=True): no slower than weights moved at use
+    "params_step_ratio": 1.5,  # weights in host memory (either schedule): step time <= 1.5x no offload
+    "all_three_step_ratio": 2.0,  # weights, activations and optimizer state offloaded: <= 2.0x
+    "bound_ratio": 1.25,  # every offloading configuration: step time <= 1.25x its bound (see bound_goals)
 }
 
 
@@ -113,6 +116,41 @@ def optimizer_goals(configs: dict) -> list[dict]:
         else:
             goals.append(_goal(title, name, None, target, None, note="no peak_bytes_in_use on this backend"))
         goals.append(speed)
+    return goals
+
+
+#: ``(configuration, GOALS key)`` of the whole-step speed goals of weight offload.
+OFFLOAD_SPEED = (("params", "params_step_ratio"), ("params_prefetch", "params_step_ratio"))
+OFFLOAD_SPEED += (("all_three", "all_three_step_ratio"),)
+
+
+def offload_speed_goals(configs: dict) -> list[dict]:
+    """Step time against no offload for weight offload alone and for everything offloaded."""
+    none, goals = configs.get("none"), []
+    for name, key in OFFLOAD_SPEED:
+        if name in configs:
+            title = f"offloaded step: step time <= {GOALS[key]:.2f}x no offload"
+            goals.append(_speed(title, name, configs[name], none, GOALS[key]))
+    return goals
+
+
+def bound_goals(configs: dict) -> list[dict]:
+    """Each configuration that moves bytes over the host link against its bound: the larger of
+    ``none``'s step (the compute) and the time its compiled program's transfers need on the link
+    (``bound_s``, from :func:`results.derive`); above it, time is lost to copies that do not
+    overlap compute, or to the copies' own overheads."""
+    limit, goals = GOALS["bound_ratio"], []
+    title = f"offload at the link limit: step time <= {limit:.2f}x its bound"
+    for name, entry in configs.items():
+        moved = (entry.get("transfers") or {}).get("link_time_s")
+        if name == "none" or not moved or entry.get("capacity") or entry.get("capped"):
+            continue
+        step, bound = step_time(entry), entry.get("bound_s")
+        if not step or not bound:
+            goals.append(_goal(title, name, None, f"<= {limit:.2f}x", None, note=f"no step time ({_status(entry)})"))
+            continue
+        measured = f"{step:.4f} s vs {bound:.4f} s ({entry.get('bound_by')})"
+        goals.append(_goal(title, name, measured, f"<= {limit:.2f}x", step / bound <= limit, step / bound))
     return goals
 
 
@@ -221,6 +259,7 @@ def capacity_plan_goal(entry: dict | None) -> dict:
 
 def evaluate_goals(configs: dict) -> list[dict]:
     goals = [*activation_goals(configs), *optimizer_goals(configs), params_goal(configs), prefetch_goal(configs)]
+    goals += [*offload_speed_goals(configs), *bound_goals(configs)]
     if "capped" in configs:
         goals.append(capacity_goal(configs.get("capped")))
     return [*goals, capacity_plan_goal(configs.get("capacity"))]

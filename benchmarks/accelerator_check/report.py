@@ -13,7 +13,7 @@ from .guard import ACCELERATORS, label
 from .results import planner_of
 
 HEADER = ["config", "status", "step s", "x none", "tokens/s", "MFU", "peak GiB", "x none", "planner GiB", "host GiB"]
-HEADER += ["loss diff", "grad ok"]
+HEADER += ["GB moved", "x bound", "loss diff", "grad ok"]
 
 
 def file_stem(results: dict) -> str:
@@ -47,10 +47,14 @@ def table_rows(results: dict) -> list[list[str]]:
         figures += [
             ("planner_device_bytes", "{:.2f}", GiB),
             ("host_bytes", "{:.2f}", GiB),
-            ("loss_max_rel_diff", "{:.1e}", 1),
         ]
+        values = [_num(entry.get(k), fmt, scale) for k, fmt, scale in figures]
+        moved = entry.get("transfers") or {}
+        h2d, d2h = moved.get("h2d_bytes_per_step"), moved.get("d2h_bytes_per_step")
+        values.append(_num(h2d + d2h, "{:.2f}", 1e9) if h2d is not None and d2h is not None else "-")
+        values += [_num(entry.get("step_over_bound"), "{:.2f}"), _num(entry.get("loss_max_rel_diff"), "{:.1e}")]
         grad_ok = {True: "yes", False: "NO", None: "-"}[entry.get("grad_parity_ok")]
-        rows.append([name, status, *(_num(entry.get(k), fmt, scale) for k, fmt, scale in figures), grad_ok])
+        rows.append([name, status, *values, grad_ok])
     return rows
 
 
@@ -90,7 +94,9 @@ def markdown(results: dict) -> str:
         "",
         f"Model {args['model']} (bf16 compute, fp32 params), batch {args['batch']} x seq {args['seq']}, "
         f"AdamW + global-norm clip 1.0; median of {args['steps']} steps after the first and {args['warmup']} "
-        "warm-up. Invalid configurations show no speed (see their invalid_reason).",
+        "warm-up. Invalid configurations show no speed (see their invalid_reason). GB moved: the compiled "
+        "step's copies between host and device, both ways, each loop's times its trips; x bound: the step over "
+        "the larger of none's step and the time those bytes need on the link.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join(":---" if i < 2 else "---:" for i in range(len(HEADER))) + "|",
@@ -135,6 +141,8 @@ def markdown(results: dict) -> str:
                 f"- {n}: host traffic {moved / 1e9:.2f} GB per step, {o['fraction']:.0%} of it in copies whose "
                 f"window in the schedule spans a matmul (the rest cannot hide behind compute){where}"
             )
+    sources = {(e.get("transfers") or {}).get("link_source") for e in results["configs"].values()} - {None}
+    details += [f"- bounds: link rates from {source}" for source in sorted(sources)]
     for n, e in results["configs"].items():
         if e.get("host_rss_growth_bytes") and e.get("planner_host_bytes") is not None:
             baseline = (e.get("worker") or {}).get("host_baseline_bytes") or 0
