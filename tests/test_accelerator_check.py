@@ -804,7 +804,7 @@ def test_offload_speed_and_bound_goals():
     entry = {**entries["all_three"], "step_over_bound": 1.2}
     entry["transfers"] = {"h2d_bytes_per_step": 3e9, "d2h_bytes_per_step": 1.5e9}
     (row,) = report.table_rows({"order": ["all_three"], "configs": {"all_three": entry}})
-    row = dict(zip(report.HEADER[2:], row[2:]))  # "x none" is there twice
+    row = dict(zip(report.HEADER[2:], row[2:], strict=True))  # "x none" is there twice
     assert row["x bound"] == "1.20" and row["GB moved"] == "4.50"
 
 
