@@ -19,6 +19,10 @@ state as the training recipe builds it (``--model llama:1b --offload all``: the 
 Adam moments in ``pinned_host``). Only host-resident bytes count as the state's bytes (on the CPU
 backend, device memory is host memory too).
 
+``--phases`` picks phases (each builds the state afresh), and ``--writes-in-flight N`` sets how
+many block writes a save keeps in flight (``checkpointing._stream._IN_FLIGHT``), to time the
+save's file writes against that knob.
+
 Results are printed as a table and written to ``benchmarks/results/checkpoint_rss_<device>.json``
 and ``.md`` (``checkpoint_rss_cpu`` on the CPU).
 
@@ -27,6 +31,7 @@ Usage::
     .venv/bin/python -m benchmarks.checkpoint_rss_cpu                    # 2 GiB synthetic state, CPU
     .venv/bin/python -m benchmarks.checkpoint_rss_cpu --gib 0.25         # a smaller one
     python -m benchmarks.checkpoint_rss_cpu --model llama:1b --offload all   # on an accelerator
+    python -m benchmarks.checkpoint_rss_cpu --model llama:1b --phases save --writes-in-flight 8
 """
 
 from __future__ import annotations
@@ -177,12 +182,22 @@ def build(args):
 # one phase (a child process)
 
 
+def _writes_in_flight() -> int:
+    from checkpointing import _stream
+
+    return _stream._IN_FLIGHT
+
+
 def run_phase(args) -> dict:
     import jax
 
     import checkpointing
     from checkpointing._stream import SAVE_SECONDS
 
+    if args.writes_in_flight is not None:  # a probe of the save's one knob (see the module's docstring)
+        from checkpointing import _stream
+
+        _stream._IN_FLIGHT = args.writes_in_flight
     start = time.perf_counter()
     state = build(args)
     build_seconds = time.perf_counter() - start
@@ -227,6 +242,7 @@ def run_phase(args) -> dict:
         "peak_from": "VmHWM" if peak.kernel else "sampled VmRSS",
         "seconds": peak.seconds,
         "build_seconds": build_seconds,
+        "writes_in_flight": _writes_in_flight(),
         "save_seconds_by_part": {k: round(v, 3) for k, v in SAVE_SECONDS.items()} if "save" in args.phase else None,
     }
 
@@ -281,6 +297,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     keys = ",".join(PHASE_KEYS)
     parser.add_argument("--phases", default=keys, help=f"comma-separated phases to run (default all: {keys})")
+    parser.add_argument(
+        "--writes-in-flight", type=int, default=None, help="block writes a save keeps in flight (default the library's)"
+    )
     parser.add_argument("--phase", choices=PHASES, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     keys = [k.strip() for k in args.phases.split(",") if k.strip()]
@@ -289,6 +308,8 @@ def main(argv=None) -> None:
     chosen = [PHASE_KEYS[k] for k in PHASE_KEYS if k in keys]
     if args.gib <= 0:
         raise SystemExit(f"--gib {args.gib}: the state's size must be > 0")
+    if args.writes_in_flight is not None and args.writes_in_flight < 1:
+        raise SystemExit(f"--writes-in-flight {args.writes_in_flight}: give at least 1")
     if args.phase is not None:  # a child: one phase, one JSON line
         print("RESULT " + json.dumps(run_phase(args)), flush=True)
         return
@@ -302,6 +323,7 @@ def main(argv=None) -> None:
             command = [sys.executable, "-m", "benchmarks.checkpoint_rss_cpu", "--phase", phase, "--dir", workdir]
             command += ["--gib", str(args.gib), "--offload", args.offload]
             command += ["--model", args.model] if args.model else []
+            command += ["--writes-in-flight", str(args.writes_in_flight)] if args.writes_in_flight else []
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
@@ -312,7 +334,8 @@ def main(argv=None) -> None:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted((r["save_seconds_by_part"] or {}).items()))
             print(
                 f"{phase}: +{r['extra_bytes'] / 2**20:,.0f} MiB over {r['state_bytes'] / 2**30:.2f} GiB in "
-                f"{r['seconds']:.1f} s (state built in {r['build_seconds']:.1f} s){'; ' + parts if parts else ''}",
+                f"{r['seconds']:.1f} s with {r['writes_in_flight']} writes in flight (state built in "
+                f"{r['build_seconds']:.1f} s){'; ' + parts if parts else ''}",
                 flush=True,
             )
     finally:

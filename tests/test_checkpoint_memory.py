@@ -145,3 +145,5 @@ def test_the_benchmark_refuses_an_unknown_phase(capsys):
 
     with pytest.raises(SystemExit, match="--phases save,restore: choose from save,async,live,abstract"):
         checkpoint_rss_cpu.main(["--phases", "save,restore"])
+    with pytest.raises(SystemExit, match="--writes-in-flight 0: give at least 1"):
+        checkpoint_rss_cpu.main(["--writes-in-flight", "0"])
