@@ -18,6 +18,7 @@ The results are lm-eval's own JSON (``--output-path``), with its per-sample file
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 
 import jax
@@ -155,6 +156,23 @@ def import_lm_eval():
     return lm_eval, lm_utils, EvaluationTracker, TaskManager
 
 
+def task_manager(include_path: str | None):
+    """lm-eval's index of its tasks (and those under ``include_path``). Building it reads every
+    task's file, seconds each time, so a process keeps it while the files under ``include_path``
+    stay as they were (their names and modification times)."""
+    files = ()
+    if include_path is not None:
+        found = sorted(pathlib.Path(include_path).rglob("*"))
+        files = tuple((str(f), f.stat().st_mtime_ns) for f in found if f.is_file())
+    return _task_manager(include_path, files)
+
+
+@functools.cache
+def _task_manager(include_path: str | None, files: tuple):
+    _, _, _, TaskManager = import_lm_eval()
+    return TaskManager(include_path=include_path)
+
+
 def main(argv=None) -> dict:
     """Score the model on the tasks; returns lm-eval's results. An out-of-memory is one line
     (:mod:`recipes._lm.oom`)."""
@@ -176,11 +194,11 @@ def main(argv=None) -> dict:
 
 def _main(args: argparse.Namespace, argv) -> dict:
     check(args, set(cli.given_flags(build_parser(), argv)))
-    lm_eval, lm_utils, EvaluationTracker, TaskManager = import_lm_eval()
+    lm_eval, lm_utils, EvaluationTracker, _ = import_lm_eval()
     from recipes._lm.zoo_lm import ZooLM
 
     tasks = [t for t in args.tasks.split(",") if t]
-    manager = TaskManager(include_path=args.include_path)
+    manager = task_manager(None if args.include_path is None else str(args.include_path))
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown or not tasks:
         raise SystemExit(

@@ -2,6 +2,7 @@
 log-likelihoods and the accuracy of lm-eval's own ``hf`` model on the same checkpoint."""
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -89,16 +90,15 @@ def _responses(samples):
 
 def test_lm_eval_matches_lm_evals_own_hf_model_and_writes_its_files(checkpoint, tasks, tmp_path, capsys):
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     names = ["zoo_choice", "zoo_rolling", "zoo_generate"]
     out = tmp_path / "results"
     flags = ["--tasks", ",".join(names), "--include-path", str(tasks), "--batch-size", "3"]
     ours = zoo_lm_eval.main([str(checkpoint), *flags, "--output-path", str(out), "--log-samples"])
     hf = HFLM(pretrained=str(checkpoint), batch_size=3, device="cpu", dtype="float32")
-    theirs = lm_eval.simple_evaluate(
-        model=hf, tasks=names, task_manager=TaskManager(include_path=str(tasks)), log_samples=True
-    )
+    # The same index of lm-eval's tasks (its own TaskManager, built once: building it takes seconds).
+    manager = zoo_lm_eval.task_manager(str(tasks))
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=names, task_manager=manager, log_samples=True)
     ll_ours = _responses(ours["samples"]["zoo_choice"])
     ll_theirs = _responses(theirs["samples"]["zoo_choice"])
     np.testing.assert_allclose(
@@ -131,3 +131,24 @@ def test_lm_eval_runs_a_family_name_with_limit_and_refuses_unknown_tasks(tasks, 
         zoo_lm_eval.main(["llama:tiny", "--tasks", "zoo_choice,nope", "--include-path", str(tasks)])
     with pytest.raises(SystemExit, match="--log-samples writes files"):
         zoo_lm_eval.main(["llama:tiny", "--tasks", "zoo_choice", "--log-samples"])
+
+
+def test_the_task_index_is_built_again_only_when_the_included_files_change(tmp_path, monkeypatch):
+    built = []
+
+    class Manager:  # stands in for lm-eval's TaskManager, whose build reads every task file
+        def __init__(self, include_path=None):
+            built.append(include_path)
+
+    monkeypatch.setattr(zoo_lm_eval, "import_lm_eval", lambda: (None, None, None, Manager))
+    zoo_lm_eval._task_manager.cache_clear()
+    task = tmp_path / "mine.yaml"
+    task.write_text("task: mine\n")
+    first = zoo_lm_eval.task_manager(str(tmp_path))
+    assert zoo_lm_eval.task_manager(str(tmp_path)) is first and len(built) == 1
+    os.utime(task, ns=(0, task.stat().st_mtime_ns + 10**9))  # the file changed
+    assert zoo_lm_eval.task_manager(str(tmp_path)) is not first and len(built) == 2
+    (tmp_path / "other.yaml").write_text("task: other\n")  # a file added
+    zoo_lm_eval.task_manager(str(tmp_path))
+    assert len(built) == 3
+    zoo_lm_eval._task_manager.cache_clear()

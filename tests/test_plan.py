@@ -924,11 +924,20 @@ def test_cli_prints_the_table_and_writes_png_and_json(tmp_path):
     assert json.loads(js.read_text())["model"] == "llama:8b"
 
 
-def test_cli_errors_list_the_valid_choices():
-    out = _run("--model", "llama:8b", "--batch", "1", "--seq", "8192", "--device", "tpu")
-    assert out.returncode == 2 and "known profiles" in out.stderr and "h200" in out.stderr
-    out = _run("--model", "llama:8b", "--batch", "1", "--seq", "8", "--device", "custom", "--memory-gb", "24")
-    assert out.returncode == 2 and "--link-gb-s" in out.stderr
+def test_cli_errors_list_the_valid_choices(capsys):
+    from transforms.plan.__main__ import main
+
+    def run(*argv):  # (exit status, standard error): an argument error exits, a planning error returns 2
+        try:
+            code = main(list(argv))
+        except SystemExit as exit_:
+            code = exit_.code
+        return code, capsys.readouterr().err
+
+    code, err = run("--model", "llama:8b", "--batch", "1", "--seq", "8192", "--device", "tpu")
+    assert code == 2 and "known profiles" in err and "h200" in err
+    code, err = run("--model", "llama:8b", "--batch", "1", "--seq", "8", "--device", "custom", "--memory-gb", "24")
+    assert code == 2 and "--link-gb-s" in err
 
 
 def test_plan_is_the_function_and_the_module_stays_callable():
