@@ -13,6 +13,10 @@ the train step does:
 - ``copy``: the streamed update's own loop (the same in-place layer scan over the same host
   arrays) with no math: one layer of the moments in and back out per iteration, the loop's
   copy rate.
+- ``copy_halves``: the same copies with each moment stored as two host arrays (the first and the
+  second half of the layers), one loop over the pairs: a layer of one half is written back while
+  the same layer of the other half is read, so reads never wait on a write to the same buffer.
+  What a state split in two would gain (``docs/OFFLOAD_SPEED.md``).
 
 Weights and gradients are random, float32, on the device. The bytes each program moves come from
 its compiled text (:func:`benchmarks.accelerator_check.hlo.analyze_hlo`); the bound is those bytes
@@ -36,7 +40,7 @@ from pathlib import Path
 
 from benchmarks import _environment as env
 
-VARIANTS = ("stream", "offload", "copy")
+VARIANTS = ("stream", "offload", "copy", "copy_halves")
 
 
 def _random_like(tree, seed: int, scale: float):
@@ -58,6 +62,7 @@ def _programs(model_name: str, lr: float = 1e-3):
 
     import transforms
     import zoo
+    from transforms._memory import to_host
     from transforms._opt_stream import _in_place_scan
 
     cfg = zoo.config_from_name(model_name)
@@ -89,7 +94,47 @@ def _programs(model_name: str, lr: float = 1e-3):
         return new
 
     out["copy"] = (jax.jit(copy, donate_argnums=0), [moments], (0,))
+    halves = jax.jit(
+        lambda ms: (
+            [to_host(m[: m.shape[0] // 2]) for m in ms],
+            [to_host(m[m.shape[0] // 2 : 2 * (m.shape[0] // 2)]) for m in ms],
+        )
+    )
+    first, second = halves([m.copy() for m in moments])
+    out["copy_halves"] = (jax.jit(copy_halves, donate_argnums=(0, 1)), [first, second], (0, 1))
     return out
+
+
+def copy_halves(first: list, second: list):
+    """Each layer of ``first`` and ``second`` (host arrays, the same number of layers) brought to
+    the device and written back in place, pipelined: layer ``k`` of ``first`` is written while
+    layer ``k`` of ``second`` is read, and layer ``k`` of ``second`` while layer ``k + 1`` of
+    ``first`` is. Returns the new ``(first, second)``."""
+    import jax
+    import jax.numpy as jnp
+
+    from transforms._memory import to_host
+
+    def fetch(bufs, i):
+        return [
+            jax.device_put(jax.lax.dynamic_index_in_dim(b, i, keepdims=False), jax.memory.Space.Device) for b in bufs
+        ]
+
+    def write(bufs, values, i):
+        return [jax.lax.dynamic_update_index_in_dim(b, to_host(v), i, 0) for b, v in zip(bufs, values, strict=True)]
+
+    n = first[0].shape[0]
+
+    def step(carry, k):
+        a, b, a_k = carry
+        b_k = fetch(b, k)
+        a = write(a, a_k, k)
+        a_next = fetch(a, jnp.minimum(k + 1, n - 1))
+        b = write(b, b_k, k)
+        return (a, b, a_next), None
+
+    (a, b, _), _ = jax.lax.scan(step, (first, second, fetch(first, 0)), jnp.arange(n))
+    return a, b
 
 
 def measure(model_name: str, reps: int, variants=VARIANTS) -> dict:

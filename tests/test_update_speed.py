@@ -14,11 +14,19 @@ def test_each_variant_runs_and_the_copy_loop_writes_back_what_it_read(tmp_path):
     assert [r["variant"] for r in saved["rows"]] == list(update_speed.VARIANTS)
     assert all(r["step_s"] > 0 and len(r["times_s"]) == 1 for r in saved["rows"])
     assert "| stream |" in (tmp_path / "update_speed_cpu.md").read_text()
-    fn, (moments,), _ = update_speed._programs("llama:tiny")["copy"]
+    programs = update_speed._programs("llama:tiny")
+    fn, (moments,), _ = programs["copy"]
     before = [np.asarray(m) for m in moments]
     after = fn(moments)
     assert len(after) == len(before) and all((np.asarray(a) == b).all() for a, b in zip(after, before, strict=True))
     assert {a.sharding.memory_kind for a in after} == {"pinned_host"}
+    # The pipelined halves write back every layer of both halves as it was.
+    fn, halves, _ = programs["copy_halves"]
+    before = [[np.asarray(m) for m in half] for half in halves]
+    after = fn(*halves)
+    for got, want in zip(after, before, strict=True):
+        assert all((np.asarray(a) == b).all() for a, b in zip(got, want, strict=True))
+        assert {a.sharding.memory_kind for a in got} == {"pinned_host"}
 
 
 def test_the_table_sets_each_variant_against_the_link():
