@@ -1051,3 +1051,24 @@ def test_compact_moment_configurations_are_checked_against_the_same_storage_on_t
     # The 8-bit moments round: the plain float32 run is not what the case matched.
     f8_losses = report["other_references"]["plain_float8"]
     assert f8_losses[-1] != report["reference_losses"][-1] and case["losses"] == pytest.approx(f8_losses, rel=1e-5)
+
+
+def test_the_stacks_only_configuration_keeps_the_other_moments_on_the_device():
+    import jax
+
+    import transforms
+    import zoo
+
+    conf = {c.name: c for c in configs.config_table()}["opt_state_stream_bf16_stacks"]
+    assert (conf.where, conf.state) == ("stacks", "bfloat16") and conf.name not in configs.DEFAULT_PLAN
+    assert conf.transforms()["opt_state_where"] == "stacks"
+    model = zoo.build_model(zoo.config_from_name("llama:tiny"), key=jax.random.key(0))
+    state = transforms.train_step(zoo.lm_loss, configs.make_optimizer(conf.opt, 1e-3, conf.state, conf.where)).init(
+        model
+    )
+    kind = lambda x: x.sharding.memory_kind
+    stacked = [x for x in jax.tree.leaves(state.stacked) if x.ndim >= 3]
+    assert stacked and {kind(x) for x in stacked} == {"pinned_host"}
+    assert {kind(x) for x in jax.tree.leaves(state.rest)} == {"device"}
+    with pytest.raises(ValueError, match="unknown where 'rest'; valid: None, 'stacks'"):
+        configs.make_optimizer("stream", 1e-3, where="rest")

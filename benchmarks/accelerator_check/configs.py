@@ -24,6 +24,7 @@ class Config:
     remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
     opt: str = "device"  # "device", "offload" (offload_opt_state) or "stream" (stream=True)
     state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
+    where: str | None = None  # "stacks": only the stacks' moments offloaded (see make_optimizer)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -37,6 +38,8 @@ class Config:
             out["prefetch"] = True
         if self.state:
             out["state_dtype"] = self.state
+        if self.where:
+            out["opt_state_where"] = self.where
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -108,6 +111,14 @@ def config_table() -> list[Config]:
             state="bfloat16",
         ),
         _checked(
+            "opt_state_stream_bf16_stacks",
+            "opt_state_stream_bf16 with only the stacks' moments in host memory (the embedding's and the head's "
+            "stay on the device; the planner counts them in host memory)",
+            opt="stream",
+            state="bfloat16",
+            where="stacks",
+        ),
+        _checked(
             "opt_state_stream_f8",
             "offload_opt_state(compact_state(adamw, 'float8'), stream=True, clip_norm=1.0) (moments in 8 bits)",
             opt="stream",
@@ -148,22 +159,34 @@ def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16", **overr
     return cfg.replace(max_seq_len=seq) if seq > cfg.max_seq_len else cfg
 
 
-def make_optimizer(kind: str, lr: float, state: str | None = None):
+def _stacked_moment(x) -> bool:
+    """A state leaf of a stack's matrix (a layer axis and two more): ``where="stacks"``."""
+    import jax.numpy as jnp
+
+    return jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 3
+
+
+def make_optimizer(kind: str, lr: float, state: str | None = None, where: str | None = None):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
-    in that dtype (:func:`transforms.compact_state`), the same arithmetic wherever they live."""
+    in that dtype (:func:`transforms.compact_state`), the same arithmetic wherever they live. With
+    ``where="stacks"`` only the moments of the stacks' matrices are offloaded (the embedding's,
+    the head's and the norms' stay on the device)."""
     import optax
 
     import transforms
 
     if kind not in ("device", "offload", "stream"):
         raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream")
+    if where not in (None, "stacks"):
+        raise ValueError(f"unknown where {where!r}; valid: None, 'stacks'")
     adamw = optax.adamw(lr, b1=ADAM_B1)
     adamw = transforms.compact_state(adamw, state) if state else adamw
+    select = {"where": _stacked_moment} if where else {}
     if kind == "stream":
-        return transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM)
+        return transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, **select)
     plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
-    return transforms.offload_opt_state(plain) if kind == "offload" else plain
+    return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain
 
 
 def apply_transforms(model, conf: Config):
