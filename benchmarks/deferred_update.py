@@ -308,6 +308,77 @@ def measure(sizes: Sizes, reps: int, variants=VARIANTS, target: str = "here", mo
     return {"device_kind": kind, "platform": "tpu" if target == "tpu" else device.platform, "rows": rows}
 
 
+def _deferred_program(opt, static, hosts):
+    """``(params, state, pending, tokens) -> deferred_step(...)`` for ``zoo.lm_loss``, the host
+    leaves (``hosts``) given their host type first (see :func:`_host_typed`)."""
+    import equinox as eqx
+    import jax
+
+    import zoo
+    from transforms import _deferred
+    from transforms._memory import to_host
+
+    def program(params, state, pending, tokens):
+        params, state, pending = jax.tree.map(lambda x, h: to_host(x) if h else x, (params, state, pending), hosts)
+        loss_of = lambda p: zoo.lm_loss(eqx.combine(p, static), tokens)
+        return _deferred.deferred_step(loss_of, opt, params, state, pending)
+
+    return program
+
+
+def measure_model(model_name: str, moments=("float32",), batch: int = 8, seq: int = 1024, save_hlo=None) -> dict:
+    """The library's deferred step (``transforms._deferred``) on a zoo model against its streamed
+    train step, both compiled for a TPU v5e described to the compiler: bytes moved and the share
+    spanning a matmul, per computation."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import transforms
+    import zoo
+    from benchmarks.accelerator_check.hlo import analyze_hlo
+    from benchmarks.tpu_compile import _device, lowered_for
+    from transforms import _deferred
+
+    device = _device("tpu", "v5e:1x1")
+    cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
+    rows = []
+    for dtype in moments:
+        adamw = optax.adamw(1e-3)
+        adamw = transforms.compact_state(adamw, dtype) if dtype != "float32" else adamw
+        opt = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP)
+        model = zoo.build_model(cfg, key=jax.random.key(0))
+        step = transforms.train_step(zoo.lm_loss, opt)
+        state = step.init(model)
+        texts = {"separate": lowered_for(device, model, state, step, batch, seq).compile().as_text()}
+
+        params, static = eqx.partition(model, eqx.is_array)
+        pending = _deferred.no_pending(params)
+
+        def describe(x):
+            kind = getattr(x.sharding, "memory_kind", None) or "device"
+            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        args = jax.tree.map(describe, (params, state, pending))
+        hosts = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", args)
+        tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
+
+        program = _deferred_program(opt, static, hosts)
+        lowered = jax.jit(program, donate_argnums=(0, 1, 2)).lower(*args, tokens)
+        texts["deferred"] = lowered.compile().as_text()
+        for name, text in texts.items():
+            if save_hlo is not None:
+                Path(save_hlo).mkdir(parents=True, exist_ok=True)
+                (Path(save_hlo) / f"{name}_{dtype}.hlo.txt").write_text(text)
+            hlo = analyze_hlo(text, n_layers=cfg.n_layers)
+            row = {"variant": name, "moments": dtype, "h2d_bytes": hlo.get("h2d_bytes_per_step") or 0}
+            row.update(d2h_bytes=hlo.get("d2h_bytes_per_step") or 0, overlap=hlo.get("overlap"))
+            rows.append(row)
+    return {"device_kind": "TPU v5e compiled", "platform": "tpu", "model": model_name, "rows": rows}
+
+
 def table(result: dict, head: str) -> str:
     lines = [
         head,
@@ -346,6 +417,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10, help="timed steps per variant (default 10)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--target", choices=("here", "tpu"), default="here", help="run here, or compile for a v5e")
+    p.add_argument(
+        "--model", default=None, help="instead: a zoo model's deferred step (transforms._deferred), compiled for a v5e"
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results directory")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -357,6 +431,11 @@ def main(argv=None) -> int:
     moments = [m for m in args.moments.split(",") if m]
     if not moments or any(m not in ("float32", "bfloat16") for m in moments):
         p.error(f"--moments {args.moments!r}: give float32, bfloat16 or both")
+    if args.model is not None:  # the library's deferred step against the streamed train step
+        result = measure_model(args.model, moments)
+        head = f"{args.model}, batch 8 x 1024: the streamed train step against the deferred step, compiled for a v5e"
+        env.save_run(args, f"deferred_update_{env.sanitize(args.model)}", result, table(result, head))
+        return 0
     hidden = args.hidden or 4 * args.width
     sizes = Sizes(args.layers, args.width, hidden, args.tokens, args.compute, moments[0])
     result = measure(sizes, args.reps, variants, args.target, moments)

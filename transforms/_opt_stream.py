@@ -426,7 +426,21 @@ def _init(inner, select: Callable, where_given: bool, params):
     return jax.jit(build, out_shardings=targets)(params)
 
 
-def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
+def _run(
+    inner,
+    clip_norm: float | None,
+    grads,
+    state,
+    params,
+    *,
+    apply: bool,
+    stacks: bool = True,
+    rest: bool = True,
+    g_norm=None,
+):
+    """The streamed update (see the module's docstring): ``(new params or updates, new state,
+    global norm)``. ``stacks=False`` or ``rest=False`` leave that part (its weights and state) as it
+    is; ``g_norm``: the global norm to clip with, instead of the one of ``grads``."""
     units, n = _units(grads if params is None else params)
     if not isinstance(state, StreamedState) or len(state.stacked) != n:
         raise ValueError(
@@ -446,8 +460,10 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     grads_rest = tree_to_device(unblocked(g_view))
     g_blocked = {j: x for j, x in enumerate(jax.tree.leaves(g_view)) if j in blocked}
 
-    g_norm, scale = None, None
-    if clip_norm is not None:  # first pass: the global norm over every layer
+    scale = None
+    if clip_norm is not None and g_norm is not None:
+        scale = lambda tree: _clip(tree, g_norm, clip_norm)
+    elif clip_norm is not None:  # first pass: the global norm over every layer
         total = sum_squares(grads_rest)
         for j, k in blocked.items():
             total = total + _stackedsum_squares(rows.blocks_view(g_blocked[j], k), k)
@@ -475,6 +491,11 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
     new_stacked, outs, squares = [], [], jnp.zeros((), jnp.float32)
     for k in range(n):
         g_k, p_k, s_k = _view(grads, units, k), _view(params, units, k), state.stacked[k]
+        if not stacks:  # left as they are (their update runs elsewhere: transforms._deferred)
+            squares = squares + _stackedsum_squares(g_k, lengths[k]) if scale is None else squares
+            new_stacked.append(s_k)
+            outs.append(p_k)
+            continue
         if apply:
             hosts = jax.tree.map(on_host, p_k)
             keep = lambda tree, want, hosts=hosts: jax.tree.map(lambda x, h: x if h == want else None, tree, hosts)
@@ -493,6 +514,9 @@ def _run(inner, clip_norm: float | None, grads, state, params, *, apply: bool):
         new_stacked.append(s)
         outs.append(out)
 
+    if not rest:  # the leaves outside the stacks left as they are
+        new_state = StreamedState(tuple(new_stacked), state.rest)
+        return _merge(units, [p_rest, *outs]), new_state, g_norm
     # Large leaves outside the stacks: in row blocks, in place.
     new_blocked, new_copies = {}, {}
     if blocked:

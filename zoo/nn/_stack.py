@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 
@@ -34,6 +36,25 @@ def _grouped_matmuls_saveable(prim, *_, **__) -> bool:
     mixture of experts' gate, up and down projections), which ``dots_saveable`` leaves to be
     recomputed."""
     return prim in _grouped_matmul_primitives()
+
+
+#: See :func:`layer_runner`.
+_LAYER_RUNNER: contextvars.ContextVar = contextvars.ContextVar("zoo_stack_layer_runner", default=None)
+
+
+@contextlib.contextmanager
+def layer_runner(runner):
+    """While active, each :class:`Stack` called asks ``runner(stack, arrays)`` how to run its
+    layers (``arrays``: the stack's array leaves, stacked). ``None`` keeps the stack's own loop;
+    otherwise the answer is called as ``run(layer_fn, state, policy)`` and its result returned,
+    where ``layer_fn(state, layer_arrays) -> state`` runs one layer and ``policy`` is the stack's
+    checkpoint policy (or ``None``). Used by the deferred optimizer update
+    (``transforms._deferred``), which runs each layer's pending update in the layer loop."""
+    token = _LAYER_RUNNER.set(runner)
+    try:
+        yield
+    finally:
+        _LAYER_RUNNER.reset(token)
 
 
 class Stack(AxisNamed):
@@ -189,6 +210,10 @@ class Stack(AxisNamed):
 
         state = (x, carry) if with_carry else x
         policy = self._policy(arrays)
+        runner = _LAYER_RUNNER.get()
+        run = None if runner is None else runner(self, arrays)
+        if run is not None:
+            return run(lambda s, layer_arrays: apply(eqx.combine(layer_arrays, static), s, kwargs), state, policy)
         if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):
             return prefetched_scan(apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy)
 

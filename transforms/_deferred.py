@@ -1,0 +1,155 @@
+"""The deferred optimizer update, first part: each stack's update run in the next step's forward pass.
+
+The streamed update (``_opt_stream``) runs after the backward pass, a layer loop of copies with no
+matmul to hide them behind. Here each :class:`zoo.nn.Stack`'s update of step ``t - 1`` runs inside
+step ``t``'s forward pass instead, layer by layer (``zoo.nn._stack.layer_runner``): the layer's
+pending gradient is clipped with step ``t - 1``'s global norm, the wrapped optimizer updates the
+layer's weights and its state (written back in place, in host memory where it lives), and the
+layer runs with the new weights. Those enter through an identity whose gradient goes to the
+weights the step was given, so the backward pass differentiates the weights the forward used. The
+leaves outside the stacks keep their update after the backward pass, with the same clip scale:
+every leaf sees the same updates in the same order as with the streamed update, the stacks' one
+step later. :func:`flush` applies the last pending update.
+
+Not yet wired into :class:`transforms.TrainStep` (see ``docs/OFFLOAD_SPEED.md``); supported so far:
+stacks whose arrays are all trainable, with their weights on the device, run with ``scan=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zoo.nn import any_on_host
+from zoo.nn._stack import layer_runner
+
+from ._opt_stream import StreamedOptimizer, _clip, _in_place_scan, _merge, _run
+from ._tree import stack_units as _units
+from ._tree import stack_view as _view
+
+
+class Pending(NamedTuple):
+    """The update a deferred step leaves to the next: the stacks' gradients (the trainable tree,
+    ``None`` outside the stacks), that step's global gradient norm, and whether one is pending
+    (``False`` before the first step: the tree keeps its structure, so a step compiles once)."""
+
+    grads: Any
+    g_norm: jax.Array
+    ready: jax.Array
+
+
+def no_pending(params) -> Pending:
+    """The :class:`Pending` of a run that has taken no step yet."""
+    units, _ = _units(params)
+    grads = jax.tree.map(lambda u, x: jnp.zeros_like(x) if u >= 0 else None, units, params)
+    return Pending(grads, jnp.zeros((), jnp.float32), jnp.zeros((), bool))
+
+
+def _replaced(w, new):
+    """``new`` (its value), with the gradient going to ``w``."""
+
+    @jax.custom_vjp
+    def f(w, new):
+        return new
+
+    f.defvjp(lambda w, new: (new, None), lambda _, g: (g, None))
+    return f(w, jax.lax.stop_gradient(new))
+
+
+def _check(optimizer) -> None:
+    if not isinstance(optimizer, StreamedOptimizer):
+        raise TypeError(
+            f"the deferred update needs offload_opt_state(..., stream=True)'s optimizer, got {type(optimizer).__name__}"
+        )
+
+
+def deferred_step(loss_of, optimizer, params, state, pending: Pending):
+    """One train step with each stack's pending update run in its forward pass.
+
+    ``loss_of(params) -> loss`` builds the model from ``params`` (its leaves, not copies of them:
+    each stack is found by its arrays) and runs it. ``optimizer`` is
+    ``transforms.offload_opt_state(..., stream=True)``'s, ``state`` its state for ``params``.
+    Returns ``(loss, new_params, new_state, new_pending)``: ``new_params`` are the weights this
+    step ran with (the stacks') and updated (the rest); :func:`flush` gives the up-to-date ones.
+    """
+    _check(optimizer)
+    inner, clip = optimizer.inner, optimizer.clip_norm
+    units, n = _units(params)
+    view_defs = [jax.tree.structure(_view(params, units, k)) for k in range(n)]
+
+    def loss_fn(p):
+        wanted = {}
+        for k in range(n):
+            leaves = jax.tree.leaves(_view(p, units, k))
+            wanted[id(leaves[0])] = (k, leaves)
+        found = {}
+
+        def runner(stack, arrays):
+            leaves = jax.tree.leaves(arrays)
+            k, mine = wanted.get(id(leaves[0]), (None, None)) if leaves else (None, None)
+            if k is None:
+                return None
+            if len(mine) != len(leaves) or any(a is not b for a, b in zip(mine, leaves, strict=False)):
+                raise ValueError("the deferred update needs every array of a stack trainable (no frozen ones)")
+            if any_on_host(arrays) or not stack.scan:
+                raise ValueError("the deferred update needs a stack's weights on the device and scan=True")
+            arrays_def = jax.tree.structure(arrays)
+            g_leaves = jax.tree.leaves(_view(pending.grads, units, k))
+
+            def run(layer_fn, x_state, policy):
+                if policy is not None:
+                    layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
+
+                def body(carry, read, write):
+                    (p_i, g_i), (s_i,) = read, write
+                    p_tree, g_tree = (jax.tree.unflatten(view_defs[k], x) for x in (p_i, g_i))
+                    if clip is not None:
+                        g_tree = _clip(g_tree, pending.g_norm, clip)
+                    u, s_new = inner.update(g_tree, s_i, p_tree)
+                    keep = lambda old, new: jnp.where(pending.ready, new, old)
+                    new_p = [
+                        keep(a, b) for a, b in zip(p_i, jax.tree.leaves(optax.apply_updates(p_tree, u)), strict=True)
+                    ]
+                    s_new = jax.tree.map(keep, s_i, s_new)
+                    used = [_replaced(a, b) for a, b in zip(p_i, new_p, strict=True)]
+                    carry = layer_fn(carry, jax.tree.unflatten(arrays_def, used))
+                    return carry, ((s_new,), [jax.lax.stop_gradient(b) for b in new_p])
+
+                read, write = (leaves, g_leaves), (state.stacked[k],)
+                x_state, (s_k,), new_leaves = _in_place_scan(body, x_state, read, write, stack.n_layers)
+                found[k] = (s_k, jax.tree.unflatten(view_defs[k], new_leaves))
+                return x_state
+
+            return run
+
+        with layer_runner(runner):
+            loss = loss_of(p)
+        missing = sorted(set(range(n)) - set(found))
+        if missing:
+            raise ValueError(f"the deferred update: the loss did not run stack(s) {missing} of the parameters")
+        return loss, found
+
+    (loss, found), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    state = state._replace(stacked=tuple(found[k][0] for k in range(n)))
+    # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
+    rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False)
+    new_params = _merge(units, [_view(rest_params, units, -1), *(found[k][1] for k in range(n))])
+    pending = Pending(jax.tree.map(lambda u, g: g if u >= 0 else None, units, grads), g_norm, jnp.ones((), bool))
+    return loss, new_params, state, pending
+
+
+def flush(optimizer, params, state, pending: Pending):
+    """``(params, state, pending)`` with the pending update applied: what the streamed update holds
+    after as many steps. A no-op when none is pending."""
+    _check(optimizer)
+    if not bool(pending.ready):
+        return params, state, pending
+    units, _ = _units(params)
+    grads = jax.tree.map(lambda u, g, x: g if u >= 0 else jnp.zeros_like(x), units, pending.grads, params)
+    new_params, state, _ = _run(
+        optimizer.inner, optimizer.clip_norm, grads, state, params, apply=True, rest=False, g_norm=pending.g_norm
+    )
+    return new_params, state, no_pending(params)
