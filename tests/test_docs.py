@@ -44,6 +44,7 @@ PUBLIC = [
     zoo.hf.load_hf_tokenizer,
     zoo.nn.Stack,
     zoo.nn.Remat,
+    zoo.nn.layer_runner,
     zoo.nn.logical_axes,
     zoo.sharding,
     transforms,

@@ -2,7 +2,7 @@
 
 The streamed update (``_opt_stream``) runs after the backward pass, a layer loop of copies with no
 matmul to hide them behind. Here each :class:`zoo.nn.Stack`'s update of step ``t - 1`` runs inside
-step ``t``'s forward pass instead, layer by layer (``zoo.nn._stack.layer_runner``): the layer's
+step ``t``'s forward pass instead, layer by layer (:func:`zoo.nn.layer_runner`): the layer's
 pending gradient is clipped with step ``t - 1``'s global norm, the wrapped optimizer updates the
 layer's weights and its state (written back in place, in host memory where it lives), and the
 layer runs with the new weights. Those enter through an identity whose gradient goes to the
@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zoo.nn import any_on_host
-from zoo.nn._stack import layer_runner
+from zoo.nn import any_on_host, layer_runner
 
 from ._opt_stream import StreamedOptimizer, _clip, _in_place_scan, _merge, _run
 from ._tree import stack_units as _units

@@ -60,6 +60,7 @@ from ._rotary import rope_inv_freq as rope_inv_freq
 from ._rotary import rotate as rotate
 from ._stack import Stack as Stack
 from ._stack import checkpoint_names as checkpoint_names
+from ._stack import layer_runner as layer_runner
 from ._stack import with_prefetch as with_prefetch
 from ._stack import with_remat as with_remat
 from ._stack import with_scan as with_scan

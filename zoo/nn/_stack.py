@@ -49,7 +49,26 @@ def layer_runner(runner):
     otherwise the answer is called as ``run(layer_fn, state, policy)`` and its result returned,
     where ``layer_fn(state, layer_arrays) -> state`` runs one layer and ``policy`` is the stack's
     checkpoint policy (or ``None``). Used by the deferred optimizer update
-    (``transforms._deferred``), which runs each layer's pending update in the layer loop."""
+    (``transforms._deferred``), which runs each layer's pending update in the layer loop.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp
+    from zoo import nn
+    stack = nn.Stack(lambda k: nn.Linear(8, 8, key=k), 4, key=jax.random.key(0))
+
+    def python_loop(stack, arrays):  # run the layers one by one, in a Python loop
+        def run(layer_fn, state, policy):
+            for i in range(stack.n_layers):
+                state = layer_fn(state, jax.tree.map(lambda a: a[i], arrays))
+            return state
+        return run
+
+    with nn.layer_runner(python_loop):
+        y = stack(jnp.ones((3, 8)))
+    ```
+    """
     token = _LAYER_RUNNER.set(runner)
     try:
         yield
