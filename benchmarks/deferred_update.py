@@ -98,19 +98,6 @@ def _clip_scale(grads):
     return jnp.where(norm < CLIP, 1.0, CLIP / norm), norm
 
 
-def _replaced(w, new):
-    """``new``, with the gradient of ``w``: the forward runs the updated weights, the backward
-    sends their gradient to the weights the step was given."""
-    import jax
-
-    @jax.custom_vjp
-    def f(w, new):
-        return new
-
-    f.defvjp(lambda w, new: (new, None), lambda _, g: (g, None))
-    return f(w, jax.lax.stop_gradient(new))
-
-
 def init(sizes: Sizes, key, *, host: bool) -> State:
     """Weights (float32, on the device) and zero moments, in host memory with ``host``."""
     import jax
@@ -181,6 +168,7 @@ def step_deferred(state: State, x, sizes: Sizes):
     import jax
     import jax.numpy as jnp
 
+    from transforms._deferred import _replaced
     from transforms._opt_stream import _in_place_scan
 
     first = state.g is None
@@ -233,8 +221,8 @@ def _jitted(variant: str, sizes: Sizes):
     return jax.jit(lambda s, x: STEPS[variant](s, x, sizes), donate_argnums=0)
 
 
-def _describe_for(device, state: State):
-    """Abstract arguments of ``state`` on ``device`` (each leaf in its memory kind)."""
+def _describe_for(device, tree):
+    """Abstract arguments of ``tree``'s arrays on ``device`` (each leaf in its memory kind)."""
     import jax
 
     def one(x):
@@ -243,7 +231,7 @@ def _describe_for(device, state: State):
             x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
         )
 
-    return jax.tree.map(one, state)
+    return jax.tree.map(one, tree)
 
 
 def _host_typed(state: State, host: bool) -> State:
@@ -356,12 +344,7 @@ def measure_model(model_name: str, moments=("float32",), batch: int = 8, seq: in
         params, static = eqx.partition(model, eqx.is_array)
         pending = _deferred.no_pending(params)
 
-        def describe(x):
-            kind = getattr(x.sharding, "memory_kind", None) or "device"
-            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        args = jax.tree.map(describe, (params, state, pending))
+        args = _describe_for(device, (params, state, pending))
         hosts = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", args)
         tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
 

@@ -114,11 +114,7 @@ def copy_halves(first: list, second: list):
     import jax.numpy as jnp
 
     from transforms._memory import to_host
-
-    def fetch(bufs, i):
-        return [
-            jax.device_put(jax.lax.dynamic_index_in_dim(b, i, keepdims=False), jax.memory.Space.Device) for b in bufs
-        ]
+    from transforms._opt_stream import _fetch as fetch  # one layer of each stacked host array, to the device
 
     def write(bufs, values, i):
         return [jax.lax.dynamic_update_index_in_dim(b, to_host(v), i, 0) for b, v in zip(bufs, values, strict=True)]
