@@ -34,6 +34,7 @@ import optax
 
 from zoo.nn import on_host, prefetch_scan
 
+from . import _layer_split as split
 from . import _opt_rows as rows
 from ._memory import (
     DEVICE,
@@ -57,7 +58,11 @@ class StreamedState(NamedTuple):
     """Optimizer state of a streamed optimizer (see :func:`transforms.offload_opt_state`).
 
     - ``stacked``: one state of the wrapped optimizer per :class:`zoo.nn.Stack` of the parameters
-      (in tree order), built layer by layer: every leaf has the stack's leading layer axis.
+      (in tree order), built layer by layer: every leaf has the stack's leading layer axis. A stack
+      of an even number of layers (4 or more) keeps it as a ``LayerSplit(even, odd)``: its even
+      layers and its odd ones in two states of half the layers each, so that the update's loop
+      reads one buffer while it writes the other (on a TPU v5e the link then carries both
+      directions at once; with one buffer they take turns).
     - ``rest``: the wrapped optimizer's state for the leaves outside the stacks.
 
     Both are states of the wrapped optimizer for a copy of the parameter tree in which the leaves
@@ -128,7 +133,12 @@ def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Cal
     written back (from the buffers the write returns, so that XLA needs no copy of them).
     ``y_i`` are ordinary scan outputs, ``place_y`` puts them.
     Returns ``(carry, new_write, ys)``.
+
+    A ``write`` tree holding :class:`~transforms._layer_split.LayerSplit` leaves (a stack's state
+    kept as its even and odd layers) runs as :func:`transforms._layer_split.split_scan`.
     """
+    if any(split.is_split(x) for x in jax.tree.leaves(write, is_leaf=split.is_split)):
+        return split.split_scan(body, carry, read, write, length, place_y)
     r_leaves, r_def = jax.tree.flatten(read)
     w_leaves, w_def = jax.tree.flatten(write)
     r_host = [on_host(x) for x in r_leaves]
@@ -398,18 +408,19 @@ def _init(inner, select: Callable, where_given: bool, params):
     if not where_given:  # by default, as offload_params does with such weights (see packed_layer_vector)
         stacked = jax.tree.map(lambda a, c: c and not packed_layer_vector(a, True), abstract.stacked, chosen.stacked)
         chosen = chosen._replace(stacked=stacked)
+    halved = [split.splits(lengths[k], _view(params, units, k)) for k in range(n)]
 
     def build(p):
         stacked = []
         for k in range(n):
             kinds = jax.tree.map(lambda c: HOST if c else DEVICE, chosen.stacked[k])
+            place = lambda y, kinds=kinds: restore_kinds(y, kinds)
             # Built layer by layer as well: the whole stacked state never sits on the device.
+            if halved[k]:
+                stacked.append(split.build(inner.init, _view(p, units, k), lengths[k], place))
+                continue
             _, state = _layer_scan(
-                lambda carry, layer: (carry, inner.init(layer)),
-                None,
-                _view(p, units, k),
-                lengths[k],
-                lambda y, kinds=kinds: restore_kinds(y, kinds),
+                lambda carry, layer: (carry, inner.init(layer)), None, _view(p, units, k), lengths[k], place
             )
             stacked.append(state)
         rest = inner.init(tree_to_device(_view(p, units, -1)))
@@ -419,8 +430,17 @@ def _init(inner, select: Callable, where_given: bool, params):
     mesh = mesh_of(params)
     if mesh is None:
         return jax.jit(build)(params)
+
+    def stack_shardings(k):
+        if not halved[k]:
+            return state_shardings(abstract.stacked[k], chosen.stacked[k], _view(params, units, k), mesh)
+        half = state_shardings(
+            split.halves_like(abstract.stacked[k]), chosen.stacked[k], split.halves_like(_view(params, units, k)), mesh
+        )
+        return split.LayerSplit(half, half)
+
     targets = StreamedState(
-        tuple(state_shardings(abstract.stacked[k], chosen.stacked[k], _view(params, units, k), mesh) for k in range(n)),
+        tuple(stack_shardings(k) for k in range(n)),
         state_shardings(abstract.rest, chosen.rest, _view(params, units, -1), mesh),
     )
     return jax.jit(build, out_shardings=targets)(params)
