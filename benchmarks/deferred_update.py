@@ -29,7 +29,12 @@ the compiler (``jax.experimental.topologies``, libtpu on the path) without one.
 python -m benchmarks.deferred_update --out benchmarks/results              # on an accelerator
 PYTHONPATH=/tmp/tpusite python -m benchmarks.deferred_update --target tpu --out /tmp/d   # compile only
 python -m benchmarks.deferred_update --layers 2 --width 64 --tokens 64 --reps 2 --out /tmp/d   # anywhere
+python -m benchmarks.deferred_update --model llama:small --moments bfloat16 --out benchmarks/results  # the library's
+PYTHONPATH=/tmp/tpusite python -m benchmarks.deferred_update --model llama:small --target tpu --out /tmp/d
 ```
+
+With ``--model`` it times the library's deferred step (``transforms._deferred``) on a zoo model
+beside the plain and the streamed train steps, or (``--target tpu``) compiles the last two for a v5e.
 
 Writes ``<out>/deferred_update_<device>.json`` and ``.md``.
 """
@@ -314,10 +319,27 @@ def _deferred_program(opt, static, hosts):
     return program
 
 
-def measure_model(model_name: str, moments=("float32",), batch: int = 8, seq: int = 1024, save_hlo=None) -> dict:
+def _timed(call, carried, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls after a first one: ``call(*carried) -> carried``."""
+    import jax
+
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        carried = call(*carried)
+        jax.block_until_ready(carried)
+        times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+def measure_model(
+    model_name: str, moments=("float32",), batch: int = 8, seq: int = 1024, save_hlo=None, target="tpu", reps=10
+) -> dict:
     """The library's deferred step (``transforms._deferred``) on a zoo model against its streamed
-    train step, both compiled for a TPU v5e described to the compiler: bytes moved and the share
-    spanning a matmul, per computation."""
+    train step: bytes moved and the share spanning a matmul, per computation, compiled for a TPU
+    v5e described to the compiler (``target="tpu"``); or (``"here"``) run on this machine's first
+    device, the plain train step (``none``: AdamW after clipping, state on the device) beside
+    them, each with its median step time."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -329,28 +351,45 @@ def measure_model(model_name: str, moments=("float32",), batch: int = 8, seq: in
     from benchmarks.tpu_compile import _device, lowered_for
     from transforms import _deferred
 
-    device = _device("tpu", "v5e:1x1")
+    device = _device("tpu", "v5e:1x1") if target == "tpu" else jax.devices()[0]
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size, dtype=jnp.int32)
     rows = []
     for dtype in moments:
         adamw = optax.adamw(1e-3)
         adamw = transforms.compact_state(adamw, dtype) if dtype != "float32" else adamw
         opt = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP)
+        texts, times = {}, {}
+        if target != "tpu":  # the plain step, for the ratios
+            plain = transforms.train_step(zoo.lm_loss, optax.chain(optax.clip_by_global_norm(CLIP), adamw))
+            model = zoo.build_model(cfg, key=jax.random.key(0))
+            texts["none"] = plain.lower(model, plain.init(model), tokens).compile().as_text()
+            times["none"] = _timed(lambda m, s, plain=plain: plain(m, s, tokens)[:2], (model, plain.init(model)), reps)
+            del model
         model = zoo.build_model(cfg, key=jax.random.key(0))
         step = transforms.train_step(zoo.lm_loss, opt)
         state = step.init(model)
-        texts = {"separate": lowered_for(device, model, state, step, batch, seq).compile().as_text()}
+        if target == "tpu":
+            texts["separate"] = lowered_for(device, model, state, step, batch, seq).compile().as_text()
+        else:
+            texts["separate"] = step.lower(model, state, tokens).compile().as_text()
+            times["separate"] = _timed(lambda m, s, step=step: step(m, s, tokens)[:2], (model, state), reps)
+            model = zoo.build_model(cfg, key=jax.random.key(0))  # the step donated the first ones
+            state = step.init(model)
 
         params, static = eqx.partition(model, eqx.is_array)
         pending = _deferred.no_pending(params)
-
-        args = _describe_for(device, (params, state, pending))
-        hosts = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", args)
-        tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
-
-        program = _deferred_program(opt, static, hosts)
-        lowered = jax.jit(program, donate_argnums=(0, 1, 2)).lower(*args, tokens)
-        texts["deferred"] = lowered.compile().as_text()
+        if target == "tpu":
+            args = _describe_for(device, (params, state, pending))
+            hosts = jax.tree.map(lambda x: x.sharding.memory_kind == "pinned_host", args)
+            toks = jax.ShapeDtypeStruct(tokens.shape, jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
+        else:  # concrete host arrays trace with their host type already; committed, as outputs are
+            args = jax.tree.map(lambda x: jax.device_put(x, x.sharding), (params, state, pending))
+            hosts, toks = jax.tree.map(lambda x: False, args), tokens
+        program = jax.jit(_deferred_program(opt, static, hosts), donate_argnums=(0, 1, 2))
+        texts["deferred"] = program.lower(*args, toks).compile().as_text()
+        if target != "tpu":
+            times["deferred"] = _timed(lambda p, s, q, program=program: program(p, s, q, tokens)[1:], args, reps)
         for name, text in texts.items():
             if save_hlo is not None:
                 Path(save_hlo).mkdir(parents=True, exist_ok=True)
@@ -358,8 +397,15 @@ def measure_model(model_name: str, moments=("float32",), batch: int = 8, seq: in
             hlo = analyze_hlo(text, n_layers=cfg.n_layers)
             row = {"variant": name, "moments": dtype, "h2d_bytes": hlo.get("h2d_bytes_per_step") or 0}
             row.update(d2h_bytes=hlo.get("d2h_bytes_per_step") or 0, overlap=hlo.get("overlap"))
+            if name in times:
+                row.update(step_s=statistics.median(times[name]), times_s=times[name])
             rows.append(row)
-    return {"device_kind": "TPU v5e compiled", "platform": "tpu", "model": model_name, "rows": rows}
+    for r in rows:
+        base = next((b.get("step_s") for b in rows if b["variant"] == "none" and b["moments"] == r["moments"]), None)
+        r["x_none"] = r["step_s"] / base if base and r.get("step_s") else None
+    kind = "TPU v5e compiled" if target == "tpu" else device.device_kind
+    platform = "tpu" if target == "tpu" else device.platform
+    return {"device_kind": kind, "platform": platform, "model": model_name, "rows": rows}
 
 
 def table(result: dict, head: str) -> str:
@@ -401,22 +447,32 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--target", choices=("here", "tpu"), default="here", help="run here, or compile for a v5e")
     p.add_argument(
-        "--model", default=None, help="instead: a zoo model's deferred step (transforms._deferred), compiled for a v5e"
+        "--model",
+        default=None,
+        help="instead: a zoo model's deferred step (transforms._deferred) against its train steps, run here "
+        "(--target here) or compiled for a v5e (--target tpu)",
     )
+    p.add_argument("--batch", type=int, default=8, help="with --model: sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=1024, help="with --model: tokens per sequence (default 1024)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results directory")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
         p.error(f"--variants {args.variants!r}: give some of {', '.join(VARIANTS)}")
-    for flag in ("layers", "width", "tokens", "reps"):
+    for flag in ("layers", "width", "tokens", "reps", "batch", "seq"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} {getattr(args, flag)}: give at least 1")
     moments = [m for m in args.moments.split(",") if m]
     if not moments or any(m not in ("float32", "bfloat16") for m in moments):
         p.error(f"--moments {args.moments!r}: give float32, bfloat16 or both")
     if args.model is not None:  # the library's deferred step against the streamed train step
-        result = measure_model(args.model, moments)
-        head = f"{args.model}, batch 8 x 1024: the streamed train step against the deferred step, compiled for a v5e"
+        target = "tpu" if args.target == "tpu" else "here"
+        result = measure_model(args.model, moments, batch=args.batch, seq=args.seq, target=target, reps=args.reps)
+        where = "compiled for a v5e" if target == "tpu" else f"on {result['device_kind']}"
+        head = (
+            f"{args.model}, batch {args.batch} x {args.seq}: the plain train step, the streamed one and the "
+            f"deferred step, {where}"
+        )
         env.save_run(args, f"deferred_update_{env.sanitize(args.model)}", result, table(result, head))
         return 0
     hidden = args.hidden or 4 * args.width

@@ -11,13 +11,16 @@ import pytest
 import transforms
 import zoo
 from transforms import _deferred
+from transforms._layer_split import LayerSplit
 
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def runs():
-    cfg = zoo.config_from_name("llama:tiny")
+# Two layers: each stack's state in one buffer per leaf; four: kept as its even and odd layers
+# (transforms._layer_split), the forward pass running two layers an iteration.
+@pytest.fixture(scope="module", params=[2, 4], ids=["whole", "split"])
+def runs(request):
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=request.param)
     model = zoo.build_model(cfg, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, jnp.int32)
     opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5)
@@ -39,6 +42,7 @@ def runs():
         loss, params, dstate, pending = deferred(params, dstate, pending)
         losses.append(float(loss))
     params, dstate, _ = _deferred.flush(opt, params, dstate, pending)
+    assert isinstance(dstate.stacked[0], LayerSplit) == (request.param == 4)
     return {"plain": (plain, state, plain_losses), "deferred": (eqx.combine(params, static), dstate, losses)}
 
 
