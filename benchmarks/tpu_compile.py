@@ -74,11 +74,13 @@ def build(model_name: str, config: str, *, lr: float = 1e-3):
 
     import transforms
     import zoo
+    from transforms import _layer_split
 
+    _layer_split.SPLIT_ON_CPU = True  # the state is built here for a TPU: laid out as there
     conf = {c.name: c for c in config_table()}[config]
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
     model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), conf)
-    step = transforms.train_step(zoo.lm_loss, make_optimizer(conf.opt, lr, conf.state, conf.where))
+    step = transforms.train_step(zoo.lm_loss, make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split))
     return model, step.init(model), step
 
 

@@ -10,8 +10,9 @@ import pytest
 
 import transforms
 import zoo
-from transforms import _deferred
+from transforms import _deferred, _layer_split
 from transforms._layer_split import LayerSplit
+from transforms._opt_stream import with_split_layers
 
 STEPS = 3
 
@@ -24,6 +25,10 @@ def runs(request):
     model = zoo.build_model(cfg, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, jnp.int32)
     opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5)
+    if request.param == 4:
+        opt = with_split_layers(opt)
+        _layer_split.SPLIT_ON_CPU = True  # module-scoped: restored below
+        request.addfinalizer(lambda: setattr(_layer_split, "SPLIT_ON_CPU", False))
 
     step = transforms.train_step(zoo.lm_loss, opt)
     plain, state = model, step.init(model)

@@ -1,16 +1,29 @@
-"""A streamed stack's optimizer state kept as its even and odd layers (`transforms._layer_split`):
-the same numbers as optax, the halves where the state belongs, each half written in place and read
-back from the buffer just written, sharded like the weights."""
+"""A streamed stack's optimizer state kept as its even and odd layers (`transforms._layer_split`,
+opt-in through `_opt_stream.with_split_layers`): the same numbers as optax, the halves where the
+state belongs, each half written in place once an iteration, the odd half read before any write,
+sharded like the weights."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from test_opt_stream import HOST, MESH, floating, injected_adamw, two_steps
 
 import transforms
+from transforms import _layer_split
 from transforms._layer_split import LayerSplit
+from transforms._opt_stream import with_split_layers
 from zoo import nn, sharding
+
+
+@pytest.fixture(autouse=True)
+def split_on_cpu(monkeypatch):
+    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", True)
+
+
+def streamed(inner, **kwargs):
+    return with_split_layers(transforms.offload_opt_state(inner, stream=True, **kwargs))
 
 
 class Stacks(eqx.Module):
@@ -38,7 +51,7 @@ def params():
 
 def test_a_split_stack_is_updated_as_optax_does_and_its_halves_stay_in_host_memory():
     plain = optax.chain(optax.clip_by_global_norm(1.0), injected_adamw())
-    _, state = two_steps(injected_adamw(), params(), plain, clip=1.0)
+    _, state = two_steps(injected_adamw(), params(), plain, clip=1.0, wrap=with_split_layers)
     split, whole = state.stacked
     assert isinstance(split, LayerSplit) and not isinstance(whole, LayerSplit)
     for half in split:
@@ -50,8 +63,18 @@ def test_a_split_stack_is_updated_as_optax_does_and_its_halves_stay_in_host_memo
 
 def test_host_weights_keep_their_stack_state_whole():
     # Their own in-place writes would keep each loop iteration's reads waiting anyway.
-    state = transforms.offload_opt_state(optax.adam(1e-3), stream=True).init(transforms.offload_params(params()))
+    state = streamed(optax.adam(1e-3)).init(transforms.offload_params(params()))
     assert not any(isinstance(s, LayerSplit) for s in state.stacked)
+
+
+def test_the_layout_is_opt_in_and_off_on_the_cpu(monkeypatch):
+    plain = transforms.offload_opt_state(optax.adam(1e-3), stream=True)
+    assert not any(isinstance(s, LayerSplit) for s in plain.init(params()).stacked)
+    assert isinstance(with_split_layers(plain).init(params()).stacked[0], LayerSplit)
+    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", False)  # XLA:CPU would copy each half
+    assert not any(isinstance(s, LayerSplit) for s in with_split_layers(plain).init(params()).stacked)
+    with pytest.raises(TypeError, match="stream=True|StreamedOptimizer"):  # (or the type checker's)
+        with_split_layers(optax.adam(1e-3))
 
 
 def eqns(jaxpr):
@@ -66,7 +89,7 @@ def eqns(jaxpr):
 
 def test_each_half_is_written_in_place_and_its_next_layer_read_from_the_written_buffer():
     p = params()
-    opt = transforms.offload_opt_state(optax.adam(1e-3), stream=True)
+    opt = streamed(optax.adam(1e-3))
     state = opt.init(p)
     grads = jax.tree.map(jnp.ones_like, p)
     jaxpr = jax.make_jaxpr(lambda g, s, p: opt.apply(g, s, p)[:2])(grads, state, p).jaxpr
@@ -81,18 +104,24 @@ def test_each_half_is_written_in_place_and_its_next_layer_read_from_the_written_
 
     writes = ("dynamic_update_slice", "dynamic_update_index_in_dim")
     reads = ("dynamic_slice", "dynamic_index_in_dim")
-    for buf in host_moments:
+    # The loop's buffers come as [even, odd] pairs: the even half is read back from the buffer
+    # just written (in place, no copy), the odd half from the loop's input, before any write of
+    # this iteration, so that its read can run beside the even half's write.
+    for parity, buf in zip([0, 1] * 2, host_moments, strict=True):
         written = [e.outvars[0] for e in body.eqns if named(e, *writes) and e.invars[0] is buf]
         assert len(written) == 1, "each half gets one layer written per iteration"
-        # Read only after the write (from its result): a read of the old buffer would make XLA
-        # copy it whole to update it.
-        assert not [e for e in body.eqns if named(e, *reads) and e.invars[0] is buf]
-        assert [e for e in body.eqns if named(e, *reads) and e.invars[0] is written[0]]
+        from_input = [e for e in body.eqns if named(e, *reads) and e.invars[0] is buf]
+        from_written = [e for e in body.eqns if named(e, *reads) and e.invars[0] is written[0]]
+        assert (len(from_input), len(from_written)) == ((1, 0) if parity else (0, 1)), parity
+        if parity:  # read before its own write (the write consumes what the read fed)
+            assert body.eqns.index(from_input[0]) < min(
+                i for i, e in enumerate(body.eqns) if named(e, *writes) and e.invars[0] is buf
+            )
 
 
 def test_on_a_mesh_the_halves_are_sharded_like_their_weights():
     p = sharding.shard(params(), MESH())
-    state = transforms.offload_opt_state(optax.adam(1e-3), stream=True).init(p)
+    state = streamed(optax.adam(1e-3)).init(p)
     w = p.even.layers.weight
     for half in state.stacked[0]:
         mu = half[0].mu.even.layers.weight
@@ -103,7 +132,7 @@ def test_on_a_mesh_the_halves_are_sharded_like_their_weights():
 def test_the_train_step_keeps_the_split_across_steps():
     model = Stacks(jax.random.key(0))
     loss = lambda m, t: jnp.mean(jax.nn.logsumexp(jax.vmap(m)(t), axis=-1))
-    step = transforms.train_step(loss, transforms.offload_opt_state(optax.adam(1e-3), stream=True, clip_norm=1.0))
+    step = transforms.train_step(loss, streamed(optax.adam(1e-3), clip_norm=1.0))
     state = step.init(model)
     tokens = jnp.zeros((2, 5), jnp.int32)
     for _ in range(2):

@@ -239,11 +239,12 @@ def random_like(params, seed, scale=1.0):
     return jax.tree.map(one, params)
 
 
-def two_steps(optimizer, params, plain=None, clip=None):
-    """Two steps with the same random gradients, streamed and plain: the first with ``apply``, the
-    second with ``update`` (optax's API), so both paths are compared."""
+def two_steps(optimizer, params, plain=None, clip=None, wrap=lambda opt: opt):
+    """Two steps with the same random gradients, streamed (``wrap`` of the streamed optimizer) and
+    plain: the first with ``apply``, the second with ``update`` (optax's API), so both paths are
+    compared."""
     plain = optimizer if plain is None else plain
-    streamed = transforms.offload_opt_state(optimizer, stream=True, clip_norm=clip)
+    streamed = wrap(transforms.offload_opt_state(optimizer, stream=True, clip_norm=clip))
     grads = [random_like(params, 1, scale=3.0), random_like(params, 2)]
 
     @jax.jit

@@ -5,12 +5,17 @@ layer ``i + 1``'s. With one buffer per leaf, the read waits for the write: both 
 buffer, and XLA orders a read of a buffer after an in-place write to it. On a TPU v5e the two
 directions of the link then take turns; the copies of ``llama:small``'s moments alone took 1.68x
 the time their bytes need with both directions at once (``benchmarks.update_speed``'s ``copy``).
-With the layers in two buffers, one buffer's layer is read while the other's is written back, and
-the same copies took 1.06x (``copy_halves``; ``benchmarks/results/update_speed_TPU_v5_lite.md``).
+With the layers in two buffers, one buffer's layer read while the other's is written back, the
+same copies took 1.06x (``copy_halves``; ``benchmarks/results/update_speed_TPU_v5_lite_copy_halves.md``).
+
+Experimental, off by default (``transforms._opt_stream.with_split_layers`` turns it on): a first
+loop, which fetched both halves' next layers at the end of an iteration, measured slower on the chip
+than one buffer (XLA ran all the writes, then all the reads); the loop below, which fetches the
+odd half's layer at the start of the iteration it is used in, as ``copy_halves`` does, compiles
+for a v5e without a copy of any buffer but is not yet timed there (``docs/OFFLOAD_SPEED.md``).
 
 :class:`LayerSplit` holds the two halves; :func:`split_scan` is the layer loop over them, two
-layers an iteration, each buffer's next layer fetched after its own write (so XLA needs no copy of
-a buffer to update it in place). :func:`splits` says which stacks are stored this way.
+layers an iteration; :func:`splits` says which stacks may be stored this way.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ class LayerSplit(NamedTuple):
 #: :func:`zoo.nn.prefetch_scan`: XLA fails on host offload in such loops on some backends).
 MIN_LAYERS = 4
 
+#: Split on the CPU too (tests, and ``benchmarks.tpu_compile``, which builds the state here for a
+#: TPU): there host and device memory are one, the split gains nothing, and XLA:CPU fuses a layer's
+#: read into its users, which then need a copy of the whole half to run after its write.
+SPLIT_ON_CPU = False
+
 
 def is_split(x) -> bool:
     return isinstance(x, LayerSplit)
@@ -53,6 +63,9 @@ def splits(n_layers: int, params) -> bool:
         return False
     for p in jax.tree.leaves(params):
         if on_host(p):
+            return False
+        devices = getattr(getattr(p, "sharding", None), "device_set", ())
+        if not SPLIT_ON_CPU and any(d.platform == "cpu" for d in devices):
             return False
         spec = getattr(getattr(p, "sharding", None), "spec", None)
         if spec is not None and len(spec) and spec[0] is not None:
@@ -173,15 +186,16 @@ def split_scan(body: Callable, carry, read, write, length: int, place_y: Callabl
     ``write_i`` with each ``LayerSplit`` replaced by layer ``i`` of its state; returns ``(carry,
     new_write, ys)``), run as ``length // 2`` iterations of two layers. ``length`` is even.
 
-    Iteration ``k`` runs layer ``2k`` and writes its new state to the even half, then fetches the
-    even half's layer ``2k + 2`` (from the buffers just written, so XLA updates them in place)
-    while layer ``2k + 1`` runs and is written to the odd half; the odd half's layer ``2k + 3`` is
-    then fetched while the next iteration's layer ``2k + 2`` runs. So each half is read while the
-    other is written. Both next layers go through the loop's carry: a fetched value used in the
-    iteration that also overwrites its buffer could be fused into its users, run after the write,
-    and cost a copy of the whole buffer. Leaves that are not split (host weights written in
-    place) are fetched after the write before their use, and do not overlap. Read-only host leaves
-    of ``read`` are fetched one iteration ahead, device ones sliced where they are used.
+    Iteration ``k`` fetches the odd half's layer ``2k + 1`` (its buffers were last written in the
+    previous iteration) while layer ``2k`` runs and is written to the even half; then it fetches
+    the even half's layer ``2k + 2`` from the buffers just written (so XLA updates them in place,
+    and the value crosses the loop's carry) while layer ``2k + 1`` runs and is written to the odd
+    half. Leaves that are not split (host weights written in place) are fetched after the write
+    before their use, as in ``_in_place_scan``. Read-only host leaves of ``read`` are fetched one
+    iteration ahead, device ones sliced where they are used.
+
+    On the CPU the odd half's read is fused into its users, which XLA:CPU may then run after the
+    write; it copies the half to keep it (see :data:`SPLIT_ON_CPU`).
     """
     if length % 2 or length < MIN_LAYERS:  # pragma: no cover - splits() decides
         raise ValueError(f"a split layer loop needs an even number of at least {MIN_LAYERS} layers, got {length}")
@@ -199,7 +213,10 @@ def split_scan(body: Callable, carry, read, write, length: int, place_y: Callabl
         return jax.tree.unflatten(r_def, [next(fetched) if h else next(local) for h in r_host])
 
     def step(state, k):
-        inner, even, odd, r_even, r_odd, bufs = state
+        inner, even, r_even, r_odd, bufs = state
+        # Layer 2k + 1's split leaves, from the odd buffers (written last in the previous
+        # iteration), on their way while layer 2k runs and is written to the even half.
+        odd = slots.read(bufs, slots.where(1, k, split=True))
         inner, (new, y_even) = body(inner, read_tree(r_even, 2 * k), slots.layer_tree(even))
         bufs = slots.write(bufs, slots.where(0, k), slots.flat(new))
         # The even half's next layer, from the buffers just written, while layer 2k + 1 runs and
@@ -209,14 +226,12 @@ def split_scan(body: Callable, carry, read, write, length: int, place_y: Callabl
         odd.update(slots.read(bufs, slots.where(1, k, split=False)))
         inner, (new, y_odd) = body(inner, read_tree(r_odd, 2 * k + 1), slots.layer_tree(odd))
         bufs = slots.write(bufs, slots.where(1, k), slots.flat(new))
-        odd = slots.read(bufs, slots.where(1, nxt, split=True))
         even.update(slots.read(bufs, slots.where(0, nxt, split=False)))
-        state = (inner, even, odd, fetch_reads(2 * nxt), fetch_reads(2 * nxt + 1), bufs)
+        state = (inner, even, fetch_reads(2 * nxt), fetch_reads(2 * nxt + 1), bufs)
         return state, (place_y(y_even), place_y(y_odd))
 
     bufs = slots.buffers
-    even, odd = slots.read(bufs, slots.where(0, 0)), slots.read(bufs, slots.where(1, 0, split=True))
-    init = (carry, even, odd, fetch_reads(0), fetch_reads(1), bufs)
+    init = (carry, slots.read(bufs, slots.where(0, 0)), fetch_reads(0), fetch_reads(1), bufs)
     (carry, *_, bufs), (y_even, y_odd) = jax.lax.scan(step, init, jnp.arange(half))
     # One pass that interleaves the two halves into the output (a stack of pairs as the loop's
     # output cost a second stack-sized buffer on the CPU).

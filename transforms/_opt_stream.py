@@ -58,11 +58,10 @@ class StreamedState(NamedTuple):
     """Optimizer state of a streamed optimizer (see :func:`transforms.offload_opt_state`).
 
     - ``stacked``: one state of the wrapped optimizer per :class:`zoo.nn.Stack` of the parameters
-      (in tree order), built layer by layer: every leaf has the stack's leading layer axis. A stack
-      of an even number of layers (4 or more) keeps it as a ``LayerSplit(even, odd)``: its even
-      layers and its odd ones in two states of half the layers each, so that the update's loop
-      reads one buffer while it writes the other (on a TPU v5e the link then carries both
-      directions at once; with one buffer they take turns).
+      (in tree order), built layer by layer: every leaf has the stack's leading layer axis. (An
+      experimental layout, ``transforms._opt_stream.with_split_layers``, keeps a stack's state
+      as a ``LayerSplit(even, odd)`` of its even and its odd layers instead, so that the update's
+      loop can read one buffer while it writes the other.)
     - ``rest``: the wrapped optimizer's state for the leaves outside the stacks.
 
     Both are states of the wrapped optimizer for a copy of the parameter tree in which the leaves
@@ -389,7 +388,7 @@ def check_streamable(optimizer: optax.GradientTransformation, params, units, n: 
 # ---- the wrapper --------------------------------------------------------------------------
 
 
-def _init(inner, select: Callable, where_given: bool, params):
+def _init(inner, select: Callable, where_given: bool, params, split_layers: bool = False):
     units, n = _units(params)
     if n:
         check_streamable(inner, params, units, n)
@@ -408,7 +407,7 @@ def _init(inner, select: Callable, where_given: bool, params):
     if not where_given:  # by default, as offload_params does with such weights (see packed_layer_vector)
         stacked = jax.tree.map(lambda a, c: c and not packed_layer_vector(a, True), abstract.stacked, chosen.stacked)
         chosen = chosen._replace(stacked=stacked)
-    halved = [split.splits(lengths[k], _view(params, units, k)) for k in range(n)]
+    halved = [split_layers and split.splits(lengths[k], _view(params, units, k)) for k in range(n)]
 
     def build(p):
         stacked = []
@@ -584,9 +583,16 @@ class StreamedOptimizer(OffloadedOptimizer):
     :class:`transforms.TrainStep` calls so that no whole-tree update is ever materialised.
     """
 
-    def __new__(cls, inner: optax.GradientTransformation, select: Callable, clip_norm: float | None, where_given: bool):
+    def __new__(
+        cls,
+        inner: optax.GradientTransformation,
+        select: Callable,
+        clip_norm: float | None,
+        where_given: bool,
+        split_layers: bool = False,
+    ):
         def init(params):
-            return _init(inner, select, where_given, params)
+            return _init(inner, select, where_given, params, split_layers)
 
         def update(updates, state, params=None):
             new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
@@ -594,6 +600,8 @@ class StreamedOptimizer(OffloadedOptimizer):
 
         self = super().__new__(cls, init, update, inner)
         self.clip_norm = clip_norm
+        self.split_layers = split_layers
+        self._args = (select, where_given)
         return self
 
     def apply(self, grads, state, params):
@@ -604,3 +612,14 @@ class StreamedOptimizer(OffloadedOptimizer):
         ``grads`` before clipping.
         """
         return _run(self.inner, self.clip_norm, grads, state, params, apply=True)
+
+
+def with_split_layers(optimizer: StreamedOptimizer) -> StreamedOptimizer:
+    """``optimizer`` whose ``init`` keeps each eligible stack's state as its even and odd layers
+    (:class:`~transforms._layer_split.LayerSplit`; see :func:`transforms._layer_split.splits`).
+    Not yet the default: on a TPU v5e the layout must still show that the update's reads then run
+    beside its writes (``docs/OFFLOAD_SPEED.md``)."""
+    if not isinstance(optimizer, StreamedOptimizer):
+        raise TypeError(f"with_split_layers takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
+    select, where_given = optimizer._args
+    return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, split_layers=True)

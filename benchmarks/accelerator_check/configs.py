@@ -25,6 +25,7 @@ class Config:
     opt: str = "device"  # "device", "offload" (offload_opt_state) or "stream" (stream=True)
     state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
     where: str | None = None  # "stacks": only the stacks' moments offloaded (see make_optimizer)
+    split: bool = False  # the streamed state kept as its even and odd layers (_opt_stream.with_split_layers)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -40,6 +41,8 @@ class Config:
             out["state_dtype"] = self.state
         if self.where:
             out["opt_state_where"] = self.where
+        if self.split:
+            out["opt_state_layout"] = "even and odd layers"
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -119,6 +122,22 @@ def config_table() -> list[Config]:
             where="stacks",
         ),
         _checked(
+            "opt_state_stream_bf16_split",
+            "opt_state_stream_bf16 with each stack's state kept as its even and its odd layers, so that the "
+            "update reads one buffer while it writes the other (experimental: _opt_stream.with_split_layers)",
+            opt="stream",
+            state="bfloat16",
+            split=True,
+        ),
+        _checked(
+            "opt_state_stream_bf16_stacks_split",
+            "opt_state_stream_bf16_stacks, its state kept as even and odd layers (see opt_state_stream_bf16_split)",
+            opt="stream",
+            state="bfloat16",
+            where="stacks",
+            split=True,
+        ),
+        _checked(
             "opt_state_stream_f8",
             "offload_opt_state(compact_state(adamw, 'float8'), stream=True, clip_norm=1.0) (moments in 8 bits)",
             opt="stream",
@@ -166,15 +185,17 @@ def _stacked_moment(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 3
 
 
-def make_optimizer(kind: str, lr: float, state: str | None = None, where: str | None = None):
+def make_optimizer(kind: str, lr: float, state: str | None = None, where: str | None = None, split: bool = False):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
     in that dtype (:func:`transforms.compact_state`), the same arithmetic wherever they live. With
     ``where="stacks"`` only the moments of the stacks' matrices are offloaded (the embedding's,
-    the head's and the norms' stay on the device)."""
+    the head's and the norms' stay on the device). ``split`` keeps a streamed state as its even and
+    odd layers (``transforms._opt_stream.with_split_layers``)."""
     import optax
 
     import transforms
+    from transforms._opt_stream import with_split_layers
 
     if kind not in ("device", "offload", "stream"):
         raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream")
@@ -183,8 +204,11 @@ def make_optimizer(kind: str, lr: float, state: str | None = None, where: str | 
     adamw = optax.adamw(lr, b1=ADAM_B1)
     adamw = transforms.compact_state(adamw, state) if state else adamw
     select = {"where": _stacked_moment} if where else {}
+    if split and kind != "stream":
+        raise ValueError(f"split=True needs the streamed optimizer (kind 'stream'), got kind {kind!r}")
     if kind == "stream":
-        return transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, **select)
+        streamed = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, **select)
+        return with_split_layers(streamed) if split else streamed
     plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
     return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain
 

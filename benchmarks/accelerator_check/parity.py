@@ -86,8 +86,10 @@ def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict
     model = _builder(cfg)(jax.random.key(0))
     initial = host_tree(model)
     model = apply_transforms(model, conf) if conf else model
-    optimizer = make_optimizer(
-        conf.opt if conf else "device", m["lr"], conf.state if conf else None, conf.where if conf else None
+    optimizer = (
+        make_optimizer(conf.opt, m["lr"], conf.state, conf.where, conf.split)
+        if conf
+        else make_optimizer("device", m["lr"])
     )
     tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"] + 1), 0, cfg.vocab_size, jnp.int32)
     step = transforms.train_step(zoo.lm_loss, optimizer)
