@@ -333,13 +333,21 @@ def _timed(call, carried, reps: int) -> list[float]:
 
 
 def measure_model(
-    model_name: str, moments=("float32",), batch: int = 8, seq: int = 1024, save_hlo=None, target="tpu", reps=10
+    model_name: str,
+    moments=("float32",),
+    batch: int = 8,
+    seq: int = 1024,
+    save_hlo=None,
+    target="tpu",
+    reps=10,
+    split: bool = False,
 ) -> dict:
     """The library's deferred step (``transforms._deferred``) on a zoo model against its streamed
     train step: bytes moved and the share spanning a matmul, per computation, compiled for a TPU
     v5e described to the compiler (``target="tpu"``); or (``"here"``) run on this machine's first
     device, the plain train step (``none``: AdamW after clipping, state on the device) beside
-    them, each with its median step time."""
+    them, each with its median step time. ``split``: each stack's state kept as its even and odd
+    layers (``transforms._opt_stream.with_split_layers``), in both streamed steps."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -349,9 +357,12 @@ def measure_model(
     import zoo
     from benchmarks.accelerator_check.hlo import analyze_hlo
     from benchmarks.tpu_compile import _device, lowered_for
-    from transforms import _deferred
+    from transforms import _deferred, _layer_split
+    from transforms._opt_stream import with_split_layers
 
     device = _device("tpu", "v5e:1x1") if target == "tpu" else jax.devices()[0]
+    if target == "tpu":  # the state is built here for a TPU: laid out as there
+        _layer_split.SPLIT_ON_CPU = True
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size, dtype=jnp.int32)
     rows = []
@@ -359,6 +370,7 @@ def measure_model(
         adamw = optax.adamw(1e-3)
         adamw = transforms.compact_state(adamw, dtype) if dtype != "float32" else adamw
         opt = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP)
+        opt = with_split_layers(opt) if split else opt
         texts, times = {}, {}
         if target != "tpu":  # the plain step, for the ratios
             plain = transforms.train_step(zoo.lm_loss, optax.chain(optax.clip_by_global_norm(CLIP), adamw))
@@ -405,7 +417,7 @@ def measure_model(
         r["x_none"] = r["step_s"] / base if base and r.get("step_s") else None
     kind = "TPU v5e compiled" if target == "tpu" else device.device_kind
     platform = "tpu" if target == "tpu" else device.platform
-    return {"device_kind": kind, "platform": platform, "model": model_name, "rows": rows}
+    return {"device_kind": kind, "platform": platform, "model": model_name, "split": split, "rows": rows}
 
 
 def table(result: dict, head: str) -> str:
@@ -454,6 +466,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--batch", type=int, default=8, help="with --model: sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="with --model: tokens per sequence (default 1024)")
+    p.add_argument(
+        "--split", action="store_true", help="with --model: each stack's state kept as its even and odd layers"
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results directory")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -467,13 +482,17 @@ def main(argv=None) -> int:
         p.error(f"--moments {args.moments!r}: give float32, bfloat16 or both")
     if args.model is not None:  # the library's deferred step against the streamed train step
         target = "tpu" if args.target == "tpu" else "here"
-        result = measure_model(args.model, moments, batch=args.batch, seq=args.seq, target=target, reps=args.reps)
+        result = measure_model(
+            args.model, moments, batch=args.batch, seq=args.seq, target=target, reps=args.reps, split=args.split
+        )
         where = "compiled for a v5e" if target == "tpu" else f"on {result['device_kind']}"
+        layout = ", each stack's state as its even and odd layers" if args.split else ""
         head = (
             f"{args.model}, batch {args.batch} x {args.seq}: the plain train step, the streamed one and the "
-            f"deferred step, {where}"
+            f"deferred step{layout}, {where}"
         )
-        env.save_run(args, f"deferred_update_{env.sanitize(args.model)}", result, table(result, head))
+        name = f"deferred_update_{env.sanitize(args.model)}" + ("_split" if args.split else "")
+        env.save_run(args, name, result, table(result, head))
         return 0
     hidden = args.hidden or 4 * args.width
     sizes = Sizes(args.layers, args.width, hidden, args.tokens, args.compute, moments[0])

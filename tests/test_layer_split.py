@@ -73,7 +73,7 @@ def test_the_layout_is_opt_in_and_off_on_the_cpu(monkeypatch):
     assert isinstance(with_split_layers(plain).init(params()).stacked[0], LayerSplit)
     monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", False)  # XLA:CPU would copy each half
     assert not any(isinstance(s, LayerSplit) for s in with_split_layers(plain).init(params()).stacked)
-    with pytest.raises(TypeError, match="stream=True|StreamedOptimizer"):  # (or the type checker's)
+    with pytest.raises(TypeError, match=r"stream=True|StreamedOptimizer"):  # (or the type checker's)
         with_split_layers(optax.adam(1e-3))
 
 

@@ -371,6 +371,18 @@ def test_the_program_lowered_for_cuda_writes_each_layer_back_to_pinned_host():
     assert body.count('_xla_buffer_placement = "device"') == 4 * n_stacked  # the next layer's fetch
 
 
+def test_each_layer_written_back_is_pinned_to_the_buffers_row_major_layout():
+    # Left free, XLA:TPU gave a layer's new moments the layout a matmul reading the new weights
+    # prefers, and relaid out their whole host stacks to write them (the deferred update).
+    model, fn, args = traced_step()
+    text = jax.jit(fn).trace(*args).lower().as_text()
+    n_stacked = len(jax.tree.leaves(eqx.filter(model.stack, eqx.is_array)))
+    matrices = sum(x.ndim >= 3 for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_array)))
+    constraints = re.findall(r"custom_call @LayoutConstraint\(.*result_layouts = \[dense<\[([0-9, ]+)\]>", text)
+    assert n_stacked and len(constraints) >= 3 * matrices  # weight and two moments of each matrix
+    assert all([int(d) for d in c.split(",")] == sorted(int(d) for d in c.split(","))[::-1] for c in constraints)
+
+
 @pytest.mark.parametrize("weights", [HOST, DEVICE])
 def test_the_update_writes_host_state_and_weights_in_place_no_second_stack(weights):
     # Eight layers, so that one stack-sized buffer (old or new) is far above a few layers' worth.

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from zoo.nn import on_host
 
-from ._memory import to_device, to_host
+from ._memory import row_major, to_device, to_host
 
 
 class LayerSplit(NamedTuple):
@@ -148,7 +148,7 @@ class _Slots:
     def write(self, bufs, places, values) -> list:
         bufs = list(bufs)
         for j, b, row in places:
-            v = values[j].astype(bufs[b].dtype)
+            v = row_major(values[j].astype(bufs[b].dtype))
             bufs[b] = jax.lax.dynamic_update_index_in_dim(bufs[b], to_host(v) if self.host[b] else v, row, 0)
         return bufs
 

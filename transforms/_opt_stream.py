@@ -43,6 +43,7 @@ from ._memory import (
     mesh_of,
     packed_layer_vector,
     restore_kinds,
+    row_major,
     state_shardings,
     to_host,
     traced_kind,
@@ -151,7 +152,7 @@ def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Cal
         leaves = jax.tree.leaves(w_new)
         if len(leaves) != len(bufs):  # pragma: no cover - the update keeps the state's structure
             raise ValueError("offload_opt_state(stream=True): the update changed the optimizer state's structure")
-        return [(to_host(n) if h else n).astype(b.dtype) for n, b, h in zip(leaves, bufs, w_host, strict=True)]
+        return [row_major(to_host(n) if h else n).astype(b.dtype) for n, b, h in zip(leaves, bufs, w_host, strict=True)]
 
     if length == 1:  # no loop (see prefetch_scan: a trip count of one trips XLA's host offload)
         r_1 = [tree_to_device(x)[0] for x in r_leaves]
