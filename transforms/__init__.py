@@ -24,6 +24,7 @@ from ._activations import PRESETS as ACTIVATION_PRESETS
 from ._activations import offload_activations as offload_activations
 from ._compact_state import STATE_DTYPES as STATE_DTYPES
 from ._compact_state import compact_state as compact_state
+from ._deferred import DeferredState as DeferredState
 from ._lora import lora as lora
 from ._lora import merge_lora as merge_lora
 from ._memory import host_and_device_share_memory as host_and_device_share_memory

@@ -65,14 +65,30 @@ def _check(optimizer) -> None:
         )
 
 
-def deferred_step(loss_of, optimizer, params, state, pending: Pending):
+class DeferredState(NamedTuple):
+    """Optimizer state of ``transforms.offload_opt_state(..., stream=True, defer=True)``.
+
+    - ``streamed``: the :class:`transforms.StreamedState` of the same optimizer without ``defer``;
+    - ``pending``: the update each stack still owes (its gradients, their step's global norm and
+      whether one is pending), applied in the next step's forward pass or by
+      :meth:`transforms.TrainStep.flush`.
+
+    A checkpoint of it resumes exactly: the pending update is part of the state.
+    """
+
+    streamed: Any
+    pending: Pending
+
+
+def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_aux: bool = False):
     """One train step with each stack's pending update run in its forward pass.
 
-    ``loss_of(params) -> loss`` builds the model from ``params`` (its leaves, not copies of them:
-    each stack is found by its arrays) and runs it. ``optimizer`` is
-    ``transforms.offload_opt_state(..., stream=True)``'s, ``state`` its state for ``params``.
-    Returns ``(loss, new_params, new_state, new_pending)``: ``new_params`` are the weights this
-    step ran with (the stacks') and updated (the rest); :func:`flush` gives the up-to-date ones.
+    ``loss_of(params) -> loss`` (``(loss, aux)`` with ``has_aux``) builds the model from
+    ``params`` (its leaves, not copies of them: each stack is found by its arrays) and runs it.
+    ``optimizer`` is ``transforms.offload_opt_state(..., stream=True)``'s, ``state`` its
+    :class:`transforms.StreamedState` for ``params``. Returns ``(loss, new_params, new_state,
+    new_pending)`` (``loss`` is ``(loss, aux)`` with ``has_aux``): ``new_params`` are the weights
+    this step ran with (the stacks') and updated (the rest); :func:`flush` gives the up-to-date ones.
     """
     _check(optimizer)
     inner, clip = optimizer.inner, optimizer.clip_norm
@@ -125,27 +141,34 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending):
             return run
 
         with layer_runner(runner):
-            loss = loss_of(p)
+            out = loss_of(p)
         missing = sorted(set(range(n)) - set(found))
         if missing:
             raise ValueError(f"the deferred update: the loss did not run stack(s) {missing} of the parameters")
-        return loss, found
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, found)
 
-    (loss, found), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, (aux, found)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     state = state._replace(stacked=tuple(found[k][0] for k in range(n)))
     # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
     rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False)
     new_params = _merge(units, [_view(rest_params, units, -1), *(found[k][1] for k in range(n))])
     pending = Pending(jax.tree.map(lambda u, g: g if u >= 0 else None, units, grads), g_norm, jnp.ones((), bool))
-    return loss, new_params, state, pending
+    return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 
 def flush(optimizer, params, state, pending: Pending):
     """``(params, state, pending)`` with the pending update applied: what the streamed update holds
-    after as many steps. A no-op when none is pending."""
+    after as many steps. A no-op when none is pending (this reads ``pending.ready``: call it
+    outside `jit`, or :func:`apply_pending` inside)."""
     _check(optimizer)
     if not bool(pending.ready):
         return params, state, pending
+    return apply_pending(optimizer, params, state, pending)
+
+
+def apply_pending(optimizer, params, state, pending: Pending):
+    """:func:`flush` when an update is pending (``pending.ready``), traceable."""
     units, _ = _units(params)
     grads = jax.tree.map(lambda u, g, x: g if u >= 0 else jnp.zeros_like(x), units, pending.grads, params)
     new_params, state, _ = _run(

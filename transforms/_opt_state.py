@@ -36,6 +36,7 @@ def offload_opt_state(
     where: Callable | None = None,
     stream: bool = False,
     clip_norm: int | float | None = None,
+    defer: bool = False,
 ):
     """Wrap an optax optimizer so its state lives in host memory (``pinned_host``).
 
@@ -78,12 +79,24 @@ def offload_opt_state(
     - `clip_norm`: clip the gradients to this global norm before the update, as
       ``optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)`` does. With ``stream=True`` the
       norm is computed first, in its own pass over the layers.
+    - `defer`: with ``stream=True``, run each stack's update in the next step's forward pass, layer
+      by layer before the layer runs, where its copies can hide behind the layer's matmuls (the
+      update after the backward pass has none to hide behind); the leaves outside the stacks are
+      updated after the backward pass as before, and clipping uses each step's own norm, so every
+      weight sees the same updates in the same order as without ``defer``. The state is then a
+      :class:`transforms.DeferredState` holding the stacks' pending gradients (one copy of their
+      weights, on the device) and :class:`transforms.TrainStep` runs it: the model a step returns
+      has its stacks one update behind, and :meth:`transforms.TrainStep.flush` applies the last one
+      (before evaluating, generating or exporting; a checkpoint keeps the pending form and resumes
+      exactly). Experimental: the stacks' weights must be on the device (no ``offload_params``),
+      every array of a stack trained (no LoRA base), ``scan=True`` stacks, ``accum_steps=1``.
 
     **Raises:** `TypeError` for an optimizer that is not an optax one, a `where` that is not
-    callable, a `stream` that is not a bool or a `clip_norm` that is not a number; `ValueError`
-    for a `clip_norm` that is not positive and finite, an optimizer wrapped twice, and at
-    ``init`` for a `where` that selects nothing or (``stream=True``) an optimizer whose update of
-    one layer depends on other layers; `RuntimeError` on a backend without host memory.
+    callable, a `stream` or `defer` that is not a bool or a `clip_norm` that is not a number;
+    `ValueError` for a `clip_norm` that is not positive and finite, ``defer`` without ``stream``, an
+    optimizer wrapped twice, and at ``init`` for a `where` that selects nothing, (``stream=True``)
+    an optimizer whose update of one layer depends on other layers or (``defer=True``) a stack's
+    weights in host memory; `RuntimeError` on a backend without host memory.
 
     **Example:**
 
@@ -111,6 +124,10 @@ def offload_opt_state(
         raise TypeError(f"where must be a callable filter or None, got {type(where).__name__}")
     if not isinstance(stream, bool):
         raise TypeError(f"offload_opt_state: stream must be True or False, got {stream!r}")
+    if not isinstance(defer, bool):
+        raise TypeError(f"offload_opt_state: defer must be True or False, got {defer!r}")
+    if defer and not stream:
+        raise ValueError("offload_opt_state: defer=True defers the streamed update; pass stream=True with it")
     if clip_norm is not None:
         if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
             raise TypeError(f"offload_opt_state: clip_norm must be a positive number or None, got {clip_norm!r}")
@@ -119,7 +136,7 @@ def offload_opt_state(
         clip_norm = float(clip_norm)
     require_host_memory()
     if stream:
-        return StreamedOptimizer(optimizer, select, clip_norm, where is not None)
+        return StreamedOptimizer(optimizer, select, clip_norm, where is not None, defer=defer)
     if clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
 

@@ -591,17 +591,33 @@ class StreamedOptimizer(OffloadedOptimizer):
         clip_norm: float | None,
         where_given: bool,
         split_layers: bool = False,
+        defer: bool = False,
     ):
         def init(params):
-            return _init(inner, select, where_given, params, split_layers)
+            state = _init(inner, select, where_given, params, split_layers)
+            if not defer:
+                return state
+            from ._deferred import DeferredState, no_pending
+
+            units, _ = _units(params)
+            if any(jax.tree.leaves(jax.tree.map(lambda u, p: bool(u >= 0 and on_host(p)), units, params))):
+                raise ValueError(
+                    "offload_opt_state(..., defer=True): the stacks' weights must live on the device (a stack's "
+                    "update runs in its forward pass, which does not yet fetch host weights for it); use "
+                    "defer=False with offload_params"
+                )
+            return DeferredState(state, no_pending(params))
 
         def update(updates, state, params=None):
+            if defer:
+                raise ValueError(_DEFERRED_UPDATE)
             new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
             return new_updates, new_state
 
         self = super().__new__(cls, init, update, inner)
         self.clip_norm = clip_norm
         self.split_layers = split_layers
+        self.defer = defer
         self._args = (select, where_given)
         return self
 
@@ -612,7 +628,16 @@ class StreamedOptimizer(OffloadedOptimizer):
         device or host memory and comes back where it was. ``grad_norm`` is the global norm of
         ``grads`` before clipping.
         """
+        if self.defer:
+            raise ValueError(_DEFERRED_UPDATE)
         return _run(self.inner, self.clip_norm, grads, state, params, apply=True)
+
+
+_DEFERRED_UPDATE = (
+    "offload_opt_state(..., defer=True): this optimizer's update runs inside transforms.train_step (each "
+    "stack's update in the next step's forward pass); use train_step and its flush, or defer=False for "
+    "optax's update"
+)
 
 
 def with_split_layers(optimizer: StreamedOptimizer) -> StreamedOptimizer:
@@ -623,4 +648,6 @@ def with_split_layers(optimizer: StreamedOptimizer) -> StreamedOptimizer:
     if not isinstance(optimizer, StreamedOptimizer):
         raise TypeError(f"with_split_layers takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
     select, where_given = optimizer._args
-    return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, split_layers=True)
+    return StreamedOptimizer(
+        optimizer.inner, select, optimizer.clip_norm, where_given, split_layers=True, defer=optimizer.defer
+    )

@@ -13,6 +13,7 @@ import optax
 
 from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
+from ._deferred import DeferredState, apply_pending, deferred_step
 from ._lora import needs_key, with_step_keys
 from ._memory import HOST, mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
 from ._opt_stream import StreamedOptimizer
@@ -70,6 +71,9 @@ class TrainStep:
     - Dropout (:func:`transforms.lora` with ``dropout > 0``) draws its masks from the ``key``
       given to each call (and folds in the micro-batch index); a model with dropout needs one:
       pass ``key=jax.random.fold_in(run_key, step)`` so that a resumed run draws the same masks.
+    - With ``transforms.offload_opt_state(..., stream=True, defer=True)`` each stack's update runs
+      in the next step's forward pass: the returned model has its stacks one update behind, and
+      :meth:`flush` applies the last one.
     - ``metrics`` holds ``loss`` (mean over micro-batches) and ``grad_norm``; with ``has_aux`` the
       loss function returns ``(loss, metrics)`` and its metrics (means over micro-batches) are
       reported too, e.g. :func:`zoo.lm_loss_and_metrics`' router losses of a mixture of experts.
@@ -116,6 +120,11 @@ class TrainStep:
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
+        if _defers(optimizer) and accum_steps != 1:
+            raise ValueError(
+                f"train_step: offload_opt_state(..., defer=True) runs with accum_steps=1 so far, got "
+                f"accum_steps={accum_steps}; use defer=False with gradient accumulation"
+            )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.accum_steps = accum_steps
@@ -188,6 +197,8 @@ class TrainStep:
 
         def step(trainable, frozen, opt_state, batch, key):
             self.trace_count += 1
+            if _defers(self.optimizer):
+                return self._deferred(trainable, eqx.combine(frozen, static), opt_state, batch, key)
             loss, aux, grads = self._grads(trainable, eqx.combine(frozen, static), batch, key, keep_placement=streamed)
             if streamed:  # layer by layer; every leaf comes back where it was
                 trainable, opt_state, grad_norm = self.optimizer.apply(grads, opt_state, trainable)
@@ -199,6 +210,62 @@ class TrainStep:
             return trainable, opt_state, {**aux, "loss": loss, "grad_norm": global_norm(grads)}
 
         return step
+
+    def _deferred(self, trainable, rest, opt_state, batch, key):
+        """The step of a deferred optimizer: each stack's pending update in this forward pass."""
+        if not isinstance(opt_state, DeferredState):
+            raise ValueError(
+                "train_step: offload_opt_state(..., defer=True) needs its own state (a transforms.DeferredState); "
+                "create it with this step's init"
+            )
+
+        def loss_of(t):
+            model = eqx.combine(t, rest)
+            return _loss_and_aux(
+                self.loss_fn(model if key is None else with_step_keys(model, key), batch), self.has_aux
+            )
+
+        (loss, aux), trainable, streamed, pending = deferred_step(
+            loss_of, self.optimizer, trainable, opt_state.streamed, opt_state.pending, has_aux=True
+        )
+        aux = aux if self.has_aux else {}
+        return trainable, DeferredState(streamed, pending), {**aux, "loss": loss, "grad_norm": pending.g_norm}
+
+    def flush(self, model, opt_state, *, donate: bool | None = None):
+        """``(model, opt_state)`` with a deferred optimizer's pending update applied
+        (``offload_opt_state(..., defer=True)``: the model a step returns has its stacks one update
+        behind); for any other optimizer, or with nothing pending, they are returned as they are.
+        Call it before evaluating, generating or exporting; keep training from either form. Leaves
+        stay where they were; ``donate`` (default: the step's) donates the inputs.
+
+        **Example:**
+
+        ```python
+        import jax, optax, zoo, transforms
+        model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+        opt = transforms.offload_opt_state(optax.adamw(1e-3), stream=True, clip_norm=1.0, defer=True)
+        step = transforms.train_step(zoo.lm_loss, opt)
+        state = step.init(model)
+        tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+        model, state, metrics = step(model, state, tokens)
+        model, state = step.flush(model, state)   # the weights after this step's update
+        ```
+        """
+        if not _defers(self.optimizer) or not bool(opt_state.pending.ready):
+            return model, opt_state
+        model, opt_state = _commit(model), _commit(opt_state)
+        params, static = eqx.partition(model, eqx.is_array)
+        trainable, frozen = eqx.partition(params, trainable_mask(model))
+        out = jax.tree.map(lambda x: x.sharding, (trainable, opt_state))
+        donate = self.donate if donate is None else donate
+
+        def apply(t, state):
+            t, streamed, pending = apply_pending(self.optimizer, t, state.streamed, state.pending)
+            return t, DeferredState(streamed, pending)
+
+        fn = jax.jit(apply, out_shardings=out, donate_argnums=(0, 1) if donate else ())
+        trainable, opt_state = fn(trainable, opt_state)
+        return eqx.combine(trainable, frozen, static), opt_state
 
     def init(self, model):
         """The optimizer state for ``model``, created under `jit` on the device.
@@ -319,6 +386,10 @@ def _host_copies(tree):
         return x
 
     return jax.tree.map(copy, tree)
+
+
+def _defers(optimizer) -> bool:
+    return isinstance(optimizer, StreamedOptimizer) and optimizer.defer
 
 
 def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True, has_aux: bool = False) -> TrainStep:

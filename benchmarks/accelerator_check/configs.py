@@ -22,7 +22,7 @@ class Config:
     prefetch: bool = False  # offload_params(prefetch=True): the explicit one-layer-ahead schedule
     activations: str | None = None  # a preset of transforms.offload_activations, or one name to offload
     remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
-    opt: str = "device"  # "device", "offload" (offload_opt_state) or "stream" (stream=True)
+    opt: str = "device"  # "device", "offload" (offload_opt_state), "stream" (stream=True) or "defer" (and defer=True)
     state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
     where: str | None = None  # "stacks": only the stacks' moments offloaded (see make_optimizer)
     split: bool = False  # the streamed state kept as its even and odd layers (_opt_stream.with_split_layers)
@@ -138,6 +138,25 @@ def config_table() -> list[Config]:
             split=True,
         ),
         _checked(
+            "opt_state_defer",
+            "offload_opt_state(adamw, stream=True, clip_norm=1.0, defer=True): each stack's update in the next "
+            "step's forward pass, beside its matmuls (experimental)",
+            opt="defer",
+        ),
+        _checked(
+            "opt_state_defer_bf16",
+            "opt_state_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16'))",
+            opt="defer",
+            state="bfloat16",
+        ),
+        _checked(
+            "opt_state_defer_bf16_stacks",
+            "opt_state_defer_bf16 with only the stacks' moments in host memory (as opt_state_stream_bf16_stacks)",
+            opt="defer",
+            state="bfloat16",
+            where="stacks",
+        ),
+        _checked(
             "opt_state_stream_f8",
             "offload_opt_state(compact_state(adamw, 'float8'), stream=True, clip_norm=1.0) (moments in 8 bits)",
             opt="stream",
@@ -197,17 +216,18 @@ def make_optimizer(kind: str, lr: float, state: str | None = None, where: str | 
     import transforms
     from transforms._opt_stream import with_split_layers
 
-    if kind not in ("device", "offload", "stream"):
-        raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream")
+    if kind not in ("device", "offload", "stream", "defer"):
+        raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream, defer")
     if where not in (None, "stacks"):
         raise ValueError(f"unknown where {where!r}; valid: None, 'stacks'")
     adamw = optax.adamw(lr, b1=ADAM_B1)
     adamw = transforms.compact_state(adamw, state) if state else adamw
     select = {"where": _stacked_moment} if where else {}
-    if split and kind != "stream":
-        raise ValueError(f"split=True needs the streamed optimizer (kind 'stream'), got kind {kind!r}")
-    if kind == "stream":
-        streamed = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, **select)
+    if split and kind not in ("stream", "defer"):
+        raise ValueError(f"split=True needs the streamed optimizer (kind 'stream' or 'defer'), got kind {kind!r}")
+    if kind in ("stream", "defer"):
+        defer = kind == "defer"
+        streamed = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, **select)
         return with_split_layers(streamed) if split else streamed
     plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
     return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain

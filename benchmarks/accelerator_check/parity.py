@@ -22,7 +22,8 @@ PARITY_MODEL = {"name": "llama:tiny", "n_layers": 4, "batch": 4, "seq": 32, "ste
 
 def parity_table() -> list[Config]:
     """One case per transform: the configurations of the default plan that use one (each checks
-    itself), then ``offload_activations`` of each other activation name the parity model tags (a
+    itself), then ``offload_activations`` of each other activation name the parity model tags, then
+    the opt-in configurations that check themselves (a
     case that kills its process leaves the rest to a new one, see ``orchestrate.run_parity``)."""
     import zoo
     from zoo.nn import checkpoint_names
@@ -30,9 +31,10 @@ def parity_table() -> list[Config]:
     cfg = make_config(PARITY_MODEL["name"], seq=PARITY_MODEL["seq"], n_layers=PARITY_MODEL["n_layers"])
     others = [n for n in checkpoint_names(zoo.abstract_model(cfg)) if n != "block_input"]
     cases = [c for c in config_table() if c.name in DEFAULT_PLAN and c.name != "none"]
-    compact = [c for c in config_table() if c.state and c.parity == (c.name,)]
+    # The opt-in configurations that check themselves (compact moments, split or deferred updates).
+    opt_in = [c for c in config_table() if c.name not in DEFAULT_PLAN and c.parity == (c.name,)]
     acts = [Config(f"act_{n}", f"offload_activations(names=({n!r},))", activations=n) for n in others]
-    return cases + acts + compact
+    return cases + acts + opt_in
 
 
 def reference_of(conf: Config | None) -> Config | None:
@@ -98,6 +100,7 @@ def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict
     for _ in range(m["steps"]):
         model, state, metrics = step(model, state, tokens)
         losses.append(float(metrics["loss"]))
+    model, state = step.flush(model, state)  # a deferred update's last one (a no-op otherwise)
     return losses, host_tree(model), initial
 
 

@@ -322,7 +322,12 @@ def _first_step(spec: dict, report: dict, model, step, state, tokens):
     if dump_dir and dump_dir.is_dir():
         report["step_modules"] = sorted(p.name for p in set(dump_dir.glob("*after_optimizations.txt")) - dumped)
     report["first_step"] = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
-    mu = first_moment(state, like) if spec["correctness"] else None
+    if spec["correctness"] and getattr(step.optimizer, "defer", False):
+        # The stacks' moments move in the next forward pass: read them from a flushed copy.
+        _, flushed = step.flush(model, state, donate=False)
+        mu = first_moment(flushed, like)
+    else:
+        mu = first_moment(state, like) if spec["correctness"] else None
     if mu is None:
         return model, state, None
     # A host-memory leaf read into NumPy is read in place, and the array keeps that view: the
@@ -393,7 +398,9 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             optimizer=make_optimizer("device", spec["lr"], conf.state),
             accum_steps=spec["accum_steps"],
         )
-        opt = {"device": False, "offload": "offload", "stream": "stream"}[conf.opt]
+        # The planner has no term yet for a deferred update's pending gradients (one copy of the
+        # stacks' weights on the device): it predicts the streamed update's memory.
+        opt = {"device": False, "offload": "offload", "stream": "stream", "defer": "stream"}[conf.opt]
         activations = "recompute_all" if conf.remat else conf.activations
         predicted = plan.predict(params=conf.params, opt_state=opt, activations=activations)
         report["planner"] = {k: predicted.get(k) for k in PLANNER_KEYS}
