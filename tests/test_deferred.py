@@ -137,3 +137,30 @@ def test_the_deferred_step_refuses_what_it_does_not_support():
     state = opt.init(params)
     with pytest.raises(ValueError, match="did not run stack"):
         _deferred.deferred_step(lambda p: jnp.sum(p.embed.weight), opt, params, state, _deferred.no_pending(params))
+
+
+def test_a_checkpoint_of_the_pending_form_resumes_exactly(tmp_path):
+    import checkpointing
+
+    cfg = zoo.config_from_name("llama:tiny")
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=True)
+    step = transforms.train_step(zoo.lm_loss, opt)
+    model = zoo.build_model(cfg, key=jax.random.key(0))
+    state = step.init(model)
+    model, state, _ = step(model, state, tokens)
+    ckpt = checkpointing.Checkpointer(tmp_path)
+    ckpt.save(1, {"model": model, "opt_state": state})
+    model, state, metrics = step(model, state, tokens)
+    uninterrupted = step.flush(model, state)[0], float(metrics["loss"])
+
+    _, restored, _ = ckpt.restore({"model": model, "opt_state": state})
+    assert bool(restored["opt_state"].pending.ready)  # the pending update was saved with the state
+    model, state, metrics = step(restored["model"], restored["opt_state"], tokens)
+    assert float(metrics["loss"]) == uninterrupted[1]
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(step.flush(model, state)[0], eqx.is_array)),
+        jax.tree.leaves(eqx.filter(uninterrupted[0], eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
