@@ -126,6 +126,8 @@ def test_defer_refuses_what_it_does_not_support():
     state = opt.init(params)
     with pytest.raises(ValueError, match="train_step"):
         opt.update(params, state, params)
+    with pytest.raises(ValueError, match="LoRA"):  # at init, before anything is traced
+        transforms.train_step(zoo.lm_loss, opt).init(transforms.lora(model, rank=2, alpha=4, key=jax.random.key(1)))
 
 
 def test_the_deferred_step_refuses_what_it_does_not_support():

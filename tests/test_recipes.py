@@ -100,6 +100,18 @@ def test_the_streamed_update_trains_as_the_update_on_the_device(tmp_path, straig
     assert run_flags.resume_args(str(out))["offload"] == "opt_state_stream"
 
 
+def test_the_deferred_update_trains_as_the_update_on_the_device_and_ends_flushed(tmp_path, straight, small):
+    out = tmp_path / "run"
+    deferred = train_lm.main([*small, "--offload", "opt_state_defer", "--stop-after", "3", "--out", str(out)])
+    state = deferred["opt_state"]
+    assert isinstance(state, transforms.DeferredState) and not bool(state.pending.ready)  # flushed at the end
+    for step in (1, 2, 3):  # each step ran the weights the plain run's update gave
+        assert deferred["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5), step
+    assert run_flags.resume_args(str(out))["offload"] == "opt_state_defer"
+    with pytest.raises(SystemExit, match="accum"):
+        train_lm.main([*small, "--offload", "opt_state_defer", "--accum", "2", "--out", str(tmp_path / "accum")])
+
+
 def test_resume_matches_the_uninterrupted_run_and_a_corrupted_checkpoint_falls_back(tmp_path, straight, small, capsys):
     out = tmp_path / "run"
     first = train_lm.main([*small, "--stop-after", "6", "--save-every", "3", "--out", str(out)])

@@ -24,7 +24,6 @@ from ._activations import PRESETS as ACTIVATION_PRESETS
 from ._activations import offload_activations as offload_activations
 from ._compact_state import STATE_DTYPES as STATE_DTYPES
 from ._compact_state import compact_state as compact_state
-from ._deferred import DeferredState as DeferredState
 from ._lora import lora as lora
 from ._lora import merge_lora as merge_lora
 from ._memory import host_and_device_share_memory as host_and_device_share_memory
@@ -34,6 +33,7 @@ from ._opt_stream import StreamedState as StreamedState
 from ._optimizer import OffloadedOptimizer as OffloadedOptimizer
 from ._params import init_offloaded as init_offloaded
 from ._params import offload_params as offload_params
+from ._pending import DeferredState as DeferredState
 from ._quantize import dequantize as dequantize
 from ._quantize import quantize as quantize
 from ._report import HostMemory as HostMemory

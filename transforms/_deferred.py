@@ -17,8 +17,6 @@ stacks whose arrays are all trainable, with their weights on the device, run wit
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -26,25 +24,9 @@ import optax
 from zoo.nn import any_on_host, layer_runner
 
 from ._opt_stream import StreamedOptimizer, _clip, _in_place_scan, _merge, _run
+from ._pending import Pending, no_pending
 from ._tree import stack_units as _units
 from ._tree import stack_view as _view
-
-
-class Pending(NamedTuple):
-    """The update a deferred step leaves to the next: the stacks' gradients (the trainable tree,
-    ``None`` outside the stacks), that step's global gradient norm, and whether one is pending
-    (``False`` before the first step: the tree keeps its structure, so a step compiles once)."""
-
-    grads: Any
-    g_norm: jax.Array
-    ready: jax.Array
-
-
-def no_pending(params) -> Pending:
-    """The :class:`Pending` of a run that has taken no step yet."""
-    units, _ = _units(params)
-    grads = jax.tree.map(lambda u, x: jnp.zeros_like(x) if u >= 0 else None, units, params)
-    return Pending(grads, jnp.zeros((), jnp.float32), jnp.zeros((), bool))
 
 
 def _replaced(w, new):
@@ -63,21 +45,6 @@ def _check(optimizer) -> None:
         raise TypeError(
             f"the deferred update needs offload_opt_state(..., stream=True)'s optimizer, got {type(optimizer).__name__}"
         )
-
-
-class DeferredState(NamedTuple):
-    """Optimizer state of ``transforms.offload_opt_state(..., stream=True, defer=True)``.
-
-    - ``streamed``: the :class:`transforms.StreamedState` of the same optimizer without ``defer``;
-    - ``pending``: the update each stack still owes (its gradients, their step's global norm and
-      whether one is pending), applied in the next step's forward pass or by
-      :meth:`transforms.TrainStep.flush`.
-
-    A checkpoint of it resumes exactly: the pending update is part of the state.
-    """
-
-    streamed: Any
-    pending: Pending
 
 
 def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_aux: bool = False):

@@ -50,6 +50,7 @@ from ._memory import (
     tree_to_device,
 )
 from ._optimizer import OffloadedOptimizer
+from ._pending import DeferredState, no_pending
 from ._tree import stack_units as _units
 from ._tree import stack_view as _view
 from ._tree import sum_squares
@@ -597,8 +598,6 @@ class StreamedOptimizer(OffloadedOptimizer):
             state = _init(inner, select, where_given, params, split_layers)
             if not defer:
                 return state
-            from ._deferred import DeferredState, no_pending
-
             units, _ = _units(params)
             if any(jax.tree.leaves(jax.tree.map(lambda u, p: bool(u >= 0 and on_host(p)), units, params))):
                 raise ValueError(

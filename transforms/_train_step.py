@@ -13,11 +13,12 @@ import optax
 
 from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
-from ._deferred import DeferredState, apply_pending, deferred_step
+from ._deferred import apply_pending, deferred_step
 from ._lora import needs_key, with_step_keys
 from ._memory import HOST, mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
 from ._opt_stream import StreamedOptimizer
 from ._optimizer import OffloadedOptimizer
+from ._pending import DeferredState
 from ._tree import global_norm
 
 
@@ -275,6 +276,8 @@ class TrainStep:
         :func:`transforms.offload_opt_state` puts its state in host memory itself.
         """
         params = trainable_params(model)
+        if _defers(self.optimizer):
+            _check_deferrable(model)
         if isinstance(self.optimizer, OffloadedOptimizer):
             return self.optimizer.init(params)
 
@@ -390,6 +393,24 @@ def _host_copies(tree):
 
 def _defers(optimizer) -> bool:
     return isinstance(optimizer, StreamedOptimizer) and optimizer.defer
+
+
+def _check_deferrable(model) -> None:
+    """Raise `ValueError` for a stack a deferred update cannot run in: one with frozen weights
+    (a LoRA base) or run without `lax.scan`."""
+    mask = trainable_mask(model)
+    for stack, trained in zip(
+        [n for n in jax.tree.leaves(model, is_leaf=_is_stack) if _is_stack(n)],
+        [n for n in jax.tree.leaves(mask, is_leaf=_is_stack) if _is_stack(n)],
+        strict=True,
+    ):
+        floating = jax.tree.leaves(eqx.filter(stack, eqx.is_inexact_array))
+        flags = jax.tree.leaves(eqx.filter(trained, lambda x: isinstance(x, bool)))
+        if len(floating) != sum(bool(f) for f in flags) or not stack.scan:
+            raise ValueError(
+                "offload_opt_state(..., defer=True): every stack must be trained whole (no frozen weights, such as "
+                "a LoRA base) and run with scan=True; use defer=False for this model"
+            )
 
 
 def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True, has_aux: bool = False) -> TrainStep:

@@ -10,6 +10,9 @@ planner what they are.
 - ``opt_state_stream``: the optimizer state in host memory and the update streamed layer by layer
   (``offload_opt_state(stream=True)``; the global-norm clip of ``--clip`` becomes its
   ``clip_norm`` pass);
+- ``opt_state_defer``: as ``opt_state_stream``, each stack's update run in the next step's forward
+  pass (``offload_opt_state(stream=True, defer=True)``, experimental); the run applies the pending
+  update (``TrainStep.flush``) before it validates, samples or exports;
 - ``activations``: the activations ``--activations`` names (a preset or names) go to host memory.
 
 ``--prefetch`` (with ``params``) copies layer i+1's weights while layer i computes. ``--plan
@@ -25,7 +28,9 @@ import zoo
 from recipes._lm.run_setup import make_optimizer
 
 #: What ``--offload`` may name.
-OFFLOADABLE = ("params", "opt_state", "opt_state_stream", "activations")
+OFFLOADABLE = ("params", "opt_state", "opt_state_stream", "opt_state_defer", "activations")
+#: ``--offload``'s names for the optimizer state, by :attr:`OffloadSpec.opt_state`.
+OPT_STATE_FLAGS = {"offload": "opt_state", "stream": "opt_state_stream", "defer": "opt_state_defer"}
 #: ``--activations``' default (a preset).
 DEFAULT_ACTIVATIONS = "block_input"
 
@@ -37,7 +42,8 @@ class OffloadSpec:
     **Fields:**
 
     - `params`: weights in host memory.
-    - `opt_state`: ``None`` (on the device), ``"offload"`` or ``"stream"`` (the streamed update).
+    - `opt_state`: ``None`` (on the device), ``"offload"``, ``"stream"`` (the streamed update) or
+      ``"defer"`` (the streamed update in the next step's forward pass).
     - `activations`: ``None`` (not offloaded), a preset name of ``transforms.offload_activations``,
       or a tuple of activation names.
     - `prefetch`: the weights' copies one layer ahead.
@@ -69,10 +75,11 @@ class OffloadSpec:
             raise SystemExit(
                 f"--offload {offload}: unknown {', '.join(unknown)}; choose some of {', '.join(OFFLOADABLE)}"
             )
-        if "opt_state" in chosen and "opt_state_stream" in chosen:
+        opt_flags = [x for x in OPT_STATE_FLAGS.values() if x in chosen]
+        if len(opt_flags) > 1:
             raise SystemExit(
-                f"--offload {offload}: opt_state and opt_state_stream are two ways to offload the optimizer state; "
-                "give one (opt_state_stream streams the update layer by layer)"
+                f"--offload {offload}: {' and '.join(opt_flags)} are ways to offload the optimizer state; give one "
+                "(opt_state_stream streams the update layer by layer, opt_state_defer runs it in the next forward)"
             )
         if plan and chosen:
             raise SystemExit(f"--plan {plan} chooses the offload transforms itself: give either --plan or --offload")
@@ -85,7 +92,7 @@ class OffloadSpec:
         elif "activations" in given:
             why = f"--plan {plan} chooses the activation policy" if plan else "--offload does not name activations"
             warnings.append(f"--activations {activations} has no effect: {why}")
-        opt = "stream" if "opt_state_stream" in chosen else "offload" if "opt_state" in chosen else None
+        opt = next((kind for kind, flag in OPT_STATE_FLAGS.items() if flag in chosen), None)
         spec = cls(params="params" in chosen, opt_state=opt, activations=acts, prefetch=prefetch, plan=plan or None)
         return spec, warnings
 
@@ -135,7 +142,7 @@ class OffloadSpec:
         if self.plan:
             return f"--plan {self.plan}" + (" --prefetch" if self.prefetch else "")
         chosen = ["params"] if self.params else []
-        chosen += {"offload": ["opt_state"], "stream": ["opt_state_stream"]}.get(self.opt_state, [])
+        chosen += [OPT_STATE_FLAGS[self.opt_state]] if self.opt_state else []
         chosen += ["activations"] if self.activations else []
         if not chosen:
             return ""
@@ -159,7 +166,8 @@ class OffloadSpec:
         if self.params:
             parts.append("params" + (" (prefetch)" if self.prefetch else ""))
         if self.opt_state:
-            parts.append("opt_state" + (" (streamed update)" if self.opt_state == "stream" else ""))
+            how = {"stream": " (streamed update)", "defer": " (deferred update)"}.get(self.opt_state, "")
+            parts.append("opt_state" + how)
         if self.activations:
             acts = self.activations if isinstance(self.activations, str) else ",".join(self.activations)
             parts.append(f"activations ({acts})")
@@ -201,9 +209,9 @@ class OffloadSpec:
                 model = transforms.offload_activations(model, policy=self.activations)
             elif self.activations:
                 model = transforms.offload_activations(model, names=self.activations)
-            if self.opt_state == "stream":
+            if self.opt_state in ("stream", "defer"):
                 optimizer = transforms.offload_opt_state(
-                    make_optimizer(**hyper, clip=None), stream=True, clip_norm=clip
+                    make_optimizer(**hyper, clip=None), stream=True, clip_norm=clip, defer=self.opt_state == "defer"
                 )
             else:
                 optimizer = make_optimizer(**hyper, clip=clip)
@@ -222,5 +230,6 @@ class OffloadSpec:
         acts = self.activations
         if isinstance(acts, tuple):
             acts = {n: "offload" for n in acts}
-        opt = {"stream": "stream", "offload": True}.get(self.opt_state, False)
+        # The planner has no term yet for a deferred update's pending gradients: as streamed.
+        opt = {"stream": "stream", "defer": "stream", "offload": True}.get(self.opt_state, False)
         return plan.predict(params=self.params, opt_state=opt, activations=acts)

@@ -218,9 +218,12 @@ class Run:
         )
         self.warnings += notes
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.
-        self.step_fn = transforms.train_step(
-            batch_loss(zoo.lm_loss_and_metrics), optimizer, accum_steps=args.accum, has_aux=True
-        )
+        try:
+            self.step_fn = transforms.train_step(
+                batch_loss(zoo.lm_loss_and_metrics), optimizer, accum_steps=args.accum, has_aux=True
+            )
+        except ValueError as err:  # e.g. a deferred update with --accum > 1
+            raise SystemExit(f"offload ({self.offload.label}): {err}") from None
         try:
             self.opt_state = self.step_fn.init(self.model)
         except ValueError as err:  # e.g. the streamed update refusing an optimizer that spans layers
@@ -271,6 +274,11 @@ class Run:
         )
         self.config = model.config
         return model
+
+    def flush(self) -> None:
+        """Apply a deferred optimizer's pending update to the run's model and state
+        (``TrainStep.flush``; nothing for any other optimizer)."""
+        self.model, self.opt_state = self.step_fn.flush(self.model, self.opt_state)
 
     def step_key(self, step: int):
         """The dropout key of ``step`` (``None`` without dropout): a function of the seed and the step."""

@@ -191,6 +191,7 @@ def train_loop(
                 **rates,
             )
         if step % args.eval_every == 0 or step == args.steps:
+            run.flush()  # a deferred update's pending one: validate the weights this step produced
             val = run.val_bits_per_byte()
             summary["val"][step] = val
             progress.write(f"step {step:5d}  val {val:.3f} bits/byte (unigram {baseline:.3f})")
@@ -199,7 +200,9 @@ def train_loop(
         if saving:
             ckpt.save(step, run.state(), metadata=run.metadata(step))
         if stopping:
+            run.flush()
             return step
+    run.flush()  # what comes after (plots, samples, exports) reads the up-to-date weights
     return last
 
 

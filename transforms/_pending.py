@@ -1,0 +1,42 @@
+"""The state a deferred optimizer update carries between steps (see ``transforms._deferred``)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ._tree import stack_units as _units
+
+
+class Pending(NamedTuple):
+    """The update a deferred step leaves to the next: the stacks' gradients (the trainable tree,
+    ``None`` outside the stacks), that step's global gradient norm, and whether one is pending
+    (``False`` before the first step: the tree keeps its structure, so a step compiles once)."""
+
+    grads: Any
+    g_norm: jax.Array
+    ready: jax.Array
+
+
+def no_pending(params) -> Pending:
+    """The :class:`Pending` of a run that has taken no step yet."""
+    units, _ = _units(params)
+    grads = jax.tree.map(lambda u, x: jnp.zeros_like(x) if u >= 0 else None, units, params)
+    return Pending(grads, jnp.zeros((), jnp.float32), jnp.zeros((), bool))
+
+
+class DeferredState(NamedTuple):
+    """Optimizer state of ``transforms.offload_opt_state(..., stream=True, defer=True)``.
+
+    - ``streamed``: the :class:`transforms.StreamedState` of the same optimizer without ``defer``;
+    - ``pending``: the update each stack still owes (its gradients, their step's global norm and
+      whether one is pending), applied in the next step's forward pass or by
+      :meth:`transforms.TrainStep.flush`.
+
+    A checkpoint of it resumes exactly: the pending update is part of the state.
+    """
+
+    streamed: Any
+    pending: Pending
