@@ -7,6 +7,7 @@ through `sysconfig`: no download), in about two minutes on 2 CPU cores:
     python -m recipes.train_lm --model gpt2:tiny --steps 500 --data path/to/text_or_dir
     python -m recipes.train_lm --offload params,opt_state,activations     # state in host memory
     python -m recipes.train_lm --offload params,opt_state_stream          # the update streamed per layer
+    python -m recipes.train_lm --offload opt_state_defer                  # ... in the next forward pass
     python -m recipes.train_lm --plan h100                                # the planner chooses
     python -m recipes.train_lm --mesh data=2,fsdp=4                       # 8 devices
     python -m recipes.train_lm --resume runs/llama-tiny-20261202-120000   # continue a run
