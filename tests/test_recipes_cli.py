@@ -369,7 +369,7 @@ def more_cases(p, b):
     t = [
         ("seed-negative", ["--seed", "-1"], "--seed -1: must be from 0 to 4,294,967,295"),
         ("seed-huge", ["--seed", str(2**40)], f"--seed {2**40}: must be from 0 to 4,294,967,295"),
-        ("offload-both", ["--offload", "opt_state,opt_state_stream"], "opt_state and opt_state_stream are two ways"),
+        ("offload-both", ["--offload", "opt_state,opt_state_stream"], "opt_state and opt_state_stream are 2 ways"),
         ("activations-empty", ["--offload", "activations", "--activations", ","], "--activations ',': give a preset"),
         ("out-is-file", ["--out", b["file"]], f"--out {b['file']}: is a file, not a directory"),
         ("out-under-file", ["--out", b["file"] + "/run"], "is a file, so nothing can go under it"),

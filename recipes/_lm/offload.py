@@ -78,7 +78,8 @@ class OffloadSpec:
         opt_flags = [x for x in OPT_STATE_FLAGS.values() if x in chosen]
         if len(opt_flags) > 1:
             raise SystemExit(
-                f"--offload {offload}: {' and '.join(opt_flags)} are ways to offload the optimizer state; give one "
+                f"--offload {offload}: {' and '.join(opt_flags)} are {len(opt_flags)} ways to offload the optimizer "
+                "state; give one "
                 "(opt_state_stream streams the update layer by layer, opt_state_defer runs it in the next forward)"
             )
         if plan and chosen:
