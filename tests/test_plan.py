@@ -882,6 +882,24 @@ def test_predict_gives_any_transform_set():
         p.predict(activations="everything")
 
 
+def test_predict_of_the_deferred_update_moves_the_streamed_bytes_beside_the_forward():
+    p = transforms.plan("llama:small", batch=8, seq=1024, device="tpu-v5e")
+    stream, defer = p.predict(opt_state="stream"), p.predict(opt_state="defer")
+    assert defer["transforms"] == "offload_opt_state(defer)"
+    for key in ("host_to_device_bytes", "device_to_host_bytes", "host_bytes"):  # the same bytes ...
+        assert defer[key] == stream[key], key
+    # ... the stacks' update copies hidden as far as each layer's forward compute goes
+    assert defer["exposed_transfer_s"] < stream["exposed_transfer_s"]
+    stacks = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(zoo.abstract_model(p.config).stack))
+    for name, phase in defer["phases"].items():  # the stacks' gradients wait on the device between steps
+        assert phase["pending gradients"] == stacks, name
+    assert defer["phases"]["update"]["gradients"] < stream["phases"]["update"]["gradients"]
+    assert defer["phases"]["update"]["working buffers"] <= stream["phases"]["update"]["working buffers"]
+    assert not any(r.estimate.candidate.defer for r in p.rows)  # predicted, not searched (yet)
+    with pytest.raises(ValueError, match="params=False"):
+        p.predict(params=True, opt_state="defer")
+
+
 def test_to_dict_is_json():
     cfg = zoo.LlamaConfig.preset("8b", param_dtype="bfloat16", compute_dtype="bfloat16")
     p = transforms.plan(cfg, batch=1, seq=8192, device="h200")

@@ -398,9 +398,7 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             optimizer=make_optimizer("device", spec["lr"], conf.state),
             accum_steps=spec["accum_steps"],
         )
-        # The planner has no term yet for a deferred update's pending gradients (one copy of the
-        # stacks' weights on the device): it predicts the streamed update's memory.
-        opt = {"device": False, "offload": "offload", "stream": "stream", "defer": "stream"}[conf.opt]
+        opt = {"device": False, "offload": "offload", "stream": "stream", "defer": "defer"}[conf.opt]
         activations = "recompute_all" if conf.remat else conf.activations
         predicted = plan.predict(params=conf.params, opt_state=opt, activations=activations)
         report["planner"] = {k: predicted.get(k) for k in PLANNER_KEYS}

@@ -231,6 +231,5 @@ class OffloadSpec:
         acts = self.activations
         if isinstance(acts, tuple):
             acts = {n: "offload" for n in acts}
-        # The planner has no term yet for a deferred update's pending gradients: as streamed.
-        opt = {"stream": "stream", "defer": "stream", "offload": True}.get(self.opt_state, False)
+        opt = {"stream": "stream", "defer": "defer", "offload": True}.get(self.opt_state, False)
         return plan.predict(params=self.params, opt_state=opt, activations=acts)

@@ -133,6 +133,13 @@ which like blockwise writes no score matrix.
   set is the larger of the two. The state's sizes come from ``optax``'s
   ``init`` per layer (the layout the wrapper builds; step counters get the layer axis).
 
+- *Deferred update* (``defer=True``, candidate ``opt_state="defer"``, predicted only): the stacks'
+  streamed update runs in the next step's forward pass, so the update phase keeps only the leaves
+  outside the stacks, and the stacks' gradients stay on the device from one step to the next
+  (``pending gradients``, in every phase; the backward writes the new ones there). Its copies sit
+  in the forward's layer loop: per layer ``fetches * O_stack / L`` in and ``O_stack / L`` out,
+  hidden as far as the layer's forward compute hides them.
+
 **Heap packing.** XLA places all of a program's temporaries in one heap, packed by best fit over
 their live ranges; buffers of different sizes and lifetimes leave holes, so the heap is larger
 than the live peak. That is not derivable from shapes, so it is a separate, visible component,
@@ -188,9 +195,12 @@ PHASE_NAMES = {
 NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
 
 
-#: Values of :attr:`Candidate.opt_state`: optimizer state on the device, offloaded (updated leaf
-#: by leaf), or offloaded with the streamed update (``offload_opt_state(..., stream=True)``).
+#: Values of :attr:`Candidate.opt_state` the search tries: optimizer state on the device, offloaded
+#: (updated leaf by leaf), or offloaded with the streamed update (``offload_opt_state(..., stream=True)``).
 OPT_STATE_OPTIONS = (False, True, "stream")
+#: Values :meth:`Plan.predict` also takes, not searched yet: ``"defer"``, the streamed update run
+#: in the next step's forward pass (``offload_opt_state(..., stream=True, defer=True)``).
+PREDICT_ONLY_OPT_STATE = ("defer",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +208,11 @@ class Candidate:
     """One set of transforms: offload parameters, offload optimizer state, an activation policy.
 
     ``opt_state`` is ``False`` (on the device), ``True`` (:func:`transforms.offload_opt_state`:
-    state in host memory, the whole update on the device) or ``"stream"``
+    state in host memory, the whole update on the device), ``"stream"``
     (``offload_opt_state(..., stream=True)``: state in host memory, the update streamed layer by
-    layer). ``None`` and ``"offload"`` are accepted for ``False`` and ``True``.
+    layer) or ``"defer"`` (and ``defer=True``: the stacks' streamed update in the next step's
+    forward pass, their gradients pending on the device in between; weights on the device only).
+    ``None`` and ``"offload"`` are accepted for ``False`` and ``True``.
     """
 
     params: bool = False
@@ -210,14 +222,24 @@ class Candidate:
 
     def __post_init__(self):
         value = {None: False, "offload": True}.get(self.opt_state, self.opt_state)
-        if not any(value is v or (isinstance(v, str) and value == v) for v in OPT_STATE_OPTIONS):
-            raise ValueError(f"opt_state must be False, True (or 'offload') or 'stream', got {self.opt_state!r}")
+        valid = (*OPT_STATE_OPTIONS, *PREDICT_ONLY_OPT_STATE)
+        if not any(value is v or (isinstance(v, str) and value == v) for v in valid):
+            raise ValueError(
+                f"opt_state must be False, True (or 'offload'), 'stream' or 'defer', got {self.opt_state!r}"
+            )
+        if value == "defer" and self.params:
+            raise ValueError("opt_state='defer' needs the weights on the device (params=False)")
         object.__setattr__(self, "opt_state", value)
 
     @property
     def stream(self) -> bool:
-        """Whether the optimizer update is streamed layer by layer."""
-        return self.opt_state == "stream"
+        """Whether the optimizer update is streamed layer by layer (after the backward pass, or deferred)."""
+        return self.opt_state in ("stream", "defer")
+
+    @property
+    def defer(self) -> bool:
+        """Whether the stacks' streamed update runs in the next step's forward pass."""
+        return self.opt_state == "defer"
 
     @property
     def label(self) -> str:
@@ -225,7 +247,7 @@ class Candidate:
         if self.params:
             parts.append("offload_params")
         if self.opt_state:
-            parts.append("offload_opt_state(stream)" if self.stream else "offload_opt_state")
+            parts.append(f"offload_opt_state({self.opt_state})" if self.stream else "offload_opt_state")
         if self.activations is not None:
             parts.append(f"activations:{self.activations}")
         return " + ".join(parts) or "no offload"
@@ -507,6 +529,7 @@ class Shares:
     O_rest: int  # the streamed update's state of the leaves outside the stacks
     tokens: int  # the token batch
     stream: bool  # the update is streamed layer by layer
+    defer: bool  # ... the stacks' part of it in the next step's forward pass
     host_grads: bool  # the streamed update reads the stacks' gradients from host memory
     fetches: float  # layer copies per layer of a streamed pass: each layer fetched one ahead
     clip_pass: bool  # the streamed update makes a first pass over the host gradients for the norm
@@ -562,6 +585,7 @@ def shares(
         O_rest=O_move - O_stack if stream else 0,
         tokens=B * (seq + 1) * 4,
         stream=stream,
+        defer=cand.defer,
         host_grads=host_grads,
         # Each host-resident stacked leaf is fetched one layer ahead: L + 1 layer copies per pass.
         fetches=(L + 1) / L if L > 1 else 1.0,
@@ -677,6 +701,8 @@ def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, 
     layer_in, layer_out = stream_layer_bytes(cand, sh)
     layer_update = g.two_largest_layer_weights // sh.fsdp
     stack_work = 2 * layer_in + layer_out + layer_update + (0 if cand.params else sh.T_stack)
+    if sh.defer:  # the stacks are updated in the next forward pass (their copies sit in its layer loop)
+        stack_work = 0
     # Leaves outside the stacks: on one device the large ones in row blocks, two in flight
     # (transforms._opt_rows), the others whole; over a mesh, every one whole.
     if sh.fsdp == 1 and g.outside_unit_bytes is not None:
@@ -687,7 +713,8 @@ def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, 
         weights = sh.T_out if cand.params else 0
     rest_work = weights + 2 * unit + int(2 * opt.moments_per_param * unit)
     return {
-        "gradients": (sh.T_out if sh.host_grads else sh.G) + accum_buf,
+        # Deferred, the stacks' gradients are the pending ones (counted with the state).
+        "gradients": (sh.T_out if sh.host_grads or sh.defer else sh.G) + accum_buf,
         "working buffers": int(max(stack_work, rest_work)),
     }
 
@@ -702,9 +729,11 @@ def device_phases(
     gather = 2 * g.layer_param_bytes if sh.fsdp > 1 else 0
     O_dev = (sh.O_all - sh.O_move) if cand.opt_state else sh.O_all
     state = {"parameters": 0 if cand.params else sh.P, "optimizer state": O_dev, "batch": sh.tokens}
+    if sh.defer:  # the stacks' gradients, pending from one step to the next (the backward writes its own there)
+        state["pending gradients"] = sh.T_stack
 
     backward = dict(state)
-    backward["gradients"] = (sh.G if not cand.params else 0) + accum_buf
+    backward["gradients"] = (sh.G - (sh.T_stack if sh.defer else 0) if not cand.params else 0) + accum_buf
     backward["saved activations"] = saved_dev
     backward["other residuals"] = other_bwd
     backward["working buffers"] = layer_backward_bytes(g, cand, sh, saved)
@@ -811,6 +840,9 @@ def step_seconds(
     w_layer = sh.accum_steps * sh.P_layer if cand.params else 0
     act_layer = sh.B * saved.host_per_example
     fwd_copy = max(w_layer, act_layer) / bw
+    if sh.defer:  # a layer's state in and out beside its forward matmuls (the two directions at once)
+        state_in, state_out = _deferred_stack_bytes(sh)
+        fwd_copy = max(w_layer + state_in / sh.L, act_layer + state_out / sh.L) / bw
     bwd_copy = max(w_layer + act_layer, w_layer if cand.params else 0) / bw
     exposed = sh.L * (max(0.0, fwd_copy - t_layer_fwd) + max(0.0, bwd_copy - t_layer_bwd))
     return compute, recompute_s, exposed + _outside_copy_bytes(cand, sh, moved) / bw
@@ -826,9 +858,17 @@ def _outside_copy_bytes(cand: Candidate, sh: Shares, moved: Moved) -> float:
         return float(max(outside_h2d, outside_d2h))
     # The update's math is elementwise (no matmul time to hide copies behind): its copies are
     # exposed, both directions concurrently; the clip pass runs before it, host -> device only.
+    # Deferred, the stacks' part runs in the forward's layer loop (see step_seconds).
     outside_h2d = acc * P_out + (acc * G if acc > 1 else 0) if cand.params else 0
     outside_d2h = acc * (G - T_stack) if cand.params else 0
-    return max(outside_h2d + moved.update_h2d, outside_d2h + moved.update_d2h) + moved.clip_h2d
+    state_in, state_out = _deferred_stack_bytes(sh) if sh.defer else (0.0, 0.0)
+    update_h2d, update_d2h = moved.update_h2d - state_in, moved.update_d2h - state_out
+    return max(outside_h2d + update_h2d, outside_d2h + update_d2h) + moved.clip_h2d
+
+
+def _deferred_stack_bytes(sh: Shares) -> tuple[float, float]:
+    """The stacks' state a deferred update moves in the forward pass: (in, out)."""
+    return sh.fetches * sh.O_stack, float(sh.O_stack)
 
 
 def evaluate(

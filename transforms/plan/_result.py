@@ -280,8 +280,11 @@ class Plan(Answer):
     def predict(self, *, params: bool = False, opt_state: bool | str = False, activations=None) -> dict[str, Any]:
         """The prediction for a given set of transforms (for benchmarks that run a fixed set).
 
-        `opt_state` is ``False``, ``True`` (or ``"offload"``: :func:`transforms.offload_opt_state`)
-        or ``"stream"`` (``offload_opt_state(..., stream=True)``, the update streamed layer by layer).
+        `opt_state` is ``False``, ``True`` (or ``"offload"``: :func:`transforms.offload_opt_state`),
+        ``"stream"`` (``offload_opt_state(..., stream=True)``, the update streamed layer by layer) or
+        ``"defer"`` (and ``defer=True``: the stacks' update in the next step's forward pass, their
+        copies beside its matmuls, their gradients pending on the device; the search does not try
+        it yet).
 
         `activations` is ``None`` (no policy), a preset of :func:`transforms.offload_activations`
         (``"block_input"``, ``"block_input_and_projections"``, ``"recompute_all"``), one of the
