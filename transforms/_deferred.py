@@ -47,7 +47,7 @@ def _check(optimizer) -> None:
         )
 
 
-def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_aux: bool = False):
+def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_aux: bool = False, more=None):
     """One train step with each stack's pending update run in its forward pass.
 
     ``loss_of(params) -> loss`` (``(loss, aux)`` with ``has_aux``) builds the model from
@@ -56,6 +56,10 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     :class:`transforms.StreamedState` for ``params``. Returns ``(loss, new_params, new_state,
     new_pending)`` (``loss`` is ``(loss, aux)`` with ``has_aux``): ``new_params`` are the weights
     this step ran with (the stacks') and updated (the rest); :func:`flush` gives the up-to-date ones.
+
+    ``more(ran, (loss, aux, grads)) -> (loss, aux, grads)``, for gradient accumulation: given the
+    weights the first micro-batch ran with and its loss, metrics and gradients, the means over
+    every micro-batch (the others run on those weights, without an update in their forward).
     """
     _check(optimizer)
     inner, clip = optimizer.inner, optimizer.clip_norm
@@ -116,6 +120,11 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
         return loss, (aux, found)
 
     (loss, (aux, found)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    if more is not None:
+        ran = _merge(
+            units, [_view(params, units, -1), *(jax.tree.map(jax.lax.stop_gradient, found[k][1]) for k in range(n))]
+        )
+        loss, aux, grads = more(ran, (loss, aux, grads))
     state = state._replace(stacked=tuple(found[k][0] for k in range(n)))
     # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
     rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False)

@@ -89,7 +89,9 @@ def offload_opt_state(
       has its stacks one update behind, and :meth:`transforms.TrainStep.flush` applies the last one
       (before evaluating, generating or exporting; a checkpoint keeps the pending form and resumes
       exactly). Experimental: the stacks' weights must be on the device (no ``offload_params``),
-      every array of a stack trained (no LoRA base), ``scan=True`` stacks, ``accum_steps=1``.
+      every array of a stack trained (no LoRA base), ``scan=True`` stacks. With ``accum_steps > 1``
+      the pending update runs in the first micro-batch's forward pass, and the state moves once per
+      optimizer step.
 
     **Raises:** `TypeError` for an optimizer that is not an optax one, a `where` that is not
     callable, a `stream` or `defer` that is not a bool or a `clip_norm` that is not a number;

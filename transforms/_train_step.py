@@ -121,11 +121,6 @@ class TrainStep:
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
-        if _defers(optimizer) and accum_steps != 1:
-            raise ValueError(
-                f"train_step: offload_opt_state(..., defer=True) runs with accum_steps=1 so far, got "
-                f"accum_steps={accum_steps}; use defer=False with gradient accumulation"
-            )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.accum_steps = accum_steps
@@ -134,9 +129,11 @@ class TrainStep:
         self.trace_count = 0
         self._compiled: dict[Any, Callable] = {}
 
-    def _grads(self, trainable, rest, batch, key, *, keep_placement: bool = False):
+    def _grads(self, trainable, rest, batch, key, *, keep_placement: bool = False, first=None):
         """Loss and gradients with respect to ``trainable`` only; ``rest`` (frozen weights, integer
-        leaves, static parts) is a constant of the differentiated function."""
+        leaves, static parts) is a constant of the differentiated function. ``first``: the first
+        micro-batch's ``(loss, aux, grads)``, already computed (a deferred update ran in its
+        forward pass): only the others run here, and the means cover all of them."""
 
         def loss_of(t, mb, k):
             model = eqx.combine(t, rest)
@@ -149,6 +146,9 @@ class TrainStep:
             return loss, aux, grads if keep_placement else tree_to_device(grads)
 
         micro = _split_microbatches(batch, self.accum_steps)
+        start = 0 if first is None else 1
+        if start:
+            micro = jax.tree.map(lambda x: x[1:], micro)
 
         def body(carry, xs):
             i, mb = xs
@@ -158,19 +158,24 @@ class TrainStep:
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
             return (loss_sum + loss, add(aux_sum, aux), add(grad_sum, grads)), None
 
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), trainable)
-        first = jax.tree.map(lambda x: x[0], micro)
-        aux_shape = jax.eval_shape(lambda t, mb: loss_of(t, mb, key)[1], trainable, first)
-        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
-        carry = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
+        if first is None:
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), trainable)
+            one = jax.tree.map(lambda x: x[0], micro)
+            aux_shape = jax.eval_shape(lambda t, mb: loss_of(t, mb, key)[1], trainable, one)
+            aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
+            carry = (jnp.zeros((), jnp.float32), aux_zeros, zeros)
+        else:
+            loss, aux, grads = first
+            carry = (loss.astype(jnp.float32), aux, tree_to_device(grads))
+        steps = jnp.arange(start, self.accum_steps, dtype=jnp.int32)
         if _offloads_inside_layer_loops(eqx.combine(trainable, rest)):
             # Host offload inside a loop nested in another loop fails to compile on some
             # backends (seen as maxtext#4995): the micro-batches run one after the other,
             # unrolled, around the layer loops.
-            for i in range(self.accum_steps):
-                carry, _ = body(carry, (jnp.int32(i), jax.tree.map(lambda x, i=i: x[i], micro)))
+            for i in range(self.accum_steps - start):
+                carry, _ = body(carry, (steps[i], jax.tree.map(lambda x, i=i: x[i], micro)))
         else:
-            carry, _ = jax.lax.scan(body, carry, (jnp.arange(self.accum_steps, dtype=jnp.int32), micro))
+            carry, _ = jax.lax.scan(body, carry, (steps, micro))
         loss_sum, aux_sum, grad_sum = carry
         scale = 1.0 / self.accum_steps
         mean = lambda tree: jax.tree.map(lambda g: g * scale, tree)
@@ -220,16 +225,22 @@ class TrainStep:
                 "create it with this step's init"
             )
 
+        first, first_key, more = batch, key, None
+        if self.accum_steps > 1:  # the update runs in the first micro-batch's forward pass only
+            first = jax.tree.map(lambda x: x[0], _split_microbatches(batch, self.accum_steps))
+            first_key = None if key is None else jax.random.fold_in(key, 0)
+
+            def more(ran, done):
+                return self._grads(ran, rest, batch, key, first=done)
+
         def loss_of(t):
             model = eqx.combine(t, rest)
-            return _loss_and_aux(
-                self.loss_fn(model if key is None else with_step_keys(model, key), batch), self.has_aux
-            )
+            out = self.loss_fn(model if first_key is None else with_step_keys(model, first_key), first)
+            return _loss_and_aux(out, self.has_aux)
 
         (loss, aux), trainable, streamed, pending = deferred_step(
-            loss_of, self.optimizer, trainable, opt_state.streamed, opt_state.pending, has_aux=True
+            loss_of, self.optimizer, trainable, opt_state.streamed, opt_state.pending, has_aux=True, more=more
         )
-        aux = aux if self.has_aux else {}
         return trainable, DeferredState(streamed, pending), {**aux, "loss": loss, "grad_norm": pending.g_norm}
 
     def flush(self, model, opt_state, *, donate: bool | None = None):
