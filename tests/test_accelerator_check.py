@@ -776,6 +776,14 @@ def test_goals_compare_each_configuration_with_no_offload():
     assert verdicts[("step time <=", "opt_state")] is True
     assert verdicts[("frees >= 90%", "opt_state_stream")] is False
     assert verdicts[("step time <=", "opt_state_stream")] is False
+    # A compact state's freed bytes are measured against none's float32 state: the goal says so.
+    entries["opt_state_stream_bf16"] = _entry(
+        "opt_state_stream_bf16", step=1.2, peak=93 * gib, state_bytes={"opt_state": 5 * gib}
+    )
+    freed = next(g for g in goals.evaluate_goals(entries) if g["config"] == "opt_state_stream_bf16")
+    assert freed["ratio"] == pytest.approx(7 / 5) and "float32" in freed["note"] and "bfloat16" in freed["note"]
+    assert not next(g for g in goals.evaluate_goals(entries) if g["config"] == "opt_state")["note"]
+    del entries["opt_state_stream_bf16"]
     # An invalid configuration (a failed check) has no speed in any goal.
     entries["act_block_input"].update(valid=False, status="INVALID")
     goal = next(g for g in goals.evaluate_goals(entries) if g["config"] == "act_block_input")
