@@ -550,3 +550,15 @@ def test_bad_arguments_are_clear_errors():
     streamed = transforms.offload_opt_state(adam, stream=True)
     with pytest.raises(ValueError, match="does not match the parameters"):
         streamed.update(params, adam.init(params), params)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["streamed", "deferred"])
+def test_compiled_memory_takes_a_streamed_optimizer(defer):
+    # Its init is traced there (jax.eval_shape): the layer-separability probe must still run eagerly.
+    opt = transforms.offload_opt_state(optax.adamw(1e-3), stream=True, clip_norm=1.0, defer=defer)
+    mem = transforms.compiled_memory(zoo.abstract_model(FAMILIES["llama"]), opt, batch=2, seq=16)
+    assert mem["peak"] > mem["arguments"] > 0
+    # ... and the probe still refuses what spans layers (LAMB's per-leaf norm: found by the numbers)
+    bad = transforms.offload_opt_state(optax.lamb(1e-3), stream=True)
+    with pytest.raises(ValueError, match="not elementwise over the layers"):
+        transforms.compiled_memory(zoo.abstract_model(FAMILIES["llama"]), bad, batch=2, seq=16)

@@ -269,17 +269,18 @@ def _parts(tx) -> list:
 
 def _probe_tree(params, units, rng: np.random.Generator, layer_scale: tuple[float, float], rest_scale: float):
     """A tiny float32 stand-in for ``params``: every array is (2, 2, ...) with its own rank; layer 0
-    and layer 1 of the stacks are scaled by ``layer_scale``, the other leaves by ``rest_scale``."""
+    and layer 1 of the stacks are scaled by ``layer_scale``, the other leaves by ``rest_scale``.
+    NumPy arrays: concrete even while ``init`` is traced."""
 
     def one(u, x):
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            return jnp.zeros((2,) * x.ndim, x.dtype)
+            return np.zeros((2,) * x.ndim, x.dtype)
         values = rng.standard_normal((2,) * x.ndim)
         if u >= 0 and x.ndim:
             values = values * np.asarray(layer_scale).reshape((2,) + (1,) * (x.ndim - 1))
         else:
             values = values * rest_scale
-        return jnp.asarray(values, jnp.float32)
+        return np.asarray(values, np.float32)
 
     return jax.tree.map(one, units, params)
 
@@ -327,8 +328,10 @@ def _separable(tx, params, units, n: int) -> bool:
         return _plain_updates(tx, p, g), _per_layer_updates(tx, p, g, units, n)
 
     try:
-        # One small program: run op by op, each operation would be compiled on its own.
-        plain, per_layer = jax.jit(both)(tiny, grads)
+        # One small program: run op by op, each operation would be compiled on its own. Compiled
+        # and called, so that it runs now even when init is traced (jax.eval_shape of it, as
+        # transforms.compiled_memory does): the probe's arrays are concrete.
+        plain, per_layer = jax.jit(both).lower(tiny, grads).compile()(tiny, grads)
     except Exception as error:
         error.add_note(
             "(raised while offload_opt_state(stream=True) checked, on a small copy of the parameter tree, "
