@@ -80,7 +80,9 @@ def build(model_name: str, config: str, *, lr: float = 1e-3):
     conf = {c.name: c for c in config_table()}[config]
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
     model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), conf)
-    step = transforms.train_step(zoo.lm_loss, make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split))
+    step = transforms.train_step(
+        zoo.lm_loss, make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split, conf.unroll)
+    )
     return model, step.init(model), step
 
 

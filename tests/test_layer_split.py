@@ -138,3 +138,18 @@ def test_the_train_step_keeps_the_split_across_steps():
     for _ in range(2):
         model, state, _ = step(model, state, tokens)
     assert isinstance(state.stacked[0], LayerSplit) and step.trace_count == 1
+
+
+def test_the_unrolled_update_is_the_same_update_with_no_layer_loop():
+    # (Beside the split: both are experimental schedules of the same streamed update.)
+    from transforms._opt_stream import with_unrolled_update
+
+    p = params()
+    plain = optax.chain(optax.clip_by_global_norm(1.0), injected_adamw())
+    two_steps(injected_adamw(), p, plain, clip=1.0, wrap=with_unrolled_update)
+    opt = with_unrolled_update(transforms.offload_opt_state(optax.adam(1e-3), stream=True))
+    grads = jax.tree.map(jnp.ones_like, p)
+    jaxpr = jax.make_jaxpr(lambda g, s, p: opt.apply(g, s, p)[:2])(grads, opt.init(p), p).jaxpr
+    loops = [e for e in eqns(jaxpr) if e.primitive.name == "scan" and e.params["length"] in (3, 4)]
+    assert loops and all(e.params["unroll"] == e.params["length"] for e in loops)
+    assert with_split_layers(opt).unroll_update and with_split_layers(opt).split_layers  # variants compose

@@ -23,6 +23,7 @@ clipping is available as a first streamed pass instead (``clip_norm``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -118,6 +119,11 @@ def _fetch(leaves, i) -> list:
     return [jax.device_put(jax.lax.dynamic_index_in_dim(a, i, keepdims=False), jax.memory.Space.Device) for a in leaves]
 
 
+#: Whether the update's layer loops are unrolled (see :func:`with_unrolled_update`); set while an
+#: optimizer that asks for it traces its update.
+_UNROLL = contextvars.ContextVar("unroll_update", default=False)
+
+
 def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Callable = lambda y: y):
     """A scan over ``length`` layers that overwrites ``write`` layer by layer, where it lives.
 
@@ -184,7 +190,10 @@ def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Cal
         return (inner, r_ahead, w_ahead, bufs), place_y(y)
 
     first = (_fetch(r_fetch, 0), _fetch([b for b, h in zip(w_leaves, w_host, strict=True) if h], 0))
-    (carry, _, _, bufs), ys = jax.lax.scan(step, (carry, *first, w_leaves), (jnp.arange(length), r_local))
+    unroll = length if _UNROLL.get() else 1
+    (carry, _, _, bufs), ys = jax.lax.scan(
+        step, (carry, *first, w_leaves), (jnp.arange(length), r_local), unroll=unroll
+    )
     return carry, jax.tree.unflatten(w_def, bufs), ys
 
 
@@ -596,6 +605,7 @@ class StreamedOptimizer(OffloadedOptimizer):
         where_given: bool,
         split_layers: bool = False,
         defer: bool = False,
+        unroll_update: bool = False,
     ):
         def init(params):
             state = _init(inner, select, where_given, params, split_layers)
@@ -613,13 +623,18 @@ class StreamedOptimizer(OffloadedOptimizer):
         def update(updates, state, params=None):
             if defer:
                 raise ValueError(_DEFERRED_UPDATE)
-            new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
+            token = _UNROLL.set(unroll_update)
+            try:
+                new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
+            finally:
+                _UNROLL.reset(token)
             return new_updates, new_state
 
         self = super().__new__(cls, init, update, inner)
         self.clip_norm = clip_norm
         self.split_layers = split_layers
         self.defer = defer
+        self.unroll_update = unroll_update
         self._args = (select, where_given)
         return self
 
@@ -632,7 +647,11 @@ class StreamedOptimizer(OffloadedOptimizer):
         """
         if self.defer:
             raise ValueError(_DEFERRED_UPDATE)
-        return _run(self.inner, self.clip_norm, grads, state, params, apply=True)
+        token = _UNROLL.set(self.unroll_update)
+        try:
+            return _run(self.inner, self.clip_norm, grads, state, params, apply=True)
+        finally:
+            _UNROLL.reset(token)
 
 
 _DEFERRED_UPDATE = (
@@ -649,7 +668,20 @@ def with_split_layers(optimizer: StreamedOptimizer) -> StreamedOptimizer:
     beside its writes (``docs/OFFLOAD_SPEED.md``)."""
     if not isinstance(optimizer, StreamedOptimizer):
         raise TypeError(f"with_split_layers takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
+    return _variant(optimizer, split_layers=True)
+
+
+def with_unrolled_update(optimizer: StreamedOptimizer) -> StreamedOptimizer:
+    """``optimizer`` whose update after the backward pass runs its layer loops unrolled, so that
+    XLA's scheduler sees every layer's copies at once (a loop's iterations run one after the
+    other; ``docs/OFFLOAD_SPEED.md``). Experimental, for the check to measure; the program grows
+    with the number of layers."""
+    return _variant(optimizer, unroll_update=True)
+
+
+def _variant(optimizer: StreamedOptimizer, **changes) -> StreamedOptimizer:
+    if not isinstance(optimizer, StreamedOptimizer):
+        raise TypeError(f"takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
     select, where_given = optimizer._args
-    return StreamedOptimizer(
-        optimizer.inner, select, optimizer.clip_norm, where_given, split_layers=True, defer=optimizer.defer
-    )
+    settings = dict(split_layers=optimizer.split_layers, defer=optimizer.defer, unroll_update=optimizer.unroll_update)
+    return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, **{**settings, **changes})

@@ -26,6 +26,7 @@ class Config:
     state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
     where: str | None = None  # "stacks": only the stacks' moments offloaded (see make_optimizer)
     split: bool = False  # the streamed state kept as its even and odd layers (_opt_stream.with_split_layers)
+    unroll: bool = False  # the streamed update's layer loops unrolled (_opt_stream.with_unrolled_update)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -43,6 +44,8 @@ class Config:
             out["opt_state_where"] = self.where
         if self.split:
             out["opt_state_layout"] = "even and odd layers"
+        if self.unroll:
+            out["opt_state_update"] = "layer loops unrolled"
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -138,6 +141,15 @@ def config_table() -> list[Config]:
             split=True,
         ),
         _checked(
+            "opt_state_stream_bf16_stacks_unrolled",
+            "opt_state_stream_bf16_stacks with the update's layer loop unrolled, so that the scheduler sees every "
+            "layer's copies at once (experimental: _opt_stream.with_unrolled_update)",
+            opt="stream",
+            state="bfloat16",
+            where="stacks",
+            unroll=True,
+        ),
+        _checked(
             "opt_state_defer",
             "offload_opt_state(adamw, stream=True, clip_norm=1.0, defer=True): each stack's update in the next "
             "step's forward pass, beside its matmuls (experimental)",
@@ -204,17 +216,20 @@ def _stacked_moment(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 3
 
 
-def make_optimizer(kind: str, lr: float, state: str | None = None, where: str | None = None, split: bool = False):
+def make_optimizer(
+    kind: str, lr: float, state: str | None = None, where: str | None = None, split: bool = False, unroll: bool = False
+):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
     in that dtype (:func:`transforms.compact_state`), the same arithmetic wherever they live. With
     ``where="stacks"`` only the moments of the stacks' matrices are offloaded (the embedding's,
     the head's and the norms' stay on the device). ``split`` keeps a streamed state as its even and
-    odd layers (``transforms._opt_stream.with_split_layers``)."""
+    odd layers (``transforms._opt_stream.with_split_layers``), ``unroll`` unrolls its update's layer
+    loops (``with_unrolled_update``)."""
     import optax
 
     import transforms
-    from transforms._opt_stream import with_split_layers
+    from transforms._opt_stream import with_split_layers, with_unrolled_update
 
     if kind not in ("device", "offload", "stream", "defer"):
         raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream, defer")
@@ -223,12 +238,13 @@ def make_optimizer(kind: str, lr: float, state: str | None = None, where: str | 
     adamw = optax.adamw(lr, b1=ADAM_B1)
     adamw = transforms.compact_state(adamw, state) if state else adamw
     select = {"where": _stacked_moment} if where else {}
-    if split and kind not in ("stream", "defer"):
-        raise ValueError(f"split=True needs the streamed optimizer (kind 'stream' or 'defer'), got kind {kind!r}")
+    if (split or unroll) and kind not in ("stream", "defer"):
+        raise ValueError(f"split and unroll need the streamed optimizer (kind 'stream' or 'defer'), got kind {kind!r}")
     if kind in ("stream", "defer"):
         defer = kind == "defer"
         streamed = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, **select)
-        return with_split_layers(streamed) if split else streamed
+        streamed = with_split_layers(streamed) if split else streamed
+        return with_unrolled_update(streamed) if unroll else streamed
     plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
     return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain
 

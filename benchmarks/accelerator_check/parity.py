@@ -89,7 +89,7 @@ def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict
     initial = host_tree(model)
     model = apply_transforms(model, conf) if conf else model
     optimizer = (
-        make_optimizer(conf.opt, m["lr"], conf.state, conf.where, conf.split)
+        make_optimizer(conf.opt, m["lr"], conf.state, conf.where, conf.split, conf.unroll)
         if conf
         else make_optimizer("device", m["lr"])
     )

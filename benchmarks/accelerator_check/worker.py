@@ -283,7 +283,7 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     report["model"].update(param_bytes=param_bytes, stack_bytes=stack_bytes, layer_bytes=stack_bytes // cfg.n_layers)
     if plan is None:
         model = apply_transforms(model, rest)  # no reference to the device weights may outlive this
-        optimizer = make_optimizer(conf.opt, spec["lr"], conf.state, conf.where, conf.split)
+        optimizer = make_optimizer(conf.opt, spec["lr"], conf.state, conf.where, conf.split, conf.unroll)
         tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     else:  # the plan's transforms (weights already built in host memory where it offloads them)
         from .capacity import text_tokens
