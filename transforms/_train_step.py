@@ -270,12 +270,17 @@ class TrainStep:
         trainable, frozen = eqx.partition(params, trainable_mask(model))
         out = jax.tree.map(lambda x: x.sharding, (trainable, opt_state))
         donate = self.donate if donate is None else donate
+        # Compiled once per structure and placement, as the step is (a run flushes at each validation).
+        cache_key = ("flush", donate, jax.tree.structure((trainable, opt_state)), tuple(jax.tree.leaves(out)))
+        fn = self._compiled.get(cache_key)
+        if fn is None:
 
-        def apply(t, state):
-            t, streamed, pending = apply_pending(self.optimizer, t, state.streamed, state.pending)
-            return t, DeferredState(streamed, pending)
+            def apply(t, state):
+                t, streamed, pending = apply_pending(self.optimizer, t, state.streamed, state.pending)
+                return t, DeferredState(streamed, pending)
 
-        fn = jax.jit(apply, out_shardings=out, donate_argnums=(0, 1) if donate else ())
+            fn = jax.jit(apply, out_shardings=out, donate_argnums=(0, 1) if donate else ())
+            self._compiled[cache_key] = fn
         trainable, opt_state = fn(trainable, opt_state)
         return eqx.combine(trainable, frozen, static), opt_state
 
