@@ -113,8 +113,8 @@ def copy_halves(first: list, second: list):
     import jax
     import jax.numpy as jnp
 
+    from transforms._memory import layer_of as fetch  # one layer of each stacked host array, to the device
     from transforms._memory import to_host
-    from transforms._opt_stream import _fetch as fetch  # one layer of each stacked host array, to the device
 
     def write(bufs, values, i):
         return [jax.lax.dynamic_update_index_in_dim(b, to_host(v), i, 0) for b, v in zip(bufs, values, strict=True)]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from zoo.nn import on_host
 
-from ._memory import row_major, to_device, to_host
+from ._memory import layer_of, row_major, to_host
 
 
 class LayerSplit(NamedTuple):
@@ -85,15 +85,6 @@ def halves_like(tree):
     return jax.tree.map(one, tree)
 
 
-def layer(leaves, i) -> list:
-    """Layer ``i`` of each stacked array of ``leaves``; host-resident ones copied to the device."""
-    out = []
-    for a in leaves:
-        x = jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-        out.append(to_device(x) if on_host(a) else x)
-    return out
-
-
 def build(init: Callable, params, length: int, place: Callable) -> LayerSplit:
     """``LayerSplit`` of ``init(layer)`` over the layers of ``params`` (stacked, ``length`` of them):
     a loop per half, each layer's weights fetched where they live; ``place`` puts each layer's
@@ -102,7 +93,7 @@ def build(init: Callable, params, length: int, place: Callable) -> LayerSplit:
 
     def part(parity: int):
         def body(carry, k):
-            return carry, place(init(jax.tree.unflatten(treedef, layer(leaves, 2 * k + parity))))
+            return carry, place(init(jax.tree.unflatten(treedef, layer_of(leaves, 2 * k + parity))))
 
         return jax.lax.scan(body, None, jnp.arange(length // 2))[1]
 
@@ -143,7 +134,7 @@ class _Slots:
         ]
 
     def read(self, bufs, places) -> dict:
-        return {j: layer([bufs[b]], row)[0] for j, b, row in places}
+        return {j: layer_of([bufs[b]], row)[0] for j, b, row in places}
 
     def write(self, bufs, places, values) -> list:
         bufs = list(bufs)
@@ -206,10 +197,10 @@ def split_scan(body: Callable, carry, read, write, length: int, place_y: Callabl
     r_host = [on_host(x) for x in r_leaves]
 
     def fetch_reads(i):  # the host-resident read-only leaves, fetched ahead through the carry
-        return layer([x for x, h in zip(r_leaves, r_host, strict=True) if h], i)
+        return layer_of([x for x, h in zip(r_leaves, r_host, strict=True) if h], i)
 
     def read_tree(fetched, i):  # device-resident ones are sliced where they are used
-        fetched, local = iter(fetched), iter(layer([x for x, h in zip(r_leaves, r_host, strict=True) if not h], i))
+        fetched, local = iter(fetched), iter(layer_of([x for x, h in zip(r_leaves, r_host, strict=True) if not h], i))
         return jax.tree.unflatten(r_def, [next(fetched) if h else next(local) for h in r_host])
 
     def step(state, k):

@@ -71,6 +71,12 @@ def to_device(x):
     return jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x
 
 
+def layer_of(leaves, i) -> list:
+    """Inside `jit`: layer ``i`` of each stacked array of ``leaves``, host-resident ones copied to
+    the device."""
+    return [to_device(jax.lax.dynamic_index_in_dim(a, i, keepdims=False)) for a in leaves]
+
+
 def to_host(x):
     """Inside `jit`: ``x`` in host memory (a no-op for a value already there)."""
     return x if on_host(x) else jax.device_put(x, jax.memory.Space.Host)

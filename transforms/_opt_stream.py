@@ -41,6 +41,7 @@ from ._memory import (
     DEVICE,
     HOST,
     is_arraylike,
+    layer_of,
     mesh_of,
     packed_layer_vector,
     restore_kinds,
@@ -114,11 +115,6 @@ def _layer_scan(body: Callable, carry, xs, length: int, place_out: Callable):
     return prefetch_scan(layer, carry, host_leaves, device_leaves, length=length, place=place_out)
 
 
-def _fetch(leaves, i) -> list:
-    """Layer ``i`` of each stacked (host-resident) array of ``leaves``, copied to the device."""
-    return [jax.device_put(jax.lax.dynamic_index_in_dim(a, i, keepdims=False), jax.memory.Space.Device) for a in leaves]
-
-
 #: Whether the update's layer loops are unrolled (see :func:`with_unrolled_update`); set while an
 #: optimizer that asks for it traces its update.
 _UNROLL = contextvars.ContextVar("unroll_update", default=False)
@@ -175,7 +171,7 @@ def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Cal
         inner, r_next, w_next, bufs = state
         i, r_here = xs
         ahead = jnp.minimum(i + 1, length - 1)
-        r_ahead = _fetch(r_fetch, ahead)
+        r_ahead = layer_of(r_fetch, ahead)
         w_here = [b for b, h in zip(bufs, w_host, strict=True) if not h]
         w_local = [jax.lax.dynamic_index_in_dim(b, i, keepdims=False) for b in w_here]
         r_i = jax.tree.unflatten(r_def, assemble(r_host, r_next, r_here))
@@ -186,10 +182,10 @@ def _in_place_scan(body: Callable, carry, read, write, length: int, place_y: Cal
         ]
         # The next layer is read from the written buffers: a read of the old ones would keep them
         # alive past the write, and XLA would copy every buffer whole to update it.
-        w_ahead = _fetch([b for b, h in zip(bufs, w_host, strict=True) if h], ahead)
+        w_ahead = layer_of([b for b, h in zip(bufs, w_host, strict=True) if h], ahead)
         return (inner, r_ahead, w_ahead, bufs), place_y(y)
 
-    first = (_fetch(r_fetch, 0), _fetch([b for b, h in zip(w_leaves, w_host, strict=True) if h], 0))
+    first = (layer_of(r_fetch, 0), layer_of([b for b, h in zip(w_leaves, w_host, strict=True) if h], 0))
     unroll = length if _UNROLL.get() else 1
     (carry, _, _, bufs), ys = jax.lax.scan(
         step, (carry, *first, w_leaves), (jnp.arange(length), r_local), unroll=unroll
