@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from benchmarks import _environment as env
-from benchmarks.accelerator_check.configs import apply_transforms, config_table, make_optimizer
+from benchmarks.accelerator_check.configs import apply_transforms, config_table, optimizer_for
 from benchmarks.accelerator_check.hlo import analyze_hlo
 
 #: The configurations it compiles: the accelerator check's training configurations (the same
@@ -80,9 +80,7 @@ def build(model_name: str, config: str, *, lr: float = 1e-3):
     conf = {c.name: c for c in config_table()}[config]
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
     model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), conf)
-    step = transforms.train_step(
-        zoo.lm_loss, make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split, conf.unroll)
-    )
+    step = transforms.train_step(zoo.lm_loss, optimizer_for(conf, lr))
     return model, step.init(model), step
 
 

@@ -662,8 +662,6 @@ def with_split_layers(optimizer: StreamedOptimizer) -> StreamedOptimizer:
     (:class:`~transforms._layer_split.LayerSplit`; see :func:`transforms._layer_split.splits`).
     Not yet the default: on a TPU v5e the layout must still show that the update's reads then run
     beside its writes (``docs/OFFLOAD_SPEED.md``)."""
-    if not isinstance(optimizer, StreamedOptimizer):
-        raise TypeError(f"with_split_layers takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
     return _variant(optimizer, split_layers=True)
 
 
@@ -677,7 +675,7 @@ def with_unrolled_update(optimizer: StreamedOptimizer) -> StreamedOptimizer:
 
 def _variant(optimizer: StreamedOptimizer, **changes) -> StreamedOptimizer:
     if not isinstance(optimizer, StreamedOptimizer):
-        raise TypeError(f"takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
+        raise TypeError(f"this schedule takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
     select, where_given = optimizer._args
     settings = dict(split_layers=optimizer.split_layers, defer=optimizer.defer, unroll_update=optimizer.unroll_update)
     return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, **{**settings, **changes})

@@ -249,6 +249,13 @@ def make_optimizer(
     return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain
 
 
+def optimizer_for(conf: Config | None, lr: float):
+    """The optimizer of ``conf`` (see :func:`make_optimizer`); the plain one for ``None``."""
+    if conf is None:
+        return make_optimizer("device", lr)
+    return make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split, conf.unroll)
+
+
 def apply_transforms(model, conf: Config):
     """``model`` with the model transforms of ``conf`` (weights offloaded, remat policy set)."""
     import transforms

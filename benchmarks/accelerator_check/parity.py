@@ -12,7 +12,7 @@ import functools
 import math
 import time
 
-from .configs import DEFAULT_PLAN, Config, apply_transforms, config_table, make_config, make_optimizer
+from .configs import DEFAULT_PLAN, Config, apply_transforms, config_table, make_config, optimizer_for
 from .grads import named_leaves
 from .tolerances import loss_max_rel_diff, tolerance
 
@@ -88,11 +88,7 @@ def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict
     model = _builder(cfg)(jax.random.key(0))
     initial = host_tree(model)
     model = apply_transforms(model, conf) if conf else model
-    optimizer = (
-        make_optimizer(conf.opt, m["lr"], conf.state, conf.where, conf.split, conf.unroll)
-        if conf
-        else make_optimizer("device", m["lr"])
-    )
+    optimizer = optimizer_for(conf, m["lr"])
     tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"] + 1), 0, cfg.vocab_size, jnp.int32)
     step = transforms.train_step(zoo.lm_loss, optimizer)
     state = step.init(model)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks._environment import write_json
 
-from .configs import ADAM_B1, CLIP_NORM, Config, apply_transforms, make_config, make_optimizer
+from .configs import ADAM_B1, CLIP_NORM, Config, apply_transforms, make_config, make_optimizer, optimizer_for
 from .grads import first_moment, gradient_summary, scale_summary
 from .guard import refusal
 from .hlo import compiled_by
@@ -283,7 +283,7 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     report["model"].update(param_bytes=param_bytes, stack_bytes=stack_bytes, layer_bytes=stack_bytes // cfg.n_layers)
     if plan is None:
         model = apply_transforms(model, rest)  # no reference to the device weights may outlive this
-        optimizer = make_optimizer(conf.opt, spec["lr"], conf.state, conf.where, conf.split, conf.unroll)
+        optimizer = optimizer_for(conf, spec["lr"])
         tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     else:  # the plan's transforms (weights already built in host memory where it offloads them)
         from .capacity import text_tokens
