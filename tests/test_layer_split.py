@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from test_opt_stream import HOST, MESH, floating, injected_adamw, two_steps
+from test_opt_stream import HOST, MESH, TwoStacks, floating, injected_adamw, two_steps
+from test_prefetch import scans
 
 import transforms
 from transforms import _layer_split
 from transforms._layer_split import LayerSplit
 from transforms._opt_stream import with_split_layers
-from zoo import nn, sharding
+from zoo import sharding
 
 
 @pytest.fixture(autouse=True)
@@ -26,27 +27,13 @@ def streamed(inner, **kwargs):
     return with_split_layers(transforms.offload_opt_state(inner, stream=True, **kwargs))
 
 
-class Stacks(eqx.Module):
+def model():
     """A stack of 4 layers (split), one of 3 (kept whole: odd), leaves outside them."""
-
-    embed: nn.Embedding
-    even: nn.Stack
-    odd: nn.Stack
-    head: nn.Linear
-
-    def __init__(self, key):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        self.embed = nn.Embedding(32, 16, key=k1)
-        self.even = nn.Stack(lambda k: nn.Linear(16, 16, use_bias=True, axes=("embed", "mlp"), key=k), 4, key=k2)
-        self.odd = nn.Stack(lambda k: nn.Linear(16, 16, axes=("embed", "mlp"), key=k), 3, key=k3)
-        self.head = nn.Linear(16, 32, axes=("embed", "vocab"), key=k4)
-
-    def __call__(self, tokens):
-        return self.head(self.odd(self.even(self.embed(tokens))))
+    return TwoStacks(jax.random.key(0), depths=(4, 3))
 
 
 def params():
-    return eqx.filter(Stacks(jax.random.key(0)), eqx.is_inexact_array)
+    return eqx.filter(model(), eqx.is_inexact_array)
 
 
 def test_a_split_stack_is_updated_as_optax_does_and_its_halves_stay_in_host_memory():
@@ -55,9 +42,9 @@ def test_a_split_stack_is_updated_as_optax_does_and_its_halves_stay_in_host_memo
     split, whole = state.stacked
     assert isinstance(split, LayerSplit) and not isinstance(whole, LayerSplit)
     for half in split:
-        assert half.inner_state[0].mu.even.layers.weight.shape == (2, 16, 16)
+        assert half.inner_state[0].mu.lower.layers.weight.shape == (2, 16, 16)
         assert half.inner_state[0].count.shape == (2,)  # a counter per layer, in each half
-    assert whole.inner_state[0].mu.odd.layers.weight.shape == (3, 16, 16)
+    assert whole.inner_state[0].mu.upper.layers.weight.shape == (3, 16, 16)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if floating(x)} == {HOST}
 
 
@@ -77,23 +64,13 @@ def test_the_layout_is_opt_in_and_off_on_the_cpu(monkeypatch):
         with_split_layers(optax.adam(1e-3))
 
 
-def eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    yield from eqns(inner)
-
-
 def test_each_half_is_written_in_place_and_its_next_layer_read_from_the_written_buffer():
     p = params()
     opt = streamed(optax.adam(1e-3))
     state = opt.init(p)
     grads = jax.tree.map(jnp.ones_like, p)
     jaxpr = jax.make_jaxpr(lambda g, s, p: opt.apply(g, s, p)[:2])(grads, state, p).jaxpr
-    split_loop = [e for e in eqns(jaxpr) if e.primitive.name == "scan" and e.params["length"] == 2]
+    split_loop = [e for e in scans(jaxpr) if e.params["length"] == 2]
     assert len(split_loop) == 1  # the 4 layers of the split stack: 2 iterations of 2 layers
     body = split_loop[0].params["jaxpr"].jaxpr
     host_moments = [v for v in body.invars if v.aval.memory_space == jax.memory.Space.Host and v.aval.ndim == 3]
@@ -122,21 +99,21 @@ def test_each_half_is_written_in_place_and_its_next_layer_read_from_the_written_
 def test_on_a_mesh_the_halves_are_sharded_like_their_weights():
     p = sharding.shard(params(), MESH())
     state = streamed(optax.adam(1e-3)).init(p)
-    w = p.even.layers.weight
+    w = p.lower.layers.weight
     for half in state.stacked[0]:
-        mu = half[0].mu.even.layers.weight
+        mu = half[0].mu.lower.layers.weight
         assert mu.shape == (2, *w.shape[1:])
         assert mu.sharding.spec == w.sharding.spec and mu.sharding.memory_kind == HOST
 
 
 def test_the_train_step_keeps_the_split_across_steps():
-    model = Stacks(jax.random.key(0))
+    net = model()
     loss = lambda m, t: jnp.mean(jax.nn.logsumexp(jax.vmap(m)(t), axis=-1))
     step = transforms.train_step(loss, streamed(optax.adam(1e-3), clip_norm=1.0))
-    state = step.init(model)
+    state = step.init(net)
     tokens = jnp.zeros((2, 5), jnp.int32)
     for _ in range(2):
-        model, state, _ = step(model, state, tokens)
+        net, state, _ = step(net, state, tokens)
     assert isinstance(state.stacked[0], LayerSplit) and step.trace_count == 1
 
 
@@ -150,6 +127,6 @@ def test_the_unrolled_update_is_the_same_update_with_no_layer_loop():
     opt = with_unrolled_update(transforms.offload_opt_state(optax.adam(1e-3), stream=True))
     grads = jax.tree.map(jnp.ones_like, p)
     jaxpr = jax.make_jaxpr(lambda g, s, p: opt.apply(g, s, p)[:2])(grads, opt.init(p), p).jaxpr
-    loops = [e for e in eqns(jaxpr) if e.primitive.name == "scan" and e.params["length"] in (3, 4)]
+    loops = [e for e in scans(jaxpr) if e.params["length"] in (3, 4)]
     assert loops and all(e.params["unroll"] == e.params["length"] for e in loops)
     assert with_split_layers(opt).unroll_update and with_split_layers(opt).split_layers  # variants compose

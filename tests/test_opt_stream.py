@@ -185,11 +185,12 @@ class TwoStacks(eqx.Module):
     head: nn.Linear
     step_count: jax.Array
 
-    def __init__(self, key):
+    def __init__(self, key, depths=(3, 2)):
         k1, k2, k3, k4 = jax.random.split(key, 4)
         self.embed = nn.Embedding(32, 16, key=k1)
-        self.lower = nn.Stack(lambda k: nn.Linear(16, 16, use_bias=True, axes=("embed", "mlp"), key=k), 3, key=k2)
-        self.upper = nn.Stack(lambda k: nn.Linear(16, 16, axes=("embed", "mlp"), key=k), 2, key=k3)
+        make = lambda k: nn.Linear(16, 16, use_bias=True, axes=("embed", "mlp"), key=k)
+        self.lower = nn.Stack(make, depths[0], key=k2)
+        self.upper = nn.Stack(lambda k: nn.Linear(16, 16, axes=("embed", "mlp"), key=k), depths[1], key=k3)
         self.head = nn.Linear(16, 32, axes=("embed", "vocab"), key=k4)
         self.step_count = jnp.zeros((), jnp.int32)
 
