@@ -47,7 +47,8 @@ def runs(request):
     for _ in range(STEPS):
         loss, params, dstate, pending = deferred(params, dstate, pending)
         losses.append(float(loss))
-    params, dstate, _ = _deferred.flush(opt, params, dstate, pending)
+    assert bool(pending.ready)
+    params, dstate, _ = _deferred.apply_pending(opt, params, dstate, pending)
     assert isinstance(dstate.stacked[0], LayerSplit) == (request.param == 4)
 
     # The same through the train step (offload_opt_state(..., defer=True)) and its flush.

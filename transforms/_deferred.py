@@ -9,10 +9,11 @@ layer runs with the new weights. Those enter through an identity whose gradient 
 weights the step was given, so the backward pass differentiates the weights the forward used. The
 leaves outside the stacks keep their update after the backward pass, with the same clip scale:
 every leaf sees the same updates in the same order as with the streamed update, the stacks' one
-step later. :func:`flush` applies the last pending update.
+step later. :func:`apply_pending` applies the last pending update (``TrainStep.flush``).
 
-Not yet wired into :class:`transforms.TrainStep` (see ``docs/OFFLOAD_SPEED.md``); supported so far:
-stacks whose arrays are all trainable, with their weights on the device, run with ``scan=True``.
+:class:`transforms.TrainStep` runs it for ``offload_opt_state(..., stream=True, defer=True)``;
+supported so far: stacks whose arrays are all trainable, with their weights on the device, run
+with ``scan=True``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     ``optimizer`` is ``transforms.offload_opt_state(..., stream=True)``'s, ``state`` its
     :class:`transforms.StreamedState` for ``params``. Returns ``(loss, new_params, new_state,
     new_pending)`` (``loss`` is ``(loss, aux)`` with ``has_aux``): ``new_params`` are the weights
-    this step ran with (the stacks') and updated (the rest); :func:`flush` gives the up-to-date ones.
+    this step ran with (the stacks') and updated (the rest); :func:`apply_pending` gives the up-to-date ones.
 
     ``more(ran, (loss, aux, grads)) -> (loss, aux, grads)``, for gradient accumulation: given the
     weights the first micro-batch ran with and its loss, metrics and gradients, the means over
@@ -133,18 +134,10 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 
-def flush(optimizer, params, state, pending: Pending):
-    """``(params, state, pending)`` with the pending update applied: what the streamed update holds
-    after as many steps. A no-op when none is pending (this reads ``pending.ready``: call it
-    outside `jit`, or :func:`apply_pending` inside)."""
-    _check(optimizer)
-    if not bool(pending.ready):
-        return params, state, pending
-    return apply_pending(optimizer, params, state, pending)
-
-
 def apply_pending(optimizer, params, state, pending: Pending):
-    """:func:`flush` when an update is pending (``pending.ready``), traceable."""
+    """``(params, state, pending)`` with the pending update applied (call it only when
+    ``pending.ready``): what the streamed update holds after as many steps. Traceable;
+    :meth:`transforms.TrainStep.flush` checks ``ready`` and runs it compiled."""
     units, _ = _units(params)
     grads = jax.tree.map(lambda u, g, x: g if u >= 0 else jnp.zeros_like(x), units, pending.grads, params)
     new_params, state, _ = _run(
