@@ -169,6 +169,23 @@ def config_table() -> list[Config]:
             where="stacks",
         ),
         _checked(
+            "opt_state_defer_bf16_stacks_split",
+            "opt_state_defer_bf16_stacks with each stack's state kept as its even and odd layers, so that the "
+            "forward reads one half while it writes the other (experimental: _opt_stream.with_split_layers)",
+            opt="defer",
+            state="bfloat16",
+            where="stacks",
+            split=True,
+        ),
+        _checked(
+            "opt_state_defer_bf16_split",
+            "opt_state_defer_bf16 with each stack's state kept as its even and odd layers "
+            "(see opt_state_defer_bf16_stacks_split)",
+            opt="defer",
+            state="bfloat16",
+            split=True,
+        ),
+        _checked(
             "opt_state_stream_f8",
             "offload_opt_state(compact_state(adamw, 'float8'), stream=True, clip_norm=1.0) (moments in 8 bits)",
             opt="stream",
