@@ -45,8 +45,9 @@ import time
 from pathlib import Path
 
 from benchmarks import _environment as env
+from benchmarks.accelerator_check.cli import compiler_options
 from benchmarks.accelerator_check.configs import apply_transforms, config_table, optimizer_for
-from benchmarks.accelerator_check.hlo import analyze_hlo
+from benchmarks.accelerator_check.hlo import TPU_CLOCK_HZ, TPU_CYCLE_SCALE, analyze_hlo, simulate_schedule
 
 #: The configurations it compiles: the accelerator check's training configurations (the same
 #: transforms and optimizer, :mod:`benchmarks.accelerator_check.configs`), but the capacity and
@@ -150,7 +151,7 @@ def measure(args, config: str, device) -> dict:
     try:
         model, state, step = build(args.model, config)
         lowered = lowered_for(device, model, state, step, args.batch, args.seq)
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=getattr(args, "compiler_options", None))
     except Exception as err:  # the compiler's refusal is the result
         first = next((ln for ln in str(err).splitlines() if ln.strip()), "")
         row.update(compiled=False, error=f"{type(err).__name__}: {first}"[:600])
@@ -167,8 +168,25 @@ def measure(args, config: str, device) -> dict:
         args.save_hlo.mkdir(parents=True, exist_ok=True)
         (args.save_hlo / f"{config}.hlo.txt").write_text(text)
     row["whole_stack_copies"] = whole_stack_copies(text, n_layers)
-    row["overlap"] = analyze_hlo(text, n_layers=n_layers)["overlap"]
+    rates = _rates(args)
+    row["overlap"] = analyze_hlo(text, n_layers=n_layers, **rates)["overlap"]
+    if args.target == "tpu" and rates:
+        predicted = simulate_schedule(text, **rates, cycle_scale=TPU_CYCLE_SCALE[V5E])
+        row["predicted"] = {k: predicted[k] for k in ("step_s", "exposed_s", "compute_s")}
     return row
+
+
+V5E = "tpu-v5e"
+
+
+def _rates(args) -> dict:
+    """The clock and the host link that turn the program's cycle estimates and bytes into time:
+    a v5e's (the only TPU measured here), else nothing."""
+    if args.target != "tpu" or not args.topology.startswith("v5e"):
+        return {}
+    from transforms.plan._devices import TPU_LINK_GB_S
+
+    return {"clock_hz": TPU_CLOCK_HZ[V5E], "link_bytes_per_s": TPU_LINK_GB_S * 1e9}
 
 
 def table(rows: list[dict], head: str) -> str:
@@ -177,20 +195,22 @@ def table(rows: list[dict], head: str) -> str:
         head,
         "",
         "| config | compiles | device temp GiB | device args GiB | host temp GiB | host args GiB | host aliased GiB "
-        "| whole-stack copies | host traffic GB/step | spanning a matmul |",
-        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| whole-stack copies | host traffic GB/step | spanning a matmul | covered | predicted ms | exposed ms |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    pct = lambda x: "-" if x is None else f"{x:.0%}"
     for r in rows:
         if not r["compiled"]:
-            lines.append(f"| {r['config']} | no: {r['error']} | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {r['config']} | no: {r['error']} |" + " - |" * 11)
             continue
-        d, h, o = r["device"], r["host"], r.get("overlap") or {}
+        d, h, o, sim = r["device"], r["host"], r.get("overlap") or {}, r.get("predicted") or {}
         moved = sum(o.get(f"{x}_{k}_bytes", 0) for x in ("h2d", "d2h") for k in ("async", "sync"))
-        share = "-" if o.get("fraction") is None else f"{o['fraction']:.0%}"
+        ms = lambda key, sim=sim: "-" if key not in sim else f"{sim[key] * 1e3:.1f}"
         lines.append(
             f"| {r['config']} | yes ({r['compile_s']:.0f} s) | {gib(d['temp'])} | {gib(d['argument'])} | "
             f"{gib(h['temp'])} | {gib(h['argument'])} | {gib(h['alias'])} | {r['whole_stack_copies']} | "
-            f"{moved / 1e9:.2f} | {share} |"
+            f"{moved / 1e9:.2f} | {pct(o.get('fraction'))} | {pct(o.get('covered_fraction'))} | "
+            f"{ms('step_s')} | {ms('exposed_s')} |"
         )
     notes = []
     for r in rows:
@@ -204,7 +224,17 @@ def table(rows: list[dict], head: str) -> str:
             notes.append(f"- {r['config']}: {'; '.join(shown)}")
     if notes:
         lines += ["", "Host traffic per computation (bytes per step, share spanning a matmul):", "", *notes]
+    if any(r.get("predicted") for r in rows):
+        lines += ["", PREDICTED_NOTE]
     return "\n".join(lines) + "\n"
+
+
+PREDICTED_NOTE = (
+    "Covered: the share of the host traffic in copies whose window holds the compute (XLA's cycle estimates) "
+    "their own transfer needs at the link's rate, each copy alone. Predicted: the step simulated from the "
+    "schedule (`hlo.simulate_schedule`: each direction of the link a queue, the estimates scaled to none's "
+    "measured v5e step); exposed: its time waiting on transfers."
+)
 
 
 def _measured_apart(argv, config: str) -> dict:
@@ -234,6 +264,13 @@ def main(argv=None) -> int:
     p.add_argument("--topology", default="v5e:1x1", help="the TPU described to the compiler (default v5e:1x1)")
     p.add_argument("--out", type=Path, help="write tpu_compile_<topology>.json and .md here")
     p.add_argument("--save-hlo", type=Path, help="write each configuration's compiled program here (CONFIG.hlo.txt)")
+    p.add_argument(
+        "--compiler-options",
+        type=compiler_options,
+        default=None,
+        metavar="NAME=VALUE,...",
+        help="XLA options of the compile (e.g. xla_tpu_enable_all_experimental_scheduler_features=true)",
+    )
     p.add_argument("--row", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row as JSON
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -253,6 +290,7 @@ def main(argv=None) -> int:
     head = (
         f"Train step of {args.model} (fp32 weights, bf16 compute, AdamW after clipping), batch "
         f"{args.batch} x {args.seq}, compiled for {args.topology if args.target == 'tpu' else 'this CPU'}"
+        + (f" with {args.compiler_options}" if args.compiler_options else "")
     )
     text = table(rows, head)
     print(text, flush=True)

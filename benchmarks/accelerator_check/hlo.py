@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks._environment import versions
@@ -19,6 +20,15 @@ _CALL_RE = re.compile(r"\b(condition|body|calls|to_apply|true_computation|false_
 _CALL_LIST_RE = re.compile(r"\b(branch_computations|calls)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 ASYNC_TRANSFERS = ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start")
+_CYCLES_RE = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
+#: Core clock of TPUs, by device profile name: XLA:TPU's compiled text gives each fusion's
+#: estimated cycles, which this turns into seconds. A v5e: 197 TFLOP/s from 4 MXUs of 128 x 128
+#: multiply-adds a cycle, so 1.5 GHz.
+TPU_CLOCK_HZ = {"tpu-v5e": 1.5e9}
+#: Seconds a compiled step takes per second of its estimated cycles at :data:`TPU_CLOCK_HZ`:
+#: ``none``'s step of ``llama:small`` (batch 8 x 1024) ran 85.7 ms on a v5e, its cycles estimate
+#: 155.8 ms (the compiler's estimates are conservative). Used by :func:`simulate_schedule`.
+TPU_CYCLE_SCALE = {"tpu-v5e": 0.55}
 
 
 def _strip_comments(text: str) -> str:
@@ -116,6 +126,7 @@ def _parse_instruction(line: str) -> dict | None:
         "operands": operands,
         "calls": calls,
         "trip_count": int(trip.group(1)) if trip else None,
+        "cycles": int(cycles.group(1)) if (cycles := _CYCLES_RE.search(attrs)) else 0,
         "text": line.strip().split(", metadata=")[0],
     }
 
@@ -259,7 +270,34 @@ def _matmul_computations(comps: dict) -> set[str]:
     return found
 
 
-def transfer_overlap(comps: dict, graph: dict) -> dict:
+def _cycles(comps: dict) -> Callable[[dict], int]:
+    """The compiler's estimate of an instruction's cycles: its own (a fusion, a custom call), or
+    for a loop its body's times its trips, for a call or a conditional its callee's (the largest
+    branch). Zero where the dump has no estimates (any backend but XLA:TPU)."""
+    memo: dict[str, int] = {}
+
+    def of_comp(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # a cycle in the call graph counts nothing twice
+            memo[name] = sum(of(i) for i in comps[name]["instructions"]) if name in comps else 0
+        return memo[name]
+
+    def of(ins: dict) -> int:
+        if ins["cycles"] or ins["opcode"] in ("fusion", *ASYNC_TRANSFERS):
+            return ins["cycles"]
+        if ins["opcode"] == "while":
+            body = next((c for k, c in ins["calls"] if k == "body"), None)
+            return of_comp(body) * (ins["trip_count"] or 1) if body else 0
+        if ins["opcode"] in ("call", "conditional"):
+            return max((of_comp(c) for _, c in ins["calls"]), default=0)
+        return 0
+
+    return of
+
+
+def transfer_overlap(
+    comps: dict, graph: dict, *, clock_hz: float | None = None, link_bytes_per_s: float | None = None
+) -> dict:
     """How much of the host traffic can hide behind matmuls, read off the schedule (an optimized,
     scheduled module lists each computation's instructions in the order they run): an
     asynchronous transfer (``copy-start`` ... ``copy-done``, and the async slices) whose window
@@ -268,9 +306,20 @@ def transfer_overlap(comps: dict, graph: dict) -> dict:
     direction: ``async``, ``spanning_matmuls`` (a matmul in the window) and ``sync``; ``fraction``
     is the share of all host traffic that spans a matmul. ``by_computation``: for each computation
     that moves host data (a loop body, the entry), its bytes per step and the part spanning a
-    matmul, so a reader sees which loop's copies do not hide."""
+    matmul, so a reader sees which loop's copies do not hide.
+
+    One matmul in a window says little: the v5e ran copies whose windows each held one small
+    matmul in series with the layer's compute. With ``clock_hz`` and ``link_bytes_per_s``, and a
+    dump that gives each fusion's estimated cycles (XLA:TPU's), ``covered_bytes`` counts the
+    bytes of copies whose window holds at least the compute their own transfer needs at the
+    link's rate (``covered_fraction`` of all host traffic; per computation too). It is optimistic:
+    copies in flight together share the link, and each is checked alone."""
     matmul_comps = _matmul_computations(comps)
+    cycles_of = _cycles(comps)
+    given = any(i["cycles"] for c in comps.values() for i in c["instructions"])
+    estimate = bool(clock_hz and link_bytes_per_s and given)
     out = {f"{d}_{k}": 0 for d in ("h2d", "d2h") for k in ("async_bytes", "spanning_matmuls_bytes", "sync_bytes")}
+    covered_total = 0
     where = {}
     for name in (n for n in graph["order"] if n not in graph["wrapped"]):
         instructions = comps[name]["instructions"]
@@ -278,6 +327,7 @@ def transfer_overlap(comps: dict, graph: dict) -> dict:
         runs_matmul = [
             i["opcode"] in MATMULS or any(callee in matmul_comps for _, callee in i["calls"]) for i in instructions
         ]
+        cycles = [cycles_of(i) for i in instructions] if estimate else []
         done_at = {}
         for index, ins in enumerate(instructions):
             if ins["opcode"].endswith("-done") and ins["operands"]:
@@ -288,6 +338,8 @@ def transfer_overlap(comps: dict, graph: dict) -> dict:
                 continue
             direction, nbytes = moved[0], moved[1] * factor
             mine = where.setdefault(name, {"bytes": 0, "spanning_matmuls_bytes": 0, "trips": factor})
+            if estimate:
+                mine.setdefault("covered_bytes", 0)
             mine["bytes"] += nbytes
             if ins["opcode"] not in ASYNC_TRANSFERS:
                 out[f"{direction}_sync_bytes"] += nbytes
@@ -297,14 +349,99 @@ def transfer_overlap(comps: dict, graph: dict) -> dict:
             if any(runs_matmul[index + 1 : end]):
                 out[f"{direction}_spanning_matmuls_bytes"] += nbytes
                 mine["spanning_matmuls_bytes"] += nbytes
+            if estimate and sum(cycles[index + 1 : end]) / clock_hz >= moved[1] / link_bytes_per_s:
+                mine["covered_bytes"] += nbytes
+                covered_total += nbytes
     out["by_computation"] = dict(sorted(where.items(), key=lambda kv: -kv[1]["bytes"]))
     total = sum(out[f"{d}_{k}"] for d in ("h2d", "d2h") for k in ("async_bytes", "sync_bytes"))
     spanning = out["h2d_spanning_matmuls_bytes"] + out["d2h_spanning_matmuls_bytes"]
     out["fraction"] = spanning / total if total else None
+    out["covered_bytes"] = covered_total if estimate else None
+    out["covered_fraction"] = covered_total / total if estimate and total else None
     return out
 
 
-def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40) -> dict:
+def simulate_schedule(text: str, *, clock_hz: float, link_bytes_per_s: float, cycle_scale: float = 1.0) -> dict:
+    """A step's time predicted from its compiled, scheduled program (XLA:TPU's text, which gives
+    each fusion's estimated cycles): the instructions run one after another in schedule order,
+    each taking its cycles (times ``cycle_scale``) at ``clock_hz``; an asynchronous host
+    transfer joins its direction's queue when it starts (one queue per direction for the whole
+    program, each moving ``link_bytes_per_s``, both at once: a loop's copies wait behind copies
+    the entry started before it) and its ``-done`` waits for it. A synchronous transfer waits its
+    whole time. Loops run trip by trip.
+
+    Returns ``step_s`` (predicted), ``exposed_s`` (of it, waiting on transfers), ``compute_s``
+    and ``loops``: for each loop body, ``{"trips", "iteration_s", "exposed_s"}`` (means per
+    iteration). Compared with the chip (``llama:small`` on a v5e, ``docs/OFFLOAD_SPEED.md``):
+    within 2% for the streamed and unrolled updates, the deferred one, activation and weight
+    offload; 4-6% optimistic for the split loops, whose reads waited on their writes."""
+    comps = parse_hlo_module(text)
+    entry = next((c for c in comps.values() if c["entry"]), None)
+    if entry is None:
+        return {"error": "no ENTRY computation found"}
+    _call_graph(comps, entry)  # fills the trip counts XLA:TPU does not print
+    cycles_of = _cycles(comps)
+    per_cycle = cycle_scale / clock_hz
+    free = {"h2d": 0.0, "d2h": 0.0}  # when each direction's queue empties
+    loops: dict[str, dict] = {}
+    active: set[str] = set()
+
+    def run(name: str, t: float) -> tuple[float, float]:
+        if name in active:  # a cycle in the call graph adds nothing
+            return t, 0.0
+        active.add(name)
+        waited, finish = 0.0, {}
+        for ins in comps[name]["instructions"]:
+            op, moved = ins["opcode"], _transfer(ins)
+            if moved is not None and op in ASYNC_TRANSFERS:
+                free[moved[0]] = max(t, free[moved[0]]) + moved[1] / link_bytes_per_s
+                finish[ins["name"]] = free[moved[0]]
+            elif op.endswith("-done") and ins["operands"] and ins["operands"][0]["name"] in finish:
+                ready = finish[ins["operands"][0]["name"]]
+                waited, t = waited + max(0.0, ready - t), max(t, ready)
+            elif moved is not None:
+                ready = max(t, free[moved[0]]) + moved[1] / link_bytes_per_s
+                free[moved[0]] = ready
+                waited, t = waited + ready - t, ready
+            elif op == "while":
+                body = next((c for k, c in ins["calls"] if k == "body"), None)
+                if body not in comps:
+                    continue
+                trips, began, body_waited = ins["trip_count"] or 1, t, 0.0
+                for _ in range(trips):
+                    t, w = run(body, t)
+                    body_waited += w
+                mine = loops.setdefault(body, {"trips": 0, "time": 0.0, "waited": 0.0})
+                mine["trips"] += trips
+                mine["time"] += t - began
+                mine["waited"] += body_waited
+                waited += body_waited
+            elif op in ("call", "conditional") and not ins["cycles"]:
+                callees = [c for _, c in ins["calls"] if c in comps]
+                if callees:  # a conditional: its first branch
+                    t, w = run(callees[0], t)
+                    waited += w
+            else:
+                t += cycles_of(ins) * per_cycle
+        active.discard(name)
+        return t, waited
+
+    step, exposed = run(entry["name"], 0.0)
+    per_iteration = {
+        body: {"trips": v["trips"], "iteration_s": v["time"] / v["trips"], "exposed_s": v["waited"] / v["trips"]}
+        for body, v in loops.items()
+    }
+    return {"step_s": step, "exposed_s": exposed, "compute_s": step - exposed, "loops": per_iteration}
+
+
+def analyze_hlo(
+    text: str,
+    *,
+    n_layers: int | None = None,
+    max_samples: int = 40,
+    clock_hz: float | None = None,
+    link_bytes_per_s: float | None = None,
+) -> dict:
     """Host transfers of an optimized HLO module: where they sit (while-loop bodies or not), how
     many bytes they move per iteration and per step, and whole stacked weights copied in.
 
@@ -312,7 +449,8 @@ def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40
     trip count and per-iteration transfers; ``stacked_h2d_outside_loops`` lists host-to-device
     copies outside any loop of arrays whose leading dimension is ``n_layers`` (whole stacks), with
     their position in the entry computation's schedule (``before_first_loop`` = at step start);
-    ``overlap`` (:func:`transfer_overlap`) says how many of the bytes moved can hide behind matmuls.
+    ``overlap`` (:func:`transfer_overlap`, given ``clock_hz`` and ``link_bytes_per_s``) says how
+    many of the bytes moved can hide behind matmuls.
     """
     comps = parse_hlo_module(text)
     entry = next((c for c in comps.values() if c["entry"]), None)
@@ -355,7 +493,7 @@ def analyze_hlo(text: str, *, n_layers: int | None = None, max_samples: int = 40
                 samples.append(f"[{direction} {nbytes} B, {where}] {ins['text'][:240]}")
     return {
         "computations": len(comps),
-        "overlap": transfer_overlap(comps, graph),
+        "overlap": transfer_overlap(comps, graph, clock_hz=clock_hz, link_bytes_per_s=link_bytes_per_s),
         "while_loops": per_loop,
         **counts,
         **totals,
