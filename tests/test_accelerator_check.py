@@ -218,6 +218,20 @@ def test_unknown_configurations_are_an_error_listing_the_valid_ones(capsys):
     assert cli.parse_args(["--capped"]).configs == ["capped"]
 
 
+def test_compiler_options_reach_every_worker_and_one_results_file_keeps_one_set(tmp_path):
+    parse = cli.compiler_options
+    assert parse("xla_a=true, xla_b=3,xla_c=0.5,xla_d=x") == {"xla_a": True, "xla_b": 3, "xla_c": 0.5, "xla_d": "x"}
+    args = cli.apply_defaults(cli.parse_args(["--compiler-options", "xla_a=false"]), reduced=False)
+    none = next(c for c in configs.config_table() if c.name == "none")
+    assert orchestrate.worker_spec(args, none, test={}, compile_cache=None)["compiler_options"] == {"xla_a": False}
+    earlier = tmp_path / "run.json"
+    earlier.write_text(json.dumps({"args": {"compiler_options": {"xla_a": False}}}))
+    inherited = cli.apply_defaults(cli.parse_args(["--append", str(earlier)]), reduced=False)
+    assert inherited.compiler_options == {"xla_a": False}
+    with pytest.raises(SystemExit, match="differ from the run appended to"):
+        cli.apply_defaults(cli.parse_args(["--append", str(earlier), "--compiler-options", "xla_a=true"]), reduced=False)
+
+
 USER_ERRORS = {
     "--configs none,bogus": "bogus",
     "--configs none,none": "twice",
@@ -227,6 +241,7 @@ USER_ERRORS = {
     "--mem-fraction 1.5": "--mem-fraction",
     "--bandwidth-mib 64,0": "--bandwidth-mib",
     "--capped-steps 1": "--capped-steps: must be >= 2",
+    "--compiler-options xla_a": "--compiler-options: expected NAME=VALUE",
     "--model llama:huge": "--model: unknown model 'llama:huge'",
     "--capped-model gpt9:1b": "--capped-model",
     "--plan-device h999": "--plan-device",
@@ -697,6 +712,58 @@ def test_hlo_analysis_says_which_host_transfers_span_a_matmul_in_the_schedule():
     body, entry = overlap["by_computation"]["body"], overlap["by_computation"]["main.10"]
     assert body == {"bytes": 4 * 1024 + 4 * 32, "spanning_matmuls_bytes": 4 * 1024, "trips": 4}
     assert entry["bytes"] == 3 * 2048 and entry["spanning_matmuls_bytes"] == 0
+
+
+def _with_matmul(text: str, cycles: int) -> str:
+    """SYNTHETIC_HLO with a matmul fusion of ``cycles`` estimated cycles (as XLA:TPU prints them)
+    scheduled inside the loop's two copy windows."""
+    fused = (
+        "%fused_mm (a: f32[8,16], b: f32[16,8]) -> f32[8,8] {\n  %a = f32[8,16]{1,0} parameter(0)\n"
+        "  %b = f32[16,8]{1,0} parameter(1)\n"
+        "  ROOT %conv = f32[8,8]{1,0} convolution(%a, %b), dim_labels=bf_io->bf\n}\n\n"
+    )
+    call = (
+        "  %mm = f32[8,8]{1,0} fusion(%p.x, %p.y), kind=kOutput, calls=%fused_mm, "
+        f'backend_config={{"estimated_cycles":"{cycles}"}}\n'
+    )
+    anchor = "  %copy-done = f32[1,8,16]{2,1,0} copy-done(%copy-start)\n"
+    return text.replace("%body (param", fused + "%body (param").replace(anchor, call + anchor)
+
+
+def test_hlo_analysis_counts_the_bytes_whose_window_holds_the_compute_their_transfer_needs():
+    """At 1 GHz and 1 GB/s each 512-byte loop copy needs 512 cycles of compute in its window: a
+    matmul of 1000 covers both loop copies, one of 100 covers neither (both still span it). No
+    estimates (a GPU or CPU dump), or no rates given: no verdict."""
+    rates = {"clock_hz": 1e9, "link_bytes_per_s": 1e9}
+    total = 4 * 1024 + 3 * 2048 + 4 * 32
+    wide = hlo.analyze_hlo(_with_matmul(SYNTHETIC_HLO, 1000), n_layers=4, **rates)["overlap"]
+    assert wide["covered_bytes"] == 4 * 1024 and wide["covered_fraction"] == pytest.approx(4 * 1024 / total)
+    assert wide["by_computation"]["body"]["covered_bytes"] == 4 * 1024
+    narrow = hlo.analyze_hlo(_with_matmul(SYNTHETIC_HLO, 100), n_layers=4, **rates)["overlap"]
+    assert narrow["covered_bytes"] == 0 and narrow["h2d_spanning_matmuls_bytes"] == 4 * 1024
+    assert hlo.analyze_hlo(SYNTHETIC_HLO, n_layers=4, **rates)["overlap"]["covered_fraction"] is None
+    assert hlo.analyze_hlo(_with_matmul(SYNTHETIC_HLO, 1000), n_layers=4)["overlap"]["covered_bytes"] is None
+
+
+def test_the_schedule_simulation_queues_each_direction_and_waits_at_each_done():
+    """By hand, at 1 GHz, 1 GB/s and a 1000-cycle matmul: the entry's two 2048-byte copies queue
+    one after the other (done at 2048 and 4096 ns, all waited); each of the 4 iterations starts
+    two 512-byte reads (done at 512 and 1024 ns), runs the matmul (1000 ns), waits 24 ns for the
+    second read and 32 ns for the synchronous 32-byte write; the last copy waits its 2048 ns."""
+    rates = {"clock_hz": 1e9, "link_bytes_per_s": 1e9}
+    out = hlo.simulate_schedule(_with_matmul(SYNTHETIC_HLO, 1000), **rates)
+    iteration, waited = 1000 + 24 + 32, 24 + 32
+    assert out["loops"]["body"] == {
+        "trips": 4,
+        "iteration_s": pytest.approx(iteration * 1e-9),
+        "exposed_s": pytest.approx(waited * 1e-9),
+    }
+    assert out["step_s"] == pytest.approx((4096 + 4 * iteration + 2048) * 1e-9)
+    assert out["exposed_s"] == pytest.approx((4096 + 4 * waited + 2048) * 1e-9)
+    assert out["compute_s"] == pytest.approx(4 * 1000 * 1e-9)
+    # The scale applies to compute only: halved, the matmul no longer covers the second read.
+    half = hlo.simulate_schedule(_with_matmul(SYNTHETIC_HLO, 1000), **rates, cycle_scale=0.5)
+    assert half["loops"]["body"]["iteration_s"] == pytest.approx((1024 + 32) * 1e-9)
 
 
 def test_dump_summary_reads_the_module_the_first_step_compiled(tmp_path):

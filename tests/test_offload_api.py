@@ -168,6 +168,23 @@ def test_train_step_traces_once_and_rejects_bad_accumulation(caplog):
         transforms.train_step(zoo.lm_loss, "adam")
 
 
+def test_train_step_compiles_with_the_compiler_options_it_is_given():
+    """The options reach XLA (an unknown one is refused by name when the step compiles, in
+    ``lower`` as in a call); a known one compiles; a value that is not a scalar is refused first."""
+    model, batch = tiny(), jnp.zeros((2, 9), jnp.int32)
+    bogus = transforms.train_step(zoo.lm_loss, optax.sgd(1e-3), compiler_options={"xla_no_such_option": True})
+    state = bogus.init(model)
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        bogus.lower(model, state, batch).compile()
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        bogus(model, state, batch)
+    known = transforms.train_step(zoo.lm_loss, optax.sgd(1e-3), compiler_options={"xla_embed_ir_in_executable": False})
+    _, _, metrics = known(model, known.init(model), batch)
+    assert bool(jnp.isfinite(metrics["loss"]))
+    with pytest.raises(TypeError, match="compiler_options"):
+        transforms.train_step(zoo.lm_loss, optax.sgd(1e-3), compiler_options={"xla_embed_ir_in_executable": [1]})
+
+
 def test_offload_opt_state_works_with_schedules_injected_hyperparams_and_multi_transform():
     model = transforms.offload_params(tiny())
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)

@@ -92,6 +92,11 @@ class TrainStep:
     - `accum_steps`: number of micro-batches per step.
     - `donate`: donate the model and optimizer state buffers.
     - `has_aux`: ``loss_fn`` returns ``(loss, metrics)`` (a dict of scalars to report).
+    - `compiler_options`: XLA options for compiling the step (and :meth:`flush`), as
+      ``jax.jit(..., compiler_options=...)`` takes them, e.g.
+      ``{"xla_tpu_enable_all_experimental_scheduler_features": True}`` on a TPU (its scheduler
+      then issues host writes as soon as their data exists; see ``docs/OFFLOAD_SPEED.md``).
+      A backend refuses options it does not know when the step compiles.
 
     **Example:**
 
@@ -114,6 +119,7 @@ class TrainStep:
         accum_steps: int = 1,
         donate: bool = True,
         has_aux: bool = False,
+        compiler_options: dict[str, str | bool | int | float] | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -121,6 +127,7 @@ class TrainStep:
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
+        self.compiler_options = _compiler_options(compiler_options)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.accum_steps = accum_steps
@@ -279,7 +286,12 @@ class TrainStep:
                 t, streamed, pending = apply_pending(self.optimizer, t, state.streamed, state.pending)
                 return t, DeferredState(streamed, pending)
 
-            fn = jax.jit(apply, out_shardings=out, donate_argnums=(0, 1) if donate else ())
+            fn = jax.jit(
+                apply,
+                out_shardings=out,
+                donate_argnums=(0, 1) if donate else (),
+                compiler_options=self.compiler_options,
+            )
             self._compiled[cache_key] = fn
         trainable, opt_state = fn(trainable, opt_state)
         return eqx.combine(trainable, frozen, static), opt_state
@@ -329,6 +341,7 @@ class TrainStep:
                 self._build(static),
                 out_shardings=(shardings, state_shardings, None),
                 donate_argnums=(0, 2) if self.donate else (),
+                compiler_options=self.compiler_options,
             )
             self._compiled[cache_key] = fn
         return fn, trainable, frozen, opt_state, static
@@ -429,9 +442,36 @@ def _check_deferrable(model) -> None:
             )
 
 
-def train_step(loss_fn, optimizer, *, accum_steps: int = 1, donate: bool = True, has_aux: bool = False) -> TrainStep:
+def train_step(
+    loss_fn,
+    optimizer,
+    *,
+    accum_steps: int = 1,
+    donate: bool = True,
+    has_aux: bool = False,
+    compiler_options: dict[str, str | bool | int | float] | None = None,
+) -> TrainStep:
     """Make a :class:`TrainStep` (see there)."""
-    return TrainStep(loss_fn, optimizer, accum_steps=accum_steps, donate=donate, has_aux=has_aux)
+    return TrainStep(
+        loss_fn,
+        optimizer,
+        accum_steps=accum_steps,
+        donate=donate,
+        has_aux=has_aux,
+        compiler_options=compiler_options,
+    )
+
+
+def _compiler_options(options) -> dict | None:
+    """``options`` checked: a dict of XLA option names to scalar values, or None."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise TypeError(f"compiler_options must be a dict of XLA option names to values, got {type(options).__name__}")
+    bad = {k: v for k, v in options.items() if not isinstance(k, str) or not isinstance(v, str | bool | int | float)}
+    if bad:
+        raise TypeError(f"compiler_options: names must be str and values str, bool, int or float; got {bad!r}")
+    return dict(options) or None
 
 
 def _loss_and_aux(out, has_aux: bool):

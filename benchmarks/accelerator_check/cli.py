@@ -81,6 +81,31 @@ def _name_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def compiler_options(text: str) -> dict[str, bool | int | float | str]:
+    """An argparse type: ``NAME=VALUE,...`` as XLA compile options (``true``/``false`` as bools,
+    numbers as numbers), for ``transforms.train_step(..., compiler_options=...)``."""
+    out: dict[str, bool | int | float | str] = {}
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE,..., got {item!r}")
+        value = value.strip()
+        if value.lower() in ("true", "false"):
+            out[name.strip()] = value.lower() == "true"
+            continue
+        for kind in (int, float):
+            try:
+                out[name.strip()] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[name.strip()] = value
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE,..., got {text!r}")
+    return out
+
+
 #: ``(flag, type, default, help)`` of every flag that takes a value (defaults None: see _DEFAULTS).
 _FLAGS = (
     ("--out", Path, ROOT / "benchmarks" / "results", "output directory (default benchmarks/results)"),
@@ -106,6 +131,13 @@ _FLAGS = (
     ("--capacity-steps", _number(int, 4), None, "timed train steps of the capacity run (default 20)"),
     ("--host-limit-gib", POSITIVE, None, "kill a worker whose host memory passes this (default: no limit)"),
     ("--append", Path, None, "a results JSON of an earlier run on this device: run --configs into it"),
+    (
+        "--compiler-options",
+        compiler_options,
+        None,
+        "XLA options of every configuration's train step, NAME=VALUE,... "
+        "(e.g. xla_tpu_enable_all_experimental_scheduler_features=true)",
+    ),
     ("--capped-ratio", POSITIVE, 2.25, "trainable state / device-memory cap (default 2.25)"),
     ("--pinned-host-gib", WHOLE, 100, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB of the capped run (default 100)"),
     ("--assume-device-gib", POSITIVE, 140.0, "device memory if nvidia-smi is missing (default 140)"),
@@ -253,6 +285,15 @@ def apply_defaults(args: argparse.Namespace, *, reduced: bool, device_kind: str 
         for key in (*inherited, "plan_device", "accum_steps", "lr"):
             if getattr(args, key, None) in (None, FULL.get(key)) and earlier.get(key) is not None:
                 setattr(args, key, earlier[key])
+        # One set of compile options per results file: its configurations compare with its none.
+        before = earlier.get("compiler_options")
+        if args.compiler_options is None:
+            args.compiler_options = before
+        elif args.compiler_options != before:
+            raise SystemExit(
+                f"--compiler-options {args.compiler_options} differ from the run appended to ({before}): "
+                "start a new results file (no --append) to compare them"
+            )
         args.out = args.append.parent
     chosen = dict(REDUCED if reduced else FULL)
     if not reduced and device_kind:

@@ -152,6 +152,7 @@ def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None, at
         "correctness": not (capped or capacity),
         "seed": 0,
         **{k: getattr(args, k) for k in ("lr", "plan_device", "bandwidth_mib", "bandwidth_reps", "memory_analysis")},
+        "compiler_options": getattr(args, "compiler_options", None),
         "compile_cache": compile_cache,
         "profile_dir": str(Path(args.profile).resolve() / conf.name) if getattr(args, "profile", None) else None,
         "allow_cpu": args.allow_cpu,

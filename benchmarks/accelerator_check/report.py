@@ -96,7 +96,8 @@ def markdown(results: dict) -> str:
         f"AdamW + global-norm clip 1.0; median of {args['steps']} steps after the first and {args['warmup']} "
         "warm-up. Invalid configurations show no speed (see their invalid_reason). GB moved: the compiled "
         "step's copies between host and device, both ways, each loop's times its trips; x bound: the step over "
-        "the larger of none's step and the time those bytes need on the link.",
+        "the larger of none's step and the time those bytes need on the link."
+        + (f" Every train step compiled with {args['compiler_options']}." if args.get("compiler_options") else ""),
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join(":---" if i < 2 else "---:" for i in range(len(HEADER))) + "|",

@@ -294,7 +294,9 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     report["remat_policy"] = remat_policy(model)
     accum = spec["accum_steps"]
     report["accum"] = {"steps": accum, "unrolled": accum > 1 and conf.offloads_in_layer_loops()}
-    step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum)
+    step = transforms.train_step(
+        zoo.lm_loss, optimizer, accum_steps=accum, compiler_options=spec.get("compiler_options")
+    )
     t = time.perf_counter()
     state = jax.block_until_ready(step.init(model))
     report["timings"]["init_opt_state_s"] = time.perf_counter() - t
