@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_prefetch import scans
 
 import transforms
 import zoo
@@ -131,6 +132,35 @@ def test_defer_refuses_what_it_does_not_support():
         opt.update(params, state, params)
     with pytest.raises(ValueError, match="LoRA"):  # at init, before anything is traced
         transforms.train_step(zoo.lm_loss, opt).init(transforms.lora(model, rank=2, alpha=4, key=jax.random.key(1)))
+
+
+def test_each_layers_update_waits_for_the_layers_input_and_yields_its_new_state_before_the_matmuls():
+    """The two optimization barriers that pin the forward loop's schedule (on a v5e, without them
+    XLA hoisted the update and its read above the previous layer's matmuls, and wrote the new
+    state after the layer's): in the loop body, one takes the layer's input (the hidden state)
+    with the fetched state, one the new weights with the new state, before any matmul."""
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=2)
+    params, static = eqx.partition(zoo.build_model(cfg, key=jax.random.key(0)), eqx.is_array)
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5)
+    loss_of = lambda p: zoo.lm_loss(eqx.combine(p, static), tokens)
+    state, pending = opt.init(params), _deferred.no_pending(params)
+    jaxpr = jax.make_jaxpr(lambda p, s, q: _deferred.deferred_step(loss_of, opt, p, s, q))(params, state, pending)
+    hidden = (2, 8, cfg.d_model)
+    found = []
+    for scan in scans(jaxpr.jaxpr):
+        body = scan.params["jaxpr"].jaxpr
+        barriers = [i for i, e in enumerate(body.eqns) if e.primitive.name == "optimization_barrier"]
+        if len(barriers) != 2:
+            continue
+        first, second = (body.eqns[i] for i in barriers)
+        matmuls = [i for i, e in enumerate(body.eqns) if e.primitive.name == "dot_general"]
+        found.append(
+            any(tuple(v.aval.shape) == hidden for v in first.invars)
+            and len(second.invars) > len(first.invars) - 1
+            and barriers[1] < min(matmuls)
+        )
+    assert found == [True], found  # the one layer loop with a deferred update, both barriers in place
 
 
 def test_the_deferred_step_refuses_what_it_does_not_support():
