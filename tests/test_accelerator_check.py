@@ -229,7 +229,8 @@ def test_compiler_options_reach_every_worker_and_one_results_file_keeps_one_set(
     inherited = cli.apply_defaults(cli.parse_args(["--append", str(earlier)]), reduced=False)
     assert inherited.compiler_options == {"xla_a": False}
     with pytest.raises(SystemExit, match="differ from the run appended to"):
-        cli.apply_defaults(cli.parse_args(["--append", str(earlier), "--compiler-options", "xla_a=true"]), reduced=False)
+        again = cli.parse_args(["--append", str(earlier), "--compiler-options", "xla_a=true"])
+        cli.apply_defaults(again, reduced=False)
 
 
 USER_ERRORS = {
