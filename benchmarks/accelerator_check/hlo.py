@@ -418,8 +418,9 @@ def simulate_schedule(text: str, *, clock_hz: float, link_bytes_per_s: float, cy
                 waited += body_waited
             elif op in ("call", "conditional") and not ins["cycles"]:
                 callees = [c for _, c in ins["calls"] if c in comps]
-                if callees:  # a conditional: its first branch
-                    t, w = run(callees[0], t)
+                if callees:  # a conditional: its longest branch, as _cycles counts it
+                    longest = max(callees, key=lambda c: sum(cycles_of(i) for i in comps[c]["instructions"]))
+                    t, w = run(longest, t)
                     waited += w
             else:
                 t += cycles_of(ins) * per_cycle
