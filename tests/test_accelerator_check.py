@@ -1148,3 +1148,34 @@ def test_the_stacks_only_configuration_keeps_the_other_moments_on_the_device():
     assert {kind(x) for x in jax.tree.leaves(state.rest)} == {"device"}
     with pytest.raises(ValueError, match="unknown where 'rest'; valid: None, 'stacks'"):
         configs.make_optimizer("stream", 1e-3, where="rest")
+
+
+def test_the_deferred_first_moment_is_read_from_a_host_copy_flushed_after_the_peak():
+    """Under a deferred update step 1's moments are read from a flushed copy of its state. A flush
+    on the device without donation held a second copy of the whole state, which set the peak the
+    check reports: the copy is now kept in host memory and flushed after the peak is read. The
+    moment read equals the live state's flush, the stacks' included (zero before a flush)."""
+    import equinox as eqx
+    import jax
+    import optax
+
+    import transforms
+    import zoo
+    from benchmarks.accelerator_check.grads import first_moment
+
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=2)
+    model = zoo.build_model(cfg, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+    opt = transforms.offload_opt_state(optax.adamw(1e-3), stream=True, clip_norm=1.0, defer=True)
+    step = transforms.train_step(zoo.lm_loss, opt)
+    like = eqx.filter(model, eqx.is_inexact_array)
+    model, state, _ = step(model, step.init(model), tokens)
+    deferred = worker_module.DeferredMoment(step, like, model, state)
+    stacked = [np.asarray(x) for x in first_moment(state, like).values() if x.ndim == 3]
+    assert stacked and not any(np.any(x) for x in stacked)  # the stacks' update is pending
+    expected = first_moment(step.flush(model, state, donate=False)[1], like)
+    got = deferred.resolve()
+    assert set(got) == set(expected)
+    for name, x in got.items():
+        assert np.any(x != 0), name
+        np.testing.assert_array_equal(x, np.asarray(expected[name]), err_msg=name)

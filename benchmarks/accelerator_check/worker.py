@@ -311,7 +311,12 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
 def _first_step(spec: dict, report: dict, model, step, state, tokens):
     """Compile and run step 1; copy the Adam first moment (the step's clipped gradient times
     ``1 - b1``) to host memory, to be summarised after the measurements (no extra device memory
-    before the peak is read). The modules XLA dumps meanwhile are the train step's."""
+    before the peak is read). The modules XLA dumps meanwhile are the train step's.
+
+    With a deferred update the stacks' moments move in the next forward pass, so they are read from
+    a flushed copy of step 1's state; that copy is held in host memory (NumPy) and flushed on the
+    device only after the peak is read (:meth:`DeferredMoment.resolve`): a flush without donation on
+    the device holds a second copy of the whole state, which set the deferred configurations' peak."""
     import equinox as eqx
     import jax
 
@@ -324,19 +329,56 @@ def _first_step(spec: dict, report: dict, model, step, state, tokens):
     if dump_dir and dump_dir.is_dir():
         report["step_modules"] = sorted(p.name for p in set(dump_dir.glob("*after_optimizations.txt")) - dumped)
     report["first_step"] = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
-    if spec["correctness"] and getattr(step.optimizer, "defer", False):
-        # The stacks' moments move in the next forward pass: read them from a flushed copy.
-        _, flushed = step.flush(model, state, donate=False)
-        mu = first_moment(flushed, like)
-    else:
-        mu = first_moment(state, like) if spec["correctness"] else None
-    if mu is None:
+    if not spec["correctness"]:
         return model, state, None
-    # A host-memory leaf read into NumPy is read in place, and the array keeps that view: the
-    # next step could not donate the state's buffer (jaxlib 0.11 on CUDA refuses). Copies are read.
-    on_host = lambda x: x.sharding.memory_kind == "pinned_host"
-    mu = {k: jax.device_put(x, x.sharding, may_alias=False) if on_host(x) else x for k, x in mu.items()}
-    return model, state, jax.device_get(mu)
+    if getattr(step.optimizer, "defer", False):
+        return model, state, DeferredMoment(step, like, model, state)
+    return model, state, _host_moment(first_moment(state, like))
+
+
+def _private(x):
+    """A host-memory leaf read into NumPy is read in place, and the array keeps that view: the next
+    step could not donate the state's buffer (jaxlib 0.11 on CUDA refuses). Copies are read."""
+    import jax
+
+    if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host":
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return x
+
+
+def _host_moment(mu):
+    import jax
+
+    return None if mu is None else jax.device_get({k: _private(x) for k, x in mu.items()})
+
+
+def _to_numpy(tree):
+    """``(NumPy leaves, their shardings, the tree's structure with its static parts)``: a host copy."""
+    import equinox as eqx
+    import jax
+
+    arrays, static = eqx.partition(tree, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    shardings = [x.sharding for x in leaves]
+    return jax.device_get([_private(x) for x in leaves]), shardings, (treedef, static)
+
+
+class DeferredMoment:
+    """Step 1's first moment under a deferred update, still to be read: step 1's model and state in
+    host memory (NumPy), flushed on the device by :meth:`resolve` once the peak has been read."""
+
+    def __init__(self, step, like, model, state):
+        self.step, self.like, self.snapshot = step, like, _to_numpy((model, state))
+
+    def resolve(self):
+        import equinox as eqx
+        import jax
+
+        leaves, shardings, (treedef, static) = self.snapshot
+        placed = [jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True)]
+        model, state = eqx.combine(jax.tree.unflatten(treedef, placed), static)
+        _, flushed = self.step.flush(model, state, donate=True)
+        return _host_moment(first_moment(flushed, self.like))
 
 
 def _flatten_traces(where: Path) -> list[str]:
@@ -459,6 +501,8 @@ def worker_train(spec: dict, report: dict, write) -> None:
     model, state = _timed_steps(spec, report, model, step, state, tokens, compiles)
     report["trace_count"] = step.trace_count
     write("measured")
+    if isinstance(mu, DeferredMoment):  # after the peak was read: its flush needs the device
+        mu = mu.resolve()
     _extras(spec, conf, cfg, report, mu, model, optimizer, state)
     write("extras")
 
