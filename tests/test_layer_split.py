@@ -1,7 +1,7 @@
 """A streamed stack's optimizer state kept as its even and odd layers (`transforms._layer_split`,
-opt-in through `_opt_stream.with_split_layers`): the same numbers as optax, the halves where the
-state belongs, each half written in place once an iteration, the odd half read before any write,
-sharded like the weights."""
+the deferred update's default, opt-in through `_opt_stream.with_split_layers` otherwise): the
+same numbers as optax, the halves where the state belongs, each half written in place once an
+iteration, the odd half read before any write, sharded like the weights."""
 
 import equinox as eqx
 import jax
@@ -54,10 +54,15 @@ def test_host_weights_keep_their_stack_state_whole():
     assert not any(isinstance(s, LayerSplit) for s in state.stacked)
 
 
-def test_the_layout_is_opt_in_and_off_on_the_cpu(monkeypatch):
+def test_the_layout_is_the_deferred_updates_default_opt_in_otherwise_and_off_on_the_cpu(monkeypatch):
     plain = transforms.offload_opt_state(optax.adam(1e-3), stream=True)
     assert not any(isinstance(s, LayerSplit) for s in plain.init(params()).stacked)
     assert isinstance(with_split_layers(plain).init(params()).stacked[0], LayerSplit)
+    deferred = transforms.offload_opt_state(optax.adam(1e-3), stream=True, defer=True)
+    split, whole = deferred.init(params()).streamed.stacked
+    assert isinstance(split, LayerSplit) and not isinstance(whole, LayerSplit)  # 4 layers; 3 (odd)
+    whole_state = with_split_layers(deferred, False).init(params()).streamed
+    assert not any(isinstance(s, LayerSplit) for s in whole_state.stacked)
     monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", False)  # XLA:CPU would copy each half
     assert not any(isinstance(s, LayerSplit) for s in with_split_layers(plain).init(params()).stacked)
     with pytest.raises(TypeError, match=r"stream=True|StreamedOptimizer"):  # (or the type checker's)

@@ -8,11 +8,13 @@ the time their bytes need with both directions at once (``benchmarks.update_spee
 With the layers in two buffers, one buffer's layer read while the other's is written back, the
 same copies took 1.06x (``copy_halves``; ``benchmarks/results/update_speed_TPU_v5_lite_copy_halves.md``).
 
-Experimental, off by default (``transforms._opt_stream.with_split_layers`` turns it on): a first
-loop, which fetched both halves' next layers at the end of an iteration, measured slower on the chip
-than one buffer (XLA ran all the writes, then all the reads); the loop below, which fetches the
-odd half's layer at the start of the iteration it is used in, as ``copy_halves`` does, compiles
-for a v5e without a copy of any buffer but is not yet timed there (``docs/OFFLOAD_SPEED.md``).
+The deferred update (``offload_opt_state(..., defer=True)``) uses it by default: its forward
+pass, which updates each layer before the layer runs, took 1.12x the step without offload on a v5e
+(``llama:small``), against 1.24x with one buffer per leaf. The update after the backward pass does
+not (``transforms._opt_stream.with_split_layers`` turns it on): there it measured 1.30x against
+1.27x. A first loop, which fetched both halves' next layers at the end of an iteration, was slower
+still (XLA ran all the writes, then all the reads); the loop below fetches the odd half's layer at
+the start of the iteration it is used in, as ``copy_halves`` does (``docs/OFFLOAD_SPEED.md``).
 
 :class:`LayerSplit` holds the two halves; :func:`split_scan` is the layer loop over them, two
 layers an iteration; :func:`splits` says which stacks may be stored this way.

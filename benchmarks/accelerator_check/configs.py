@@ -25,7 +25,8 @@ class Config:
     opt: str = "device"  # "device", "offload" (offload_opt_state), "stream" (stream=True) or "defer" (and defer=True)
     state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
     where: str | None = None  # "stacks": only the stacks' moments offloaded (see make_optimizer)
-    split: bool = False  # the streamed state kept as its even and odd layers (_opt_stream.with_split_layers)
+    split: bool = False  # the streamed state kept as its even and odd layers (_opt_stream.with_split_layers);
+    # without it one buffer per leaf, the deferred update included (whose library default splits)
     unroll: bool = False  # the streamed update's layer loops unrolled (_opt_stream.with_unrolled_update)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
@@ -152,7 +153,8 @@ def config_table() -> list[Config]:
         _checked(
             "opt_state_defer",
             "offload_opt_state(adamw, stream=True, clip_norm=1.0, defer=True): each stack's update in the next "
-            "step's forward pass, beside its matmuls (experimental)",
+            "step's forward pass, beside its matmuls; its state in one buffer per leaf (with_split_layers(..., "
+            "False); the library's default splits it, see opt_state_defer_bf16_stacks_split)",
             opt="defer",
         ),
         _checked(
@@ -171,7 +173,7 @@ def config_table() -> list[Config]:
         _checked(
             "opt_state_defer_bf16_stacks_split",
             "opt_state_defer_bf16_stacks with each stack's state kept as its even and odd layers, so that the "
-            "forward reads one half while it writes the other (experimental: _opt_stream.with_split_layers)",
+            "forward reads one half while it writes the other (offload_opt_state(..., defer=True)'s default)",
             opt="defer",
             state="bfloat16",
             where="stacks",
@@ -260,7 +262,7 @@ def make_optimizer(
     if kind in ("stream", "defer"):
         defer = kind == "defer"
         streamed = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, **select)
-        streamed = with_split_layers(streamed) if split else streamed
+        streamed = with_split_layers(streamed, split)  # explicit: defer=True alone splits
         return with_unrolled_update(streamed) if unroll else streamed
     plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
     return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain
