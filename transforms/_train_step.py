@@ -15,7 +15,16 @@ from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
 from ._deferred import apply_pending, deferred_step
 from ._lora import needs_key, with_step_keys
-from ._memory import HOST, mesh_of, restore_kinds, state_shardings, traced_kind, tree_to_device
+from ._memory import (
+    HOST,
+    is_arraylike,
+    is_floating,
+    mesh_of,
+    restore_kinds,
+    state_shardings,
+    traced_kind,
+    tree_to_device,
+)
 from ._opt_stream import StreamedOptimizer
 from ._optimizer import OffloadedOptimizer
 from ._pending import DeferredState
@@ -425,21 +434,30 @@ def _defers(optimizer) -> bool:
 
 
 def _check_deferrable(model) -> None:
-    """Raise `ValueError` for a stack a deferred update cannot run in: one with frozen weights
-    (a LoRA base) or run without `lax.scan`."""
+    """Raise `ValueError` for a stack a deferred update cannot run in (see :func:`deferrable`)."""
+    if not deferrable(model):
+        raise ValueError(
+            "offload_opt_state(..., defer=True): every stack must be trained whole (no frozen weights, such as "
+            "a LoRA base) and run with scan=True; use defer=False for this model"
+        )
+
+
+def deferrable(model) -> bool:
+    """Whether ``offload_opt_state(..., defer=True)`` can run each of ``model``'s stacks' updates in
+    its forward pass: every floating weight of every stack trained (no frozen LoRA base, no
+    quantized weights) and each stack run with ``scan=True``. ``model``'s leaves may be abstract
+    (``jax.ShapeDtypeStruct``, as the planner has them)."""
     mask = trainable_mask(model)
     for stack, trained in zip(
         [n for n in jax.tree.leaves(model, is_leaf=_is_stack) if _is_stack(n)],
         [n for n in jax.tree.leaves(mask, is_leaf=_is_stack) if _is_stack(n)],
         strict=True,
     ):
-        floating = jax.tree.leaves(eqx.filter(stack, eqx.is_inexact_array))
+        floating = [x for x in jax.tree.leaves(stack) if is_arraylike(x) and is_floating(x)]
         flags = jax.tree.leaves(eqx.filter(trained, lambda x: isinstance(x, bool)))
         if len(floating) != sum(bool(f) for f in flags) or not stack.scan:
-            raise ValueError(
-                "offload_opt_state(..., defer=True): every stack must be trained whole (no frozen weights, such as "
-                "a LoRA base) and run with scan=True; use defer=False for this model"
-            )
+            return False
+    return True
 
 
 def train_step(

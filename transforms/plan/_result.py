@@ -389,7 +389,7 @@ class Plan(Answer):
         if cand.activations is not None:
             model = offload_activations(model, policy=cand.policy)
         if cand.opt_state:
-            optimizer = offload_opt_state(optimizer, stream=cand.stream, clip_norm=clip_norm)
+            optimizer = offload_opt_state(optimizer, stream=cand.stream, clip_norm=clip_norm, defer=cand.defer)
         elif clip_norm is not None:
             optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
         return model, optimizer
