@@ -103,6 +103,26 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer",
+            "the capacity run's model on its own transforms instead of the plan: weights and gradients on the "
+            "device, block inputs in host memory (offload_activations), the optimizer state in host memory with "
+            "the deferred update (offload_opt_state(adamw, stream=True, clip_norm=1.0, defer=True)); it fits a v5e "
+            "by XLA's count (15.3 of 15.75 GiB, compiled here); the plan is recorded beside it",
+            opt="defer",
+            activations="block_input",
+            split=True,
+            capacity=True,
+        ),
+        Config(
+            "capacity_defer_bf16",
+            "capacity_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16'))",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input",
+            split=True,
+            capacity=True,
+        ),
+        Config(
             "capped",
             "all three transforms on a larger model under a device-memory cap",
             params=True,

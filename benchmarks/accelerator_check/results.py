@@ -99,10 +99,11 @@ def device_peak(stats: dict | None) -> int | None:
 
 def planner_of(entry: dict) -> dict:
     """The worker's planner figures for the configuration it ran (``{}`` if none): a capacity run's
-    are its plan's (earlier workers reported the plain step's there, which are left out)."""
+    are its plan's (earlier workers reported the plain step's there, which are left out), unless it
+    ran its own transforms (``capacity_defer``: the planner's figures for those)."""
     worker = entry.get("worker") or {}
     planner = worker.get("planner") or {}
-    if entry.get("capacity"):
+    if entry.get("capacity") and (worker.get("plan") or {}).get("applied", True):
         plan = (worker.get("plan") or {}).get("predicted") or {}
         return planner if planner.get("device_bytes") == plan.get("device_bytes") else {}
     return planner

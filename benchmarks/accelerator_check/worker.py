@@ -274,9 +274,13 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     cfg, batch, seq = make_config(spec["model"], seq=spec["seq"], **attention), spec["batch"], spec["seq"]
     report["model"] = {"spec": spec["model"], "n_params": cfg.n_params(), "n_layers": cfg.n_layers}
     report["model"].update(batch=batch, seq=seq, config=cfg.to_dict())
-    plan = None
+    plan, text = None, conf.capacity
     if conf.capacity:
-        conf, plan = _capacity_plan(spec, cfg, report, write)
+        planned, plan = _capacity_plan(spec, cfg, report, write)
+        if conf.opt == "device" and not conf.activations:  # the plan's transforms
+            conf = planned
+        else:  # its own (e.g. capacity_defer): the plan stays in the report, for comparison
+            report["plan"]["applied"], plan = False, None
     model, rest = _build_model(spec, cfg, conf, report)
     stack_bytes = tree_nbytes(eqx.filter(getattr(model, "stack", model), eqx.is_inexact_array))
     param_bytes = tree_nbytes(eqx.filter(model, eqx.is_inexact_array))
@@ -286,9 +290,10 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
         optimizer = optimizer_for(conf, spec["lr"])
         tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     else:  # the plan's transforms (weights already built in host memory where it offloads them)
+        model, optimizer = plan.apply(model, optax.adamw(spec["lr"], b1=ADAM_B1))
+    if text:  # a capacity run trains on text: its loss must fall
         from .capacity import text_tokens
 
-        model, optimizer = plan.apply(model, optax.adamw(spec["lr"], b1=ADAM_B1))
         tokens = jnp.asarray(text_tokens(batch, seq, seed=spec["seed"]))
         report["data"] = "byte windows of the Python standard library's .py files (the loss falls as it learns)"
     report["remat_policy"] = remat_policy(model)
@@ -466,8 +471,8 @@ def _extras(spec: dict, conf: Config, cfg, report: dict, mu, model, optimizer, s
         summary = scale_summary(gradient_summary(mu), 1.0 / (1.0 - ADAM_B1))
         report["gradients"] = {**report["first_step"], "leaves": summary}
         report["correctness_source"] = "Adam first moment after step 1: mu / (1 - b1) = clipped gradient"
-    if not conf.capacity:  # the capacity run's planner figures are its plan's (see _capacity_plan)
-        _planner(spec, conf, cfg, report)
+    if not conf.capacity or (report.get("plan") or {}).get("applied") is False:
+        _planner(spec, conf, cfg, report)  # the plan's run has its plan's figures (see _capacity_plan)
     if spec.get("memory_analysis") != "on":
         report["memory_analysis"] = {"skipped": "--memory-analysis off (an extra compile)"}
         return
