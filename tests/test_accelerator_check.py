@@ -715,6 +715,23 @@ def test_hlo_analysis_says_which_host_transfers_span_a_matmul_in_the_schedule():
     assert entry["bytes"] == 3 * 2048 and entry["spanning_matmuls_bytes"] == 0
 
 
+def test_the_dumps_async_start_form_of_a_host_transfer_reads_as_the_compiled_texts():
+    """XLA:TPU's dump after optimization (what the check reads on the chip) prints an async host
+    slice as ``async-start(...), calls=%c`` and ``async-done``, where ``Compiled.as_text()`` prints
+    ``dynamic-slice-start`` and ``dynamic-slice-done``. Read as printed, the chip's runs reported
+    every deferred copy as synchronous (0% beside a matmul); both forms must give one analysis."""
+    dumped = SYNTHETIC_HLO.replace("dynamic-slice-start(%v, %i)", "async-start(%v, %i)").replace(
+        "dynamic-slice-done(%ds-start)", "async-done(%ds-start)"
+    )
+    assert dumped.count("async-start(") == 1 and dumped.count("async-done(") == 1
+    as_text, as_dumped = (hlo.analyze_hlo(_with_matmul(t, 600), n_layers=4) for t in (SYNTHETIC_HLO, dumped))
+    for key in ("overlap", "while_loops", "h2d_bytes_per_step", "d2h_bytes_per_step", "outside_loops"):
+        assert as_dumped[key] == as_text[key], key
+    assert as_dumped["overlap"]["h2d_sync_bytes"] == 0 and as_dumped["overlap"]["h2d_spanning_matmuls_bytes"] > 0
+    rates = {"clock_hz": 1e9, "link_bytes_per_s": 1e9}
+    assert hlo.simulate_schedule(dumped, **rates) == hlo.simulate_schedule(SYNTHETIC_HLO, **rates)
+
+
 def _with_matmul(text: str, cycles: int) -> str:
     """SYNTHETIC_HLO with a matmul fusion of ``cycles`` estimated cycles (as XLA:TPU prints them)
     scheduled inside the loop's two copy windows."""
