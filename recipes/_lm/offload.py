@@ -11,7 +11,7 @@ planner what they are.
   (``offload_opt_state(stream=True)``; the global-norm clip of ``--clip`` becomes its
   ``clip_norm`` pass);
 - ``opt_state_defer``: as ``opt_state_stream``, each stack's update run in the next step's forward
-  pass (``offload_opt_state(stream=True, defer=True)``, experimental); the run applies the pending
+  pass (``offload_opt_state(stream=True, defer=True)``); the run applies the pending
   update (``TrainStep.flush``) before it validates, samples or exports;
 - ``activations``: the activations ``--activations`` names (a preset or names) go to host memory.
 
