@@ -231,6 +231,12 @@ def test_compiler_options_reach_every_worker_and_one_results_file_keeps_one_set(
     with pytest.raises(SystemExit, match="differ from the run appended to"):
         again = cli.parse_args(["--append", str(earlier), "--compiler-options", "xla_a=true"])
         cli.apply_defaults(again, reduced=False)
+    # By default the train step chooses ("auto"); "none" is no option; a file written before
+    # "auto" existed (no options recorded) takes an appended run with no option either.
+    assert cli.apply_defaults(cli.parse_args([]), reduced=False).compiler_options == "auto"
+    assert cli.apply_defaults(cli.parse_args(["--compiler-options", "none"]), reduced=False).compiler_options == {}
+    earlier.write_text(json.dumps({"args": {"compiler_options": None}}))
+    assert cli.apply_defaults(cli.parse_args(["--append", str(earlier)]), reduced=False).compiler_options == {}
 
 
 USER_ERRORS = {

@@ -185,6 +185,33 @@ def test_train_step_compiles_with_the_compiler_options_it_is_given():
         transforms.train_step(zoo.lm_loss, optax.sgd(1e-3), compiler_options={"xla_embed_ir_in_executable": [1]})
 
 
+def test_auto_compiler_options_are_the_tpu_scheduler_option_for_a_step_that_moves_host_data(monkeypatch):
+    """``compiler_options="auto"`` (the default): on a TPU whose compiler accepts it, the scheduler
+    option for a step that moves host data (weights, optimizer state or activations offloaded);
+    nothing for a step on the device alone, on any other backend, or where the compiler refuses
+    the option (this CPU's does: it is asked, and the step still compiles without it)."""
+    from transforms import _xla_options
+
+    plain = tiny()
+    state = optax.sgd(1e-3).init(eqx.filter(plain, eqx.is_inexact_array))
+    moved = [transforms.offload_params(tiny()), transforms.offload_activations(tiny(), policy="block_input")]
+    tpu = _xla_options.TPU_HOST_TRANSFER_OPTIONS
+    assert _xla_options.resolve("auto", moved[0], state) is None  # this backend: a CPU
+    assert not _xla_options.accepted(tuple(tpu.items()))  # XLA:CPU does not know the TPU option
+    assert _xla_options.resolve("auto", moved[0], state, platform="tpu") is None
+    monkeypatch.setattr(_xla_options, "accepted", lambda options: True)
+    assert [_xla_options.resolve("auto", m, state, platform="tpu") for m in moved] == [tpu, tpu]
+    assert _xla_options.resolve("auto", plain, state, platform="tpu") is None
+    on_host = transforms.offload_opt_state(optax.sgd(1e-3, momentum=0.9)).init(eqx.filter(plain, eqx.is_inexact_array))
+    assert _xla_options.resolve("auto", plain, on_host, platform="tpu") == tpu
+    assert _xla_options.resolve({"xla_a": 1}, plain, state, platform="tpu") == {"xla_a": 1}
+    assert _xla_options.resolve(None, moved[0], on_host, platform="tpu") is None
+    step = transforms.train_step(zoo.lm_loss, optax.sgd(1e-3))
+    assert step.compiler_options == "auto" and step.compiler_options_for(moved[0], state) is None  # a CPU
+    with pytest.raises(TypeError, match="'auto', None or a dict"):
+        transforms.train_step(zoo.lm_loss, optax.sgd(1e-3), compiler_options="fast")
+
+
 def test_offload_opt_state_works_with_schedules_injected_hyperparams_and_multi_transform():
     model = transforms.offload_params(tiny())
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10)

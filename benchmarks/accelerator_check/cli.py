@@ -81,9 +81,12 @@ def _name_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def compiler_options(text: str) -> dict[str, bool | int | float | str]:
+def compiler_options(text: str) -> dict[str, bool | int | float | str] | str:
     """An argparse type: ``NAME=VALUE,...`` as XLA compile options (``true``/``false`` as bools,
-    numbers as numbers), for ``transforms.train_step(..., compiler_options=...)``."""
+    numbers as numbers), for ``transforms.train_step(..., compiler_options=...)``; ``auto`` (the
+    train step's own choice, the default) or ``none`` (``{}``: no option at all)."""
+    if text.strip().lower() in ("auto", "none"):
+        return "auto" if text.strip().lower() == "auto" else {}
     out: dict[str, bool | int | float | str] = {}
     for item in (v.strip() for v in text.split(",") if v.strip()):
         name, sep, value = item.partition("=")
@@ -136,7 +139,8 @@ _FLAGS = (
         compiler_options,
         None,
         "XLA options of every configuration's train step, NAME=VALUE,... "
-        "(e.g. xla_tpu_enable_all_experimental_scheduler_features=true)",
+        "(e.g. xla_tpu_enable_all_experimental_scheduler_features=true); auto (default): the train "
+        "step's own choice (that option on a TPU where a step moves host data); none: no option",
     ),
     ("--capped-ratio", POSITIVE, 2.25, "trainable state / device-memory cap (default 2.25)"),
     ("--pinned-host-gib", WHOLE, 100, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB of the capped run (default 100)"),
@@ -286,7 +290,7 @@ def apply_defaults(args: argparse.Namespace, *, reduced: bool, device_kind: str 
             if getattr(args, key, None) in (None, FULL.get(key)) and earlier.get(key) is not None:
                 setattr(args, key, earlier[key])
         # One set of compile options per results file: its configurations compare with its none.
-        before = earlier.get("compiler_options")
+        before = earlier.get("compiler_options") or {}  # None: written before "auto", with no option
         if args.compiler_options is None:
             args.compiler_options = before
         elif args.compiler_options != before:
@@ -295,6 +299,8 @@ def apply_defaults(args: argparse.Namespace, *, reduced: bool, device_kind: str 
                 "start a new results file (no --append) to compare them"
             )
         args.out = args.append.parent
+    if getattr(args, "compiler_options", None) is None:
+        args.compiler_options = "auto"
     chosen = dict(REDUCED if reduced else FULL)
     if not reduced and device_kind:
         from transforms.plan._devices import profile_for_kind

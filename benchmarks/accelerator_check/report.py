@@ -97,7 +97,7 @@ def markdown(results: dict) -> str:
         "warm-up. Invalid configurations show no speed (see their invalid_reason). GB moved: the compiled "
         "step's copies between host and device, both ways, each loop's times its trips; x bound: the step over "
         "the larger of none's step and the time those bytes need on the link."
-        + (f" Every train step compiled with {args['compiler_options']}." if args.get("compiler_options") else ""),
+        + _options_note(args.get("compiler_options")),
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join(":---" if i < 2 else "---:" for i in range(len(HEADER))) + "|",
@@ -166,3 +166,13 @@ def print_summary(results: dict, path: Path) -> None:
     prefix = label(results["platform"])
     for line in ["", *markdown(results).splitlines(), f"wrote {path} and {path.with_suffix('.md')}"]:
         print(prefix + line if line else "")
+
+
+def _options_note(options) -> str:
+    """The header's sentence on the train steps' XLA options (``--compiler-options``)."""
+    if options == "auto":
+        return (
+            " XLA options: the train step's default (on a TPU, a step that moves host data compiles "
+            "with xla_tpu_enable_all_experimental_scheduler_features; each worker records its own)."
+        )
+    return f" Every train step compiled with {options}." if options else ""
