@@ -137,8 +137,11 @@ def test_train_step_accumulation_with_offload_equals_one_big_batch_without_neste
     state = step.init(model)
     # Host copies sit inside the layer loops only, never in a loop nested in another.
     fn, args = step_program(step, model, state, ACCUM_TOKENS)
-    depths = _host_transfer_loop_depths(jax.make_jaxpr(fn)(*args).jaxpr)
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    depths = _host_transfer_loop_depths(jaxpr)
     assert depths and max(depths) == 1, depths
+    # The micro-batches, unrolled, run one after the other: each behind a barrier on the sum so far.
+    assert [e.primitive.name for e in jaxpr.eqns].count("optimization_barrier") == 2
     model, _, metrics = step(model, state, ACCUM_TOKENS)
     loss, grad_norm, weight = one_big_batch()
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
