@@ -145,3 +145,26 @@ def test_a_tpu_plan_counts_no_heap_packing_allowance():
         assert tpu.predict(**kw)["device_bytes"] / 2**30 == pytest.approx(measured, rel=0.05), name
     explicit = transforms.plan(cfg, batch=8, seq=1024, device="tpu-v5e", heap_overhead=0.15)
     assert explicit.predict()["device_bytes"] > 1.1 * tpu.predict()["device_bytes"]
+
+
+def test_the_v5e_compute_efficiency_gives_the_measured_step_without_offload():
+    """The v5e profile's compute efficiency was read off one committed check run: the planner's
+    step for llama:small without offload then takes what the chip measured, within 3%; a profile
+    at the peak rate would say a third of it."""
+    import json
+    import pathlib
+
+    import optax
+
+    from transforms.plan import DEVICES
+
+    run = "accelerator_check_TPU_v5_lite_20261206T095814Z.json"
+    results = pathlib.Path(__file__).parents[1] / "benchmarks" / "results" / run
+    measured = json.loads(results.read_text())["configs"]["none"]["step_time_s"]
+    cfg = zoo.config_from_name("llama:small", compute_dtype="bfloat16", param_dtype="float32")
+    planned = transforms.plan(cfg, batch=8, seq=1024, device="tpu-v5e", optimizer=optax.adamw(1e-3))
+    assert planned.predict(opt_state=False)["step_s"] == pytest.approx(measured, rel=0.03)
+    at_peak = transforms.plan(cfg, batch=8, seq=1024, device="tpu-v5e", compute_efficiency=1.0)
+    assert at_peak.predict(opt_state=False)["step_s"] < 0.4 * measured
+    with pytest.raises(ValueError, match="compute_efficiency"):
+        dataclasses.replace(DEVICES["tpu-v5e"], compute_efficiency=0.0)

@@ -134,6 +134,14 @@ class DeviceProfile:
       memory, as a fraction of them: 0.15 on a GPU (XLA's buffer assignment and the allocator leave
       gaps; measured on an H200), 0 on a TPU (a v5e's compiled steps held within 2% of the live bytes
       the planner counts, where 0.15 put it 13-23% above them).
+    - `compute_efficiency`: the fraction of the peak FLOP/s a train step achieves, which turns the
+      planner's matmul FLOPs into time (:func:`transforms.plan`'s default): 1.0 where unmeasured;
+      0.35 on a v5e, where ``llama:small``'s step without offload (batch 8 x 1024) took 0.0859 s
+      against the 29.7 ms its FLOPs need at the peak
+      (``benchmarks/results/accelerator_check_TPU_v5_lite_20261206T095814Z.md``). With it the
+      planner's offload costs on that chip come near the measured ones (the streamed update
+      1.53x ``none`` against 1.27x measured, weights in host memory 2.25x against 2.40-2.54x, where
+      the peak rate predicted 2.26x and 4.53x).
 
     Make a custom one with :func:`custom_device`.
     """
@@ -155,6 +163,7 @@ class DeviceProfile:
     device_kinds: tuple[str, ...] = ()
     host_runtime_bytes: int = 0
     heap_overhead: float = 0.15
+    compute_efficiency: float = 1.0
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
@@ -165,6 +174,9 @@ class DeviceProfile:
             value = getattr(self, field)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"DeviceProfile.{field} must be a positive number, got {value!r}")
+        eff = self.compute_efficiency
+        if not isinstance(eff, int | float) or isinstance(eff, bool) or not 0 < eff <= 1:
+            raise ValueError(f"DeviceProfile.compute_efficiency must be in (0, 1], got {eff!r}")
         if self.host_memory_bytes is not None and not self.host_memory_bytes > 0:
             raise ValueError(
                 f"DeviceProfile.host_memory_bytes must be positive or None, got {self.host_memory_bytes!r}"
@@ -239,6 +251,10 @@ def _grace_hopper(name: str, memory: str, memory_gib: int, memory_gb_s: int, kin
 TPU_V5E_LINK = dict(link="TPU host link (PCIe; measured in-program on a v5e)", link_bytes_per_s=TPU_LINK_GB_S * GB)
 
 
+#: A v5e's measured share of its peak FLOP/s in a train step (see ``DeviceProfile.compute_efficiency``).
+TPU_V5E_COMPUTE_EFFICIENCY = 0.35
+
+
 def _tpu(
     gen: str,
     memory_gib: int,
@@ -261,6 +277,7 @@ def _tpu(
         host_memory_bytes=host_gib * GiB,
         platform="tpu",
         heap_overhead=0.0,
+        compute_efficiency=TPU_V5E_COMPUTE_EFFICIENCY if gen == "v5e" else 1.0,
         device_kinds=kinds,
         host_runtime_bytes=int(runtime_gib * GiB),
         link_peak_bytes_per_s=TPU_LINK_GB_S * GB,

@@ -143,7 +143,7 @@ def plan(
     accum_steps: int = 1,
     margin: float | int = 0.10,
     host_memory_gb: float | int | None = None,
-    compute_efficiency: float | int = 1.0,
+    compute_efficiency: float | int | None = None,
     heap_overhead: float | int | None = None,
     clip_norm: float | int | None = None,
     environ: Mapping[str, str] | None = None,
@@ -183,7 +183,8 @@ def plan(
     - `host_baseline`: bytes of host memory the process holds before any model, measured at start
       (:func:`transforms.host_baseline`): counted against the host memory instead of the profile's
       assumed runtime share (``host_runtime_bytes``, 13.5 GiB on a TPU v5e host).
-    - `compute_efficiency`: fraction of the peak FLOP/s achieved (default 1.0: peak).
+    - `compute_efficiency`: fraction of the peak FLOP/s achieved (default: the device profile's,
+      1.0 (the peak) unless measured: 0.35 on a TPU v5e).
     - `heap_overhead`: allowance for XLA's heap packing, as a fraction of the temporaries
       (default: the device profile's, 0.15 on a GPU and 0 on a TPU; 0 gives the live peak alone).
       See ``transforms/plan/_bytes.py``.
@@ -220,8 +221,9 @@ def plan(
     model = quantized(resolve_model(model_or_config), quantize)
     batch, seq, fsdp, accum_steps = check_steps(model.spec, batch=batch, seq=seq, fsdp=fsdp, accum_steps=accum_steps)
     margin = fraction("margin", margin)
-    compute_efficiency = fraction("compute_efficiency", compute_efficiency, low_open=True, high_closed=True)
     profile = get_device(device)
+    compute_efficiency = profile.compute_efficiency if compute_efficiency is None else compute_efficiency
+    compute_efficiency = fraction("compute_efficiency", compute_efficiency, low_open=True, high_closed=True)
     heap_overhead = fraction("heap_overhead", profile.heap_overhead if heap_overhead is None else heap_overhead)
     clip_norm = clip_norm_value(clip_norm, "plan")
     optimizer, opt_name, notes = resolve_optimizer(optimizer)
