@@ -663,7 +663,10 @@ def with_split_layers(optimizer: StreamedOptimizer, split: bool = True) -> Strea
     (``split=False``) one buffer per leaf. The deferred update (``defer=True``) splits by default:
     on a TPU v5e its forward pass then ran at 1.12x the step without offload, against 1.24x with
     one buffer. The update after the backward pass does not by default: there the split measured
-    no faster (1.30x against 1.27x, ``docs/OFFLOAD_SPEED.md``)."""
+    no faster (1.30x against 1.27x, ``docs/OFFLOAD_SPEED.md``). The split costs device memory:
+    its loop runs two layers an iteration, whose backward XLA runs at once (compiled for a v5e,
+    ``llama:1b`` at 8 x 2048 with block inputs offloaded: 7.1 GiB of temporaries against 5.8), so
+    ``split=False`` is the choice where memory is tight."""
     return _variant(optimizer, split_layers=split)
 
 
