@@ -134,6 +134,35 @@ def test_defer_refuses_what_it_does_not_support():
         transforms.train_step(zoo.lm_loss, opt).init(transforms.lora(model, rank=2, alpha=4, key=jax.random.key(1)))
 
 
+def test_pending_gradients_kept_in_bfloat16_take_half_the_memory_and_the_same_steps_to_rounding():
+    """``pending_dtype="bfloat16"``: the stacks' pending gradients live in 16 bits between steps;
+    three steps and a flush land where float32 pending gradients do, to the rounding of the
+    gradients (2**-9 each), and not exactly there (they were rounded)."""
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=2)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    ends = {}
+    for dtype in (None, "bfloat16"):
+        opt = transforms.offload_opt_state(
+            optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=True, pending_dtype=dtype
+        )
+        step = transforms.train_step(zoo.lm_loss, opt)
+        model = zoo.build_model(cfg, key=jax.random.key(0))
+        state = step.init(model)
+        for _ in range(STEPS):
+            model, state, _ = step(model, state, tokens)
+        pending = [g for g in jax.tree.leaves(state.pending.grads) if g is not None]
+        assert {g.dtype for g in pending} == {jnp.dtype(dtype or "float32")}
+        ends[dtype] = (sum(g.nbytes for g in pending), eqx.filter(step.flush(model, state)[0], eqx.is_array))
+    assert ends["bfloat16"][0] * 2 == ends[None][0]
+    full, rounded = (jax.tree.leaves(ends[k][1]) for k in (None, "bfloat16"))
+    deltas = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) for a, b in zip(full, rounded, strict=True)]
+    assert max(deltas) < 1e-3 and max(deltas) > 0, deltas
+    with pytest.raises(ValueError, match="defer=True"):
+        transforms.offload_opt_state(optax.adamw(1e-3), stream=True, pending_dtype="bfloat16")
+    with pytest.raises(ValueError, match="bfloat16, float16, float32"):
+        transforms.offload_opt_state(optax.adamw(1e-3), stream=True, defer=True, pending_dtype="int8")
+
+
 def test_each_layers_update_waits_for_the_layers_input_and_yields_its_new_state_before_the_matmuls():
     """The two optimization barriers that pin the forward loop's schedule (on a v5e, without them
     XLA hoisted the update and its read above the previous layer's matmuls, and wrote the new

@@ -98,6 +98,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                     # state's read) to the top of the iteration, ahead of the previous layer's
                     # matmuls that the read should hide behind.
                     _, s_i = jax.lax.optimization_barrier((jax.lax.stop_gradient(carry), s_i))
+                    g_i = [g.astype(w.dtype) for g, w in zip(g_i, p_i, strict=True)]  # (pending_dtype)
                     p_tree, g_tree = (jax.tree.unflatten(view_defs[k], x) for x in (p_i, g_i))
                     if clip is not None:
                         g_tree = _clip(g_tree, pending.g_norm, clip)
@@ -142,7 +143,8 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
     rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False)
     new_params = _merge(units, [_view(rest_params, units, -1), *(found[k][1] for k in range(n))])
-    pending = Pending(jax.tree.map(lambda u, g: g if u >= 0 else None, units, grads), g_norm, jnp.ones((), bool))
+    kept = (lambda g: g) if optimizer.pending_dtype is None else (lambda g: g.astype(optimizer.pending_dtype))
+    pending = Pending(jax.tree.map(lambda u, g: kept(g) if u >= 0 else None, units, grads), g_norm, jnp.ones((), bool))
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 
@@ -151,8 +153,9 @@ def apply_pending(optimizer, params, state, pending: Pending):
     ``pending.ready``): what the streamed update holds after as many steps. Traceable;
     :meth:`transforms.TrainStep.flush` checks ``ready`` and runs it compiled."""
     units, _ = _units(params)
-    grads = jax.tree.map(lambda u, g, x: g if u >= 0 else jnp.zeros_like(x), units, pending.grads, params)
+    as_weight = lambda u, g, x: g.astype(x.dtype) if u >= 0 else jnp.zeros_like(x)  # (pending_dtype)
+    grads = jax.tree.map(as_weight, units, pending.grads, params)
     new_params, state, _ = _run(
         optimizer.inner, optimizer.clip_norm, grads, state, params, apply=True, rest=False, g_norm=pending.g_norm
     )
-    return new_params, state, no_pending(params)
+    return new_params, state, no_pending(params, optimizer.pending_dtype)

@@ -602,6 +602,7 @@ class StreamedOptimizer(OffloadedOptimizer):
         split_layers: bool = False,
         defer: bool = False,
         unroll_update: bool = False,
+        pending_dtype: str | None = None,
     ):
         def init(params):
             state = _init(inner, select, where_given, params, split_layers)
@@ -614,7 +615,7 @@ class StreamedOptimizer(OffloadedOptimizer):
                     "update runs in its forward pass, which does not yet fetch host weights for it); use "
                     "defer=False with offload_params"
                 )
-            return DeferredState(state, no_pending(params))
+            return DeferredState(state, no_pending(params, pending_dtype))
 
         def update(updates, state, params=None):
             if defer:
@@ -631,6 +632,7 @@ class StreamedOptimizer(OffloadedOptimizer):
         self.split_layers = split_layers
         self.defer = defer
         self.unroll_update = unroll_update
+        self.pending_dtype = pending_dtype
         self._args = (select, where_given)
         return self
 
@@ -683,4 +685,5 @@ def _variant(optimizer: StreamedOptimizer, **changes) -> StreamedOptimizer:
         raise TypeError(f"this schedule takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
     select, where_given = optimizer._args
     settings = dict(split_layers=optimizer.split_layers, defer=optimizer.defer, unroll_update=optimizer.unroll_update)
+    settings.update(pending_dtype=optimizer.pending_dtype)
     return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, **{**settings, **changes})

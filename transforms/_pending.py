@@ -20,10 +20,11 @@ class Pending(NamedTuple):
     ready: jax.Array
 
 
-def no_pending(params) -> Pending:
-    """The :class:`Pending` of a run that has taken no step yet."""
+def no_pending(params, dtype=None) -> Pending:
+    """The :class:`Pending` of a run that has taken no step yet; its gradients in ``dtype``
+    (default: each weight's)."""
     units, _ = _units(params)
-    grads = jax.tree.map(lambda u, x: jnp.zeros_like(x) if u >= 0 else None, units, params)
+    grads = jax.tree.map(lambda u, x: jnp.zeros_like(x, dtype=dtype) if u >= 0 else None, units, params)
     return Pending(grads, jnp.zeros((), jnp.float32), jnp.zeros((), bool))
 
 

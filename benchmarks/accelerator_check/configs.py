@@ -28,6 +28,7 @@ class Config:
     split: bool = False  # the streamed state kept as its even and odd layers (_opt_stream.with_split_layers);
     # without it one buffer per leaf, the deferred update included (whose library default splits)
     unroll: bool = False  # the streamed update's layer loops unrolled (_opt_stream.with_unrolled_update)
+    pending: str | None = None  # the deferred update's pending_dtype (its pending gradients' dtype)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -47,6 +48,8 @@ class Config:
             out["opt_state_layout"] = "even and odd layers"
         if self.unroll:
             out["opt_state_update"] = "layer loops unrolled"
+        if self.pending:
+            out["pending_dtype"] = self.pending
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -111,6 +114,24 @@ def config_table() -> list[Config]:
             opt="defer",
             activations="block_input",
             split=True,
+            capacity=True,
+        ),
+        Config(
+            "capacity_defer_whole",
+            "capacity_defer with each stack's state in one buffer per leaf (with_split_layers(..., False)): the "
+            "split layout runs two layers' backward at once (5.8 GiB of temporaries against 7.1, compiled here)",
+            opt="defer",
+            activations="block_input",
+            capacity=True,
+        ),
+        Config(
+            "capacity_defer_bf16grads",
+            "capacity_defer with the pending gradients in 16 bits (offload_opt_state(..., pending_dtype='bfloat16'): "
+            "1.8 GB less on the device)",
+            opt="defer",
+            activations="block_input",
+            split=True,
+            pending="bfloat16",
             capacity=True,
         ),
         Config(
@@ -256,7 +277,13 @@ def _stacked_moment(x) -> bool:
 
 
 def make_optimizer(
-    kind: str, lr: float, state: str | None = None, where: str | None = None, split: bool = False, unroll: bool = False
+    kind: str,
+    lr: float,
+    state: str | None = None,
+    where: str | None = None,
+    split: bool = False,
+    unroll: bool = False,
+    pending: str | None = None,
 ):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
@@ -281,6 +308,8 @@ def make_optimizer(
         raise ValueError(f"split and unroll need the streamed optimizer (kind 'stream' or 'defer'), got kind {kind!r}")
     if kind in ("stream", "defer"):
         defer = kind == "defer"
+        if pending is not None:
+            select["pending_dtype"] = pending
         streamed = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, **select)
         streamed = with_split_layers(streamed, split)  # explicit: defer=True alone splits
         return with_unrolled_update(streamed) if unroll else streamed
@@ -292,7 +321,7 @@ def optimizer_for(conf: Config | None, lr: float):
     """The optimizer of ``conf`` (see :func:`make_optimizer`); the plain one for ``None``."""
     if conf is None:
         return make_optimizer("device", lr)
-    return make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split, conf.unroll)
+    return make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split, conf.unroll, conf.pending)
 
 
 def apply_transforms(model, conf: Config):
