@@ -16,7 +16,9 @@ new state again.
   before about 11 decades. (Linear int8 codes, tried first, lose the
   small second moments of a block to zero, and Adam then takes huge steps: 1.5x the loss.) Blocks
   never cross the leading axes, so a stack's state quantizes the same per layer as whole (the
-  streamed update of :func:`transforms.offload_opt_state` accepts it).
+  streamed update of :func:`transforms.offload_opt_state` accepts it). The codes are stored flat,
+  four to a uint32 word, and the scales flat (see :class:`Float8Block`: the layout a TPU copies
+  out of host memory row by row).
 """
 
 from __future__ import annotations
@@ -36,8 +38,16 @@ _F8_MAX = 448.0
 
 
 class Float8Block(NamedTuple):
-    """One state leaf in 8 bits: ``codes`` (the leaf's shape, float8 e4m3) and ``scales`` (float32,
-    one per block of the last axis)."""
+    """One state leaf in 8 bits: ``codes`` (float8 e4m3, four to a uint32) and ``scales`` (float32,
+    one per block of the last axis), both flat: a leaf of shape ``(..., n)`` stores ``size / 4``
+    uint32 words (float8 codes as they are where the size does not divide by four) and
+    ``size / n * blocks`` scales.
+
+    Flat and in 32-bit words because a TPU lays out narrow arrays in tiles of the last two axes:
+    a stack of float8 codes (``(layers, rows, cols)``) in host memory did not compile for a v5e
+    (XLA's layout assignment made a cycle of whole-stack copies), and a stack of ``(layers, rows,
+    cols / 4)`` words, or of scales ``(layers, rows, 3)``, is copied whole to a transposed layout
+    on every step. Each layer's flat words and scales slice out of a stack as rows."""
 
     codes: jax.Array
     scales: jax.Array
@@ -54,14 +64,28 @@ def _encode_f8(x: jax.Array, block_size: int) -> Float8Block:
     blocks = c.reshape(*x.shape[:-1], x.shape[-1] // b, b)
     scales = jnp.max(jnp.abs(blocks), axis=-1) / _F8_MAX
     safe = jnp.where(scales > 0, scales, 1.0)
-    codes = jnp.clip(blocks / safe[..., None], -_F8_MAX, _F8_MAX).astype(_F8)
-    return Float8Block(codes.reshape(x.shape), scales)
+    codes = jnp.clip(blocks / safe[..., None], -_F8_MAX, _F8_MAX).astype(_F8).reshape(-1)
+    return Float8Block(_pack(codes) if codes.size % 4 == 0 else codes, scales.reshape(-1))
 
 
-def _decode_f8(q: Float8Block, dtype) -> jax.Array:
-    shape = q.codes.shape
-    b = shape[-1] // q.scales.shape[-1]
-    c = q.codes.reshape(*shape[:-1], shape[-1] // b, b).astype(jnp.float32) * q.scales[..., None]
+def _pack(codes: jax.Array) -> jax.Array:
+    """Flat float8 codes (a multiple of four) as uint32 words: word ``i`` holds codes ``i``,
+    ``i + n/4``, ``i + n/2`` and ``i + 3n/4`` (four contiguous quarters, one byte each: a
+    ``(n/4, 4)`` shape would pad 4 to 128 lanes on a TPU)."""
+    quarters = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(4, -1).astype(jnp.uint32)
+    return quarters[0] | quarters[1] << 8 | quarters[2] << 16 | quarters[3] << 24
+
+
+def _unpack(words: jax.Array) -> jax.Array:
+    quarters = [((words >> shift) & 0xFF).astype(jnp.uint8) for shift in (0, 8, 16, 24)]
+    return jax.lax.bitcast_convert_type(jnp.concatenate(quarters), _F8)
+
+
+def _decode_f8(q: Float8Block, dtype, shape: tuple[int, ...]) -> jax.Array:
+    codes = _unpack(q.codes) if q.codes.dtype == jnp.uint32 else q.codes
+    n_blocks = q.scales.size // (codes.size // shape[-1])
+    blocks = codes.reshape(*shape[:-1], n_blocks, shape[-1] // n_blocks).astype(jnp.float32)
+    c = blocks * q.scales.reshape(*shape[:-1], n_blocks)[..., None]
     return (jnp.sign(c) * c * c).reshape(shape).astype(dtype)
 
 
@@ -106,7 +130,7 @@ def compact_state(
     def expand(stored, like):
         def one(s, ref):
             if isinstance(s, Float8Block):
-                return _decode_f8(s, ref.dtype)
+                return _decode_f8(s, ref.dtype, ref.shape)
             return s.astype(ref.dtype) if _stored(ref) else s
 
         return jax.tree.map(one, stored, like, is_leaf=lambda n: isinstance(n, Float8Block))

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ._memory import (
@@ -25,9 +26,10 @@ from ._optimizer import OffloadedOptimizer
 
 
 def _default_where(x) -> bool:
-    # Floating arrays with at least one dimension: moments and the like. Step counters and
-    # scalar hyperparameters stay on the device, where they cost nothing.
-    return is_floating(x) and x.ndim > 0
+    # Floating arrays with at least one dimension: moments and the like, and compact_state's
+    # float8 codes (stored four to a uint32). Step counters and scalar hyperparameters stay on the
+    # device, where they cost nothing.
+    return (is_floating(x) or x.dtype == jnp.uint32) and x.ndim > 0
 
 
 #: The dtypes ``offload_opt_state(..., pending_dtype=...)`` keeps the pending gradients in.

@@ -430,9 +430,12 @@ class OptimizerInfo:
 
 
 def _movable(tree) -> tuple[int, int]:
-    """(all bytes, bytes of the floating leaves with >= 1 dimension) of an abstract state."""
+    """(all bytes, bytes of the leaves offload_opt_state moves by default) of an abstract state:
+    floating leaves with >= 1 dimension, and compact_state's float8 codes."""
+    from .._opt_state import _default_where
+
     leaves = [x for x in jax.tree.leaves(tree) if is_arraylike(x)]
-    return sum(nbytes(x) for x in leaves), sum(nbytes(x) for x in leaves if is_floating(x) and len(x.shape) > 0)
+    return sum(nbytes(x) for x in leaves), sum(nbytes(x) for x in leaves if _default_where(x))
 
 
 def optimizer_info(optimizer, params, name: str) -> OptimizerInfo:
