@@ -221,6 +221,14 @@ def config_table() -> list[Config]:
             split=True,
         ),
         _checked(
+            "opt_state_defer_f8_stacks_split",
+            "opt_state_defer_bf16_stacks_split with the moments in 8 bits (compact_state(adamw, 'float8'))",
+            opt="defer",
+            state="float8",
+            where="stacks",
+            split=True,
+        ),
+        _checked(
             "opt_state_defer_bf16_split",
             "opt_state_defer_bf16 with each stack's state kept as its even and odd layers "
             "(see opt_state_defer_bf16_stacks_split)",
@@ -270,10 +278,12 @@ def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16", **overr
 
 
 def _stacked_moment(x) -> bool:
-    """A state leaf of a stack's matrix (a layer axis and two more): ``where="stacks"``."""
+    """A state leaf of a stack's matrix (a layer axis and two more; float8 codes, stored flat as
+    uint32 words, a layer axis and a long one): ``where="stacks"``."""
     import jax.numpy as jnp
 
-    return jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 3
+    words = x.dtype == jnp.uint32 and x.ndim == 2 and x.shape[-1] >= 1024
+    return (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 3) or words
 
 
 def make_optimizer(
