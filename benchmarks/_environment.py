@@ -85,6 +85,23 @@ def git_commit(root: Path = ROOT) -> str | None:
     return commit + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "") if commit else None
 
 
+#: The packages whose source a run's figures depend on (see :func:`source_digest`).
+SOURCE_PACKAGES = ("zoo", "transforms", "checkpointing", "benchmarks")
+
+
+def source_digest(root: Path = ROOT, packages=SOURCE_PACKAGES) -> str:
+    """SHA-256 over the ``.py`` files of ``packages`` under ``root`` (their paths and bytes, in
+    path order): the code a run measured, whatever git says. A copy of the tree run on another
+    machine may carry a stale ``.git`` (an accelerator host once reported an older commit than the
+    tree it ran); the digest of any commit's tree can be computed here and compared."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(f for pkg in packages for f in (root / pkg).rglob("*.py") if "__pycache__" not in f.parts):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask), which is what XLA sizes its thread pool by."""
     try:
@@ -119,6 +136,7 @@ def software() -> dict:
         "versions": versions(),
         "environment_variables": env_vars(),
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
     }
 
 

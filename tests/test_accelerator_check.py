@@ -44,7 +44,8 @@ ROOT = pathlib.Path(__file__).parents[1]
 PREFIX = guard.label("cpu")
 
 #: Every field of the results file, at the top level and per configuration.
-TOP_FIELDS = ("platform", "device_kind", "jax_version", "jaxlib_version", "started_at", "git_commit", "allow_cpu")
+TOP_FIELDS = ("platform", "device_kind", "jax_version", "jaxlib_version", "started_at", "git_commit", "source_digest")
+TOP_FIELDS += ("allow_cpu",)
 CONFIG_FIELDS = (
     "loss_max_rel_diff",
     "loss_max_rel_diff_all_steps",
@@ -1202,3 +1203,20 @@ def test_the_deferred_first_moment_is_read_from_a_host_copy_flushed_after_the_pe
     for name, x in got.items():
         assert np.any(x != 0), name
         np.testing.assert_array_equal(x, np.asarray(expected[name]), err_msg=name)
+
+
+def test_the_source_digest_names_the_code_a_run_measured(tmp_path):
+    """Every results file records a digest of the packages' sources (an accelerator host's stale
+    ``.git`` once named an older commit than the tree it ran): equal trees give equal digests, and
+    a change to any source file changes it."""
+    for pkg in _environment.SOURCE_PACKAGES:
+        (tmp_path / pkg / "sub").mkdir(parents=True)
+        (tmp_path / pkg / "sub" / "a.py").write_text(f"x = '{pkg}'\n")
+    first = _environment.source_digest(tmp_path)
+    assert first == _environment.source_digest(tmp_path) and len(first) == 64
+    (tmp_path / "transforms" / "sub" / "a.py").write_text("x = 'changed'\n")
+    assert _environment.source_digest(tmp_path) != first
+    (tmp_path / "transforms" / "sub" / "a.py").write_text("x = 'transforms'\n")
+    (tmp_path / "notes.txt").write_text("not code")  # outside the packages: no change
+    assert _environment.source_digest(tmp_path) == first
+    assert _environment.software()["source_digest"] == _environment.source_digest()

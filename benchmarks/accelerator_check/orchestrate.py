@@ -199,6 +199,7 @@ def new_results(args, probe: dict, order: list[str]) -> dict:
         "preflight": preflight,
         "started_at": utc_now(),
         "git_commit": environment["git_commit"],
+        "source_digest": environment.get("source_digest"),
         "allow_cpu": bool(args.allow_cpu),
         "status": "running",
         "parity_failures": [],

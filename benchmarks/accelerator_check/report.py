@@ -87,7 +87,9 @@ def markdown(results: dict) -> str:
         "",
         f"{results['started_at']}; platform {results['platform']} ({results['device_kind']}); "
         f"jax {results['jax_version']}, jaxlib {results['jaxlib_version']}, python {env['python']}; "
-        f"commit {results['git_commit']}; {results['status']} after {results['elapsed_s']:.0f} s "
+        f"commit {results['git_commit']}"
+        + (f" (sources {results['source_digest'][:12]})" if results.get("source_digest") else "")
+        + f"; {results['status']} after {results['elapsed_s']:.0f} s "
         f"of a {args['deadline']:.0f} s deadline.",
         "",
         *[f"    {line}" for line in [*parity_lines(results), *invalid]],
