@@ -143,8 +143,8 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
     rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False)
     new_params = _merge(units, [_view(rest_params, units, -1), *(found[k][1] for k in range(n))])
-    kept = (lambda g: g) if optimizer.pending_dtype is None else (lambda g: g.astype(optimizer.pending_dtype))
-    pending = Pending(jax.tree.map(lambda u, g: kept(g) if u >= 0 else None, units, grads), g_norm, jnp.ones((), bool))
+    kept = lambda u, g: g.astype(optimizer.pending_dtype or g.dtype) if u >= 0 else None
+    pending = Pending(jax.tree.map(kept, units, grads), g_norm, jnp.ones((), bool))
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 

@@ -299,8 +299,7 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     report["remat_policy"] = remat_policy(model)
     accum = spec["accum_steps"]
     report["accum"] = {"steps": accum, "unrolled": accum > 1 and conf.offloads_in_layer_loops()}
-    given = spec.get("compiler_options")  # "auto": the train step's own choice; None or {}: no option
-    options = given if given == "auto" else (given or None)
+    options = spec.get("compiler_options")  # "auto": the train step's own choice; None or {}: no option
     step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum, compiler_options=options)
     t = time.perf_counter()
     state = jax.block_until_ready(step.init(model))
