@@ -91,9 +91,9 @@ def test_auto_with_positions_decoding_over_a_cache_never_picks_cudnn():
 
 
 def test_concrete_implementations_pass_through_and_unknown_ones_are_refused():
-    for name in ("xla", "cudnn", "blockwise"):
+    for name in ("xla", "cudnn", "blockwise", "splash"):
         assert nn.resolve_attention(name, queries=8, keys=8, platform="cpu", **SHAPE) == name
-    with pytest.raises(ValueError, match=r"choose one of \['auto', 'xla', 'cudnn', 'blockwise'\]"):
+    with pytest.raises(ValueError, match=r"choose one of \['auto', 'xla', 'cudnn', 'blockwise', 'splash'\]"):
         nn.resolve_attention("flash", queries=8, keys=8, **SHAPE)
 
 

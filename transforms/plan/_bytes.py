@@ -95,9 +95,10 @@ where each device chunks its own ``batch / fsdp`` rows under `jax.shard_map`
 device's ``(batch / fsdp) * S`` tokens, as ``zoo.lm_loss`` resolves it there, and a device holds
 one chunk of its own rows (without a mesh set the chunks would be cut from the whole batch and
 ``"auto"`` would keep the logits whole; the plan's notes say to set it). ``"xla"`` is counted as
-materialising the full score matrix; ``"cudnn"`` (what ``"auto"`` resolves to on a GPU where the
-kernel applies) is counted like ``"blockwise"``: the planner has no model of the fused kernel,
-which like blockwise writes no score matrix.
+materialising the full score matrix; ``"cudnn"`` and ``"splash"`` (what ``"auto"`` resolves to on a
+GPU where the kernel applies, and on a single TPU for long sequences) are counted like
+``"blockwise"``: the planner has no model of the fused kernels, which like blockwise write no score
+matrix.
 
 **Working buffers** (the transient part of each phase's peak):
 

@@ -268,8 +268,8 @@ class Geometry:
         (default: several layer kinds, whose window the scan selects through positions) marks
         queries and keys with explicit positions (a KV cache).
 
-        ``"cudnn"`` is counted as ``"blockwise"``: the planner has no model of the fused kernel,
-        and like blockwise it writes no score matrix (it keeps a float32 log-normaliser per query
+        ``"cudnn"`` and ``"splash"`` are counted as ``"blockwise"``: the planner has no model of the
+        fused kernels, and like blockwise they write no score matrix (it keeps a float32 log-normaliser per query
         and head for its backward pass); blockwise's one block of scores overstates its workspace
         slightly, where ``"xla"``'s ``S x S`` scores would overstate it by far."""
         name = resolve_attention(
@@ -284,7 +284,7 @@ class Geometry:
             platform=self.platform,
             compute_capability=self.compute_capability,
         )
-        return "blockwise" if name == "cudnn" else name
+        return "blockwise" if name in ("cudnn", "splash") else name
 
     def blockwise(self, S: int) -> bool:
         """A sequence of ``S`` tokens attends blockwise (no score matrix; see :meth:`attention_at`)."""

@@ -8,7 +8,7 @@ sliding window) and ``k_pos[j] >= 0`` (a negative position marks an empty cache 
 ``segment_ids`` (several documents packed into one sequence), a query also sees only the keys of
 its own segment.
 
-Three implementations compute the same thing, and ``"auto"`` (the config default) picks one of
+Four implementations compute the same thing, and ``"auto"`` (the config default) picks one of
 them (:data:`IMPLEMENTATIONS`):
 
 - ``"xla"``: the scores written out whole, ``(queries, keys)`` per head, through
@@ -20,13 +20,18 @@ them (:data:`IMPLEMENTATIONS`):
 - ``"blockwise"``: the keys ``block`` at a time with an online softmax, in plain JAX on every
   backend, forward and backward in memory that grows with ``queries x block``, not with
   ``queries x keys`` (``zoo/nn/_attend_blockwise.py``).
+- ``"splash"``: the TPU's Pallas attention kernel (``jax.experimental.pallas.ops.tpu.
+  splash_attention``), which keeps each block of scores in the core's memory and skips the blocks
+  the causal mask hides; any dtype, soft-capping, one sliding window, packed segments. Self-attention
+  only (with positions the ``"xla"`` form is used); off a TPU it runs in Pallas's interpreter
+  (slow: for tests). ``zoo/nn/_attend_splash.py``.
 - ``"auto"``: resolved at trace time, from static shapes, by :func:`resolve_attention`:
   ``"cudnn"`` on a GPU where the kernel applies (bfloat16/float16, head width a multiple of 8 up
   to the GPU generation's limit, :func:`cudnn_max_head_dim`, no soft-capping) and queries and keys
   are one sequence without explicit positions (training; not decoding over a cache, nor a window
-  chosen per layer inside a scan); else
-  ``"blockwise"`` when one sequence's float32 scores (``heads x queries x keys x 4`` bytes) exceed
-  :data:`AUTO_BLOCKWISE_SCORE_BYTES`; else ``"xla"``.
+  chosen per layer inside a scan); when one sequence's float32 scores (``heads x queries x keys x 4``
+  bytes) exceed :data:`AUTO_BLOCKWISE_SCORE_BYTES`: ``"splash"`` on a single TPU (queries and keys
+  one sequence without explicit positions), else ``"blockwise"``; else ``"xla"``.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._attend_blockwise import blockwise_attend
+from ._attend_splash import splash_attend
 
 #: Attention implementations a config may select (see :func:`zoo.nn.attend`); ``"auto"`` resolves
 #: to one of the others (:func:`resolve_attention`).
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blockwise")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blockwise", "splash")
 
 #: ``"auto"`` picks ``"blockwise"`` when one sequence's float32 scores (``heads x queries x keys x 4``
 #: bytes) exceed this. Measured on CPU with ``benchmarks/attention_auto_cpu.py`` (value-and-grad of
@@ -118,6 +124,7 @@ def resolve_attention(
     positions: bool = False,
     platform: str | None = None,
     compute_capability: float | None = None,
+    devices: int | None = None,
 ) -> str:
     """The concrete implementation ``implementation`` stands for: ``"auto"`` resolved, others as given.
 
@@ -128,8 +135,11 @@ def resolve_attention(
        explicit ``positions`` and the kernel takes ``dtype``, ``head_dim`` and ``softcap``
        (bfloat16/float16, a multiple of 8 up to :func:`cudnn_max_head_dim` of the GPU's
        ``compute_capability``: 256 from Hopper on, 128 before or when unknown; no soft-capping);
-    2. else ``"blockwise"`` when the float32 scores, ``heads x queries x keys x 4`` bytes, exceed
-       :data:`AUTO_BLOCKWISE_SCORE_BYTES`;
+    2. else, when the float32 scores, ``heads x queries x keys x 4`` bytes, exceed
+       :data:`AUTO_BLOCKWISE_SCORE_BYTES`: ``"splash"`` when ``platform`` is a TPU, the program
+       runs on one device and the queries and keys are one sequence without explicit
+       ``positions`` (XLA does not split the kernel over devices: on several, shard it yourself
+       or choose it explicitly); else ``"blockwise"``;
     3. else ``"xla"``.
 
     **Arguments:**
@@ -147,6 +157,8 @@ def resolve_attention(
       H100), which bounds the head width cuDNN takes. Default: when `platform` is a GPU and so is
       JAX's default backend, the local GPUs' (:func:`local_compute_capability`); else unknown,
       which allows heads up to 128 only. The planner passes its device profile's.
+    - `devices`: how many devices the program runs on; default: this process's
+      (``jax.device_count()``) when `platform` is JAX's default backend, else 1.
 
     **Example:**
 
@@ -161,6 +173,8 @@ def resolve_attention(
     wide = dict(shape, head_dim=256)   # heads of 256: cuDNN from Hopper (9.0) on, not on an A100 (8.0)
     resolve_attention("auto", queries=4096, keys=4096, platform="gpu", compute_capability=9.0, **wide)  # 'cudnn'
     resolve_attention("auto", queries=4096, keys=4096, platform="gpu", compute_capability=8.0, **wide)  # 'blockwise'
+    resolve_attention("auto", queries=2048, keys=2048, platform="tpu", **shape)      # 'splash'
+    resolve_attention("auto", queries=2048, keys=2048, platform="tpu", devices=4, **shape)  # 'blockwise'
     resolve_attention("blockwise", queries=8, keys=8, **shape)                       # 'blockwise'
     ```
     """
@@ -173,6 +187,10 @@ def resolve_attention(
     if not positions and not _cudnn_problems(platform, jnp.dtype(dtype).name, head_dim, softcap, compute_capability):
         return "cudnn"
     if heads * queries * keys * 4 > AUTO_BLOCKWISE_SCORE_BYTES:
+        if devices is None:
+            devices = jax.device_count() if platform == jax.default_backend() else 1
+        if platform == "tpu" and devices == 1 and not positions:
+            return "splash"
         return "blockwise"
     return "xla"
 
@@ -248,12 +266,12 @@ def attend(
     - `window`: sliding window: a query sees itself and the ``window - 1`` keys before it.
     - `softcap`: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
     - `scale`: score scale (default ``dim ** -0.5``).
-    - `implementation`: ``"auto"``, ``"xla"``, ``"cudnn"`` or ``"blockwise"`` (see the module
-      docstring; ``"auto"`` resolves by :func:`resolve_attention`);
+    - `implementation`: ``"auto"``, ``"xla"``, ``"cudnn"``, ``"blockwise"`` or ``"splash"`` (see the
+      module docstring; ``"auto"`` resolves by :func:`resolve_attention`);
       ``"cudnn"`` raises a `ValueError` naming what it cannot do here (platform, dtype, head
-      width, soft-capping). It computes self-attention only: with positions (decoding over a
-      cache) the ``"xla"`` form is used. Segments reach it as a boolean mask (which it turns
-      into a bias).
+      width, soft-capping). It and ``"splash"`` compute self-attention only: with positions
+      (decoding over a cache) the ``"xla"`` form is used. Segments reach cuDNN as a boolean mask
+      (which it turns into a bias).
     - `block`: keys per block of the ``"blockwise"`` implementation.
     - `ordered`: the queries and keys are one sequence whose positions increase along it
       (padding aside), so that no query sees a key after its own index: the ``"blockwise"``
@@ -302,6 +320,8 @@ def attend(
             q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale, block=block, segment_ids=segment_ids,
             ordered=ordered,
         )  # fmt: skip
+    if implementation == "splash" and q_pos is None:
+        return splash_attend(q, k, v, window=window, softcap=softcap, scale=scale, segment_ids=segment_ids)
     local = None if window is None else (window - 1, 0)
     # Same segment: a (1, 1, q, k) boolean mask, as jax.nn.dot_product_attention takes one.
     same = None if segment_ids is None else (segment_ids[:, None] == segment_ids[None, :])[None, None]

@@ -255,10 +255,10 @@ class Attention(eqx.Module):
             # Several kinds: the window is this layer's, selected inside the scan (a traced value),
             # which only the explicit and blockwise forms take; they see it through the positions.
             per_layer = {} if self.kind is None else {"q_pos": positions, "k_pos": positions}
-            if per_layer and self.implementation == "cudnn":
+            if per_layer and self.implementation in ("cudnn", "splash"):
                 raise ValueError(
-                    "attention implementation 'cudnn' needs one window for all layers; this model's layers "
-                    f"differ ({[kind.window for kind in self.kinds]}): use 'xla' or 'blockwise'"
+                    f"attention implementation {self.implementation!r} needs one window for all layers; this "
+                    f"model's layers differ ({[kind.window for kind in self.kinds]}): use 'xla' or 'blockwise'"
                 )
             if segment_ids is not None:  # packed documents: none sees another's keys
                 per_layer["segment_ids"] = segment_ids

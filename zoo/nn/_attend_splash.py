@@ -1,0 +1,91 @@
+"""Attention through the TPU's Pallas kernel (JAX's "splash" attention), for training shapes.
+
+XLA compiles the ``"blockwise"`` form to small float32 matmuls and elementwise passes over each
+``(block, block)`` piece of scores; on a TPU v5e that ran at about 15 TFLOP/s against 160 for the
+model's other matmuls, and took 46% of a ``llama:1b`` step (8 x 2048 tokens; the trace is in
+``docs/OFFLOAD_SPEED.md``). The kernel (``jax.experimental.pallas.ops.tpu.splash_attention``)
+keeps each piece in the core's memory, skips the blocks the causal mask hides, and has its own
+backward pass (it saves the output and each query's log-normaliser, like ``"blockwise"``).
+
+What it takes: queries and keys that are one sequence (training, prefill without a cache), a
+causal mask, optionally one sliding window for every layer, soft-capping and packed-document
+segments. The sequence is padded at its end to a multiple of :data:`SPLASH_ALIGN` (a padded key
+comes after every real query, so the causal mask hides it; padded queries are dropped).
+
+Off a TPU the same kernel runs in Pallas's interpreter (slow, exact: the tests use it on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+#: The sequence is padded to a multiple of this (the kernel's smallest block).
+SPLASH_ALIGN = 128
+
+#: The largest block (queries or keys) the kernel is given: 512 where the padded sequence divides.
+_MAX_BLOCK = 512
+
+
+def _block(seq: int) -> int:
+    """The largest of 512, 256, 128 dividing ``seq`` (a multiple of 128)."""
+    block = _MAX_BLOCK
+    while seq % block:
+        block //= 2
+    return block
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(seq: int, heads: int, window: int | None, softcap: float | None, interpret: bool):
+    """The kernel for one padded sequence length, head count and mask (cached: building it turns the
+    mask into block tables with NumPy)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    if window is None:
+        mask = sa.CausalMask((seq, seq))
+    else:  # a query sees itself and the window - 1 keys before it
+        mask = sa.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
+    b = _block(seq)
+    sizes = sa.BlockSizes(
+        block_q=b, block_kv=b, block_kv_compute=b,
+        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
+        block_q_dq=b, block_kv_dq=b,
+    )  # fmt: skip
+    with jax.ensure_compile_time_eval():  # concrete block tables, safe to keep across traces
+        return sa.make_splash_mha_single_device(
+            sa.MultiHeadMask([mask] * heads), block_sizes=sizes, attn_logits_soft_cap=softcap, interpret=interpret
+        )
+
+
+def splash_attend(q, k, v, *, window, softcap, scale, segment_ids=None):
+    """Causal attention of ``q`` ``(seq, heads, dim)`` over ``k``, ``v`` ``(seq, kv_heads, dim)`` of the
+    same sequence through the Pallas kernel; ``(seq, heads, dim)`` in ``q``'s dtype.
+
+    ``window`` must be static (one window for every layer) or ``None``; ``segment_ids`` one
+    integer per token or ``None``. Called by :func:`zoo.nn.attend` for ``implementation="splash"``.
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    if isinstance(window, jax.core.Tracer):
+        raise ValueError(
+            "attention implementation 'splash' takes one window for every layer; this model's is chosen per "
+            "layer inside the scan: use 'blockwise'"
+        )
+    window = None if window is None else int(window)
+    seq, heads, _ = q.shape
+    pad = -seq % SPLASH_ALIGN
+    kernel = _kernel(
+        seq + pad, heads, window, None if softcap is None else float(softcap), jax.default_backend() != "tpu"
+    )
+
+    def heads_first(x):  # (seq, h, dim) -> (h, seq + pad, dim)
+        return jnp.pad(x, ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)
+
+    segments = None
+    if segment_ids is not None:
+        ids = jnp.pad(segment_ids.astype(jnp.int32), (0, pad), constant_values=-1)
+        segments = sa.SegmentIds(q=ids, kv=ids)
+    out = kernel(heads_first((q * scale).astype(q.dtype)), heads_first(k), heads_first(v), segment_ids=segments)
+    return out.transpose(1, 0, 2)[:seq].astype(q.dtype)
