@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import equinox as eqx
 import jax
@@ -171,3 +172,14 @@ def packed_layer_vector(x, in_stack: bool) -> bool:
     :func:`transforms.compact_state`) leave these on the device by default: they are
     ``layers x d`` elements, a rounding error beside the matrices."""
     return in_stack and len(x.shape) == 2 and jnp.dtype(x.dtype).itemsize < 4
+
+
+def scalar_per_layer(x) -> bool:
+    """Whether the stacked leaf ``x`` (layers first) holds one element per layer: the float8 scale
+    of a norm's state, a per-layer hyperparameter (``optax.inject_hyperparams``). XLA:TPU lays such
+    a column out with the layer axis along the lanes, and a copy of one layer into host memory is
+    then a lane slice, which its asynchronous copies refuse ("Lane slice updating is not supported
+    in async dynamic update slice": a v5e, ``(layers, 1)`` float32 scales). The streamed update of
+    :func:`transforms.offload_opt_state` leaves these on the device by default: 4 bytes a layer."""
+    shape = tuple(x.shape)
+    return len(shape) >= 1 and math.prod(shape[1:]) == 1

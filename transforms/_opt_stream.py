@@ -46,6 +46,7 @@ from ._memory import (
     packed_layer_vector,
     restore_kinds,
     row_major,
+    scalar_per_layer,
     state_shardings,
     to_host,
     traced_kind,
@@ -415,7 +416,11 @@ def _init(inner, select: Callable, where_given: bool, params, split_layers: bool
     if where_given and not any(jax.tree.leaves(chosen)):
         raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
     if not where_given:  # by default, as offload_params does with such weights (see packed_layer_vector)
-        stacked = jax.tree.map(lambda a, c: c and not packed_layer_vector(a, True), abstract.stacked, chosen.stacked)
+
+        def keep(a, c):
+            return c and not packed_layer_vector(a, True) and not scalar_per_layer(a)
+
+        stacked = jax.tree.map(keep, abstract.stacked, chosen.stacked)
         chosen = chosen._replace(stacked=stacked)
     halved = [split_layers and split.splits(lengths[k], _view(params, units, k)) for k in range(n)]
 
