@@ -15,6 +15,7 @@ Usage::
 
     python -m benchmarks.attention_speed --out benchmarks/results                  # on a TPU
     python -m benchmarks.attention_speed --impls xla,blockwise,splash --seqs 256 --batch 1 --rounds 2
+    python -m benchmarks.attention_speed --splash-blocks 1024,512,0 512,512,1 1024,1024,1   # block sizes
 """
 
 from __future__ import annotations
@@ -29,16 +30,41 @@ import jax.numpy as jnp
 
 import zoo
 from benchmarks import _environment as env
+from zoo.nn import _attend_splash
 
 
 def step_fn(impl: str):
-    """Compiled value-and-grad of the summed output of a batch of ``attend`` calls with ``impl``."""
+    """Compiled value-and-grad of the summed output of a batch of ``attend`` calls with ``impl``
+    (``"splash:Q,KV,F"``: the kernel with blocks of up to Q queries and KV keys, F=1 for the fused
+    backward kernel)."""
+    impl = impl.split(":")[0]
 
     def loss(q, k, v):
         out = jax.vmap(lambda q, k, v: zoo.nn.attend(q, k, v, implementation=impl))(q, k, v)
         return out.astype(jnp.float32).sum()
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def splash_blocks(impl: str) -> dict:
+    """The kernel's block settings a ``"splash:Q,KV,F"`` name stands for (the defaults for ``"splash"``)."""
+    if ":" not in impl:
+        return dict(_attend_splash.BLOCKS)
+    q, kv, fused = (int(x) for x in impl.split(":")[1].split(","))
+    return {"q": q, "kv": kv, "fused_backward": bool(fused)}
+
+
+def compile_once(impl: str, args_):
+    """``impl``'s function, traced and run once with its block settings (they are read at trace time)."""
+    fn = step_fn(impl)
+    saved = dict(_attend_splash.BLOCKS)
+    _attend_splash.BLOCKS.update(splash_blocks(impl))
+    try:
+        time_once(fn, args_)
+    finally:
+        _attend_splash.BLOCKS.clear()
+        _attend_splash.BLOCKS.update(saved)
+    return fn
 
 
 def time_once(fn, args) -> float:
@@ -56,8 +82,7 @@ def measure(seq: int, args) -> dict:
     fns, errors = {}, {}
     for impl in args.impls:
         try:
-            fns[impl] = step_fn(impl)
-            time_once(fns[impl], (q, k, v))  # compile and warm up
+            fns[impl] = compile_once(impl, (q, k, v))  # compile and warm up
         except Exception as e:  # reported in the row; the others are still timed
             errors[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             fns.pop(impl)
@@ -88,12 +113,22 @@ def main(argv=None) -> dict:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--splash-blocks", nargs="*", default=[], metavar="Q,KV,F",
+        help="also time the kernel with blocks of up to Q queries and KV keys (F=1: fused backward), e.g. 1024,512,1",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="write attention_speed_<device>.json and .md here")
     args = p.parse_args(argv)
     args.impls = args.impls.split(",")
     unknown = [i for i in args.impls if i not in zoo.nn.ATTENTION_IMPLEMENTATIONS]
     if unknown:
         p.error(f"unknown --impls {unknown}; choose from {list(zoo.nn.ATTENTION_IMPLEMENTATIONS)}")
+    for blocks in args.splash_blocks:
+        try:
+            splash_blocks(f"splash:{blocks}")
+        except ValueError:
+            p.error(f"--splash-blocks takes Q,KV,F (three integers), got {blocks!r}")
+        args.impls.append(f"splash:{blocks}")
     device = jax.devices()[0].device_kind
     print(f"== attention value-and-grad on {device}: batch {args.batch}, heads {args.heads}/{args.kv_heads}, "
           f"width {args.head_dim}, {args.dtype}", flush=True)  # fmt: skip

@@ -87,3 +87,17 @@ def test_auto_chooses_splash_on_one_tpu_for_long_sequences_only():
         return next(r for r in plan.rows if r.estimate.candidate == Candidate()).estimate.device_bytes
 
     assert planned_bytes("auto") == planned_bytes("splash") == planned_bytes("blockwise") < planned_bytes("xla")
+
+
+def test_other_block_sizes_and_the_fused_backward_kernel_give_the_same_gradients(monkeypatch):
+    from zoo.nn import _attend_splash
+
+    q, k, v = qkv(256, 256, 2, 1, dim=32, seed=3)
+    want = _value_and_grads("xla", q, k, v)
+    monkeypatch.setitem(_attend_splash.BLOCKS, "q", 256)
+    monkeypatch.setitem(_attend_splash.BLOCKS, "kv", 128)
+    monkeypatch.setitem(_attend_splash.BLOCKS, "fused_backward", True)
+    got = _value_and_grads("splash", q, k, v)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for g, w in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)

@@ -25,33 +25,42 @@ import jax.numpy as jnp
 #: The sequence is padded to a multiple of this (the kernel's smallest block).
 SPLASH_ALIGN = 128
 
-#: The largest block (queries or keys) the kernel is given: 512 where the padded sequence divides.
-_MAX_BLOCK = 512
+#: The largest blocks the kernel is given: queries and keys per block (forward and backward), and
+#: whether the backward pass computes dq with dk and dv in one kernel. Each block is the largest
+#: power of two up to these that divides the padded sequence. Tuning knob for benchmarks
+#: (``benchmarks/attention_speed.py --splash-blocks``), not public API.
+BLOCKS = {"q": 512, "kv": 512, "fused_backward": False}
 
 
-def _block(seq: int) -> int:
-    """The largest of 512, 256, 128 dividing ``seq`` (a multiple of 128)."""
-    block = _MAX_BLOCK
+def _block(seq: int, largest: int) -> int:
+    """The largest power of two up to ``largest`` (at least 128) dividing ``seq`` (a multiple of 128)."""
+    block = max(largest, SPLASH_ALIGN)
     while seq % block:
         block //= 2
     return block
 
 
-@functools.lru_cache(maxsize=64)
 def _kernel(seq: int, heads: int, window: int | None, softcap: float | None, interpret: bool):
-    """The kernel for one padded sequence length, head count and mask (cached: building it turns the
-    mask into block tables with NumPy)."""
+    blocks = (BLOCKS["q"], BLOCKS["kv"], bool(BLOCKS["fused_backward"]))
+    return _cached_kernel(seq, heads, window, softcap, interpret, blocks)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_kernel(seq: int, heads: int, window: int | None, softcap: float | None, interpret: bool, blocks):
+    """The kernel for one padded sequence length, head count, mask and block sizes (cached: building
+    it turns the mask into block tables with NumPy)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     if window is None:
         mask = sa.CausalMask((seq, seq))
     else:  # a query sees itself and the window - 1 keys before it
         mask = sa.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
-    b = _block(seq)
+    q, kv, fused = _block(seq, blocks[0]), _block(seq, blocks[1]), blocks[2]
+    dq = {} if fused else {"block_q_dq": q, "block_kv_dq": kv}
     sizes = sa.BlockSizes(
-        block_q=b, block_kv=b, block_kv_compute=b,
-        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
-        block_q_dq=b, block_kv_dq=b,
+        block_q=q, block_kv=kv, block_kv_compute=kv,
+        block_q_dkv=q, block_kv_dkv=kv, block_kv_dkv_compute=kv,
+        use_fused_bwd_kernel=fused, **dq,
     )  # fmt: skip
     with jax.ensure_compile_time_eval():  # concrete block tables, safe to keep across traces
         return sa.make_splash_mha_single_device(
