@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 import zoo
 from benchmarks import _environment as env
-from zoo.nn import _attend_splash
 
 
 def step_fn(impl: str):
@@ -49,7 +48,7 @@ def step_fn(impl: str):
 def splash_blocks(impl: str) -> dict:
     """The kernel's block settings a ``"splash:Q,KV,F"`` name stands for (the defaults for ``"splash"``)."""
     if ":" not in impl:
-        return dict(_attend_splash.BLOCKS)
+        return dict(zoo.nn.SPLASH_BLOCKS)
     q, kv, fused = (int(x) for x in impl.split(":")[1].split(","))
     return {"q": q, "kv": kv, "fused_backward": bool(fused)}
 
@@ -57,13 +56,13 @@ def splash_blocks(impl: str) -> dict:
 def compile_once(impl: str, args_):
     """``impl``'s function, traced and run once with its block settings (they are read at trace time)."""
     fn = step_fn(impl)
-    saved = dict(_attend_splash.BLOCKS)
-    _attend_splash.BLOCKS.update(splash_blocks(impl))
+    saved = dict(zoo.nn.SPLASH_BLOCKS)
+    zoo.nn.SPLASH_BLOCKS.update(splash_blocks(impl))
     try:
         time_once(fn, args_)
     finally:
-        _attend_splash.BLOCKS.clear()
-        _attend_splash.BLOCKS.update(saved)
+        zoo.nn.SPLASH_BLOCKS.clear()
+        zoo.nn.SPLASH_BLOCKS.update(saved)
     return fn
 
 

@@ -82,7 +82,8 @@ def test_bad_arguments_are_clear_errors():
         nn.attend(q, k, v, q_pos=jnp.arange(3))
     with pytest.raises(
         ValueError,
-        match=r"unknown attention implementation 'flash'; choose one of \['auto', 'xla', 'cudnn', 'blockwise'\]",
+        match=r"unknown attention implementation 'flash'; choose one of "
+        r"\['auto', 'xla', 'cudnn', 'blockwise', 'splash'\]",
     ):
         nn.attend(q, k, v, implementation="flash")
 
@@ -91,7 +92,8 @@ def test_a_config_with_an_unknown_attention_implementation_is_refused():
     import zoo
 
     with pytest.raises(
-        ValueError, match=r"LlamaConfig.attention must be one of \['auto', 'xla', 'cudnn', 'blockwise'\], got 'flash'"
+        ValueError,
+        match=r"LlamaConfig.attention must be one of \['auto', 'xla', 'cudnn', 'blockwise', 'splash'\], got 'flash'",
     ):
         zoo.LlamaConfig.preset("tiny", attention="flash")
     cfg = zoo.GPT2Config.preset("tiny", attention="xla")

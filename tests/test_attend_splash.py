@@ -90,13 +90,11 @@ def test_auto_chooses_splash_on_one_tpu_for_long_sequences_only():
 
 
 def test_other_block_sizes_and_the_fused_backward_kernel_give_the_same_gradients(monkeypatch):
-    from zoo.nn import _attend_splash
-
     q, k, v = qkv(256, 256, 2, 1, dim=32, seed=3)
     want = _value_and_grads("xla", q, k, v)
-    monkeypatch.setitem(_attend_splash.BLOCKS, "q", 256)
-    monkeypatch.setitem(_attend_splash.BLOCKS, "kv", 128)
-    monkeypatch.setitem(_attend_splash.BLOCKS, "fused_backward", True)
+    monkeypatch.setitem(nn.SPLASH_BLOCKS, "q", 256)
+    monkeypatch.setitem(nn.SPLASH_BLOCKS, "kv", 128)
+    monkeypatch.setitem(nn.SPLASH_BLOCKS, "fused_backward", True)
     got = _value_and_grads("splash", q, k, v)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for g, w in zip(got[1], want[1], strict=True):

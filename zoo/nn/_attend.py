@@ -387,7 +387,7 @@ def _check_cudnn(q, softcap) -> None:
         raise ValueError(
             "attention implementation 'cudnn' cannot be used here: "
             + "; ".join(problems)
-            + f". Choose one of {[i for i in IMPLEMENTATIONS if i != 'cudnn']} (they run everywhere)."
+            + f". Choose one of {[i for i in IMPLEMENTATIONS if i not in ('cudnn', 'splash')]} (they run everywhere)."
         )
 
 

@@ -25,10 +25,12 @@ import jax.numpy as jnp
 #: The sequence is padded to a multiple of this (the kernel's smallest block).
 SPLASH_ALIGN = 128
 
-#: The largest blocks the kernel is given: queries and keys per block (forward and backward), and
-#: whether the backward pass computes dq with dk and dv in one kernel. Each block is the largest
-#: power of two up to these that divides the padded sequence. Tuning knob for benchmarks
-#: (``benchmarks/attention_speed.py --splash-blocks``), not public API.
+#: The largest blocks the kernel is given (``zoo.nn.SPLASH_BLOCKS``): queries and keys per block
+#: (forward and backward), and whether the backward pass computes dq with dk and dv in one kernel.
+#: Each block is the largest power of two up to these that divides the padded sequence. Read when
+#: a function is traced: change it before the first call of a jitted step, e.g.
+#: ``zoo.nn.SPLASH_BLOCKS.update(q=1024, fused_backward=True)``
+#: (``benchmarks/attention_speed.py --splash-blocks`` times settings side by side).
 BLOCKS = {"q": 512, "kv": 512, "fused_backward": False}
 
 
