@@ -722,6 +722,19 @@ def test_hlo_analysis_says_which_host_transfers_span_a_matmul_in_the_schedule():
     assert entry["bytes"] == 3 * 2048 and entry["spanning_matmuls_bytes"] == 0
 
 
+def test_a_pallas_kernel_in_a_copys_window_counts_as_a_matmul():
+    """The attention kernel (``attention="splash"``) is a ``tpu_custom_call``: XLA sees no matmul in
+    it, but a copy beside it hides behind its compute. Any other custom call does not count."""
+    anchor = "  %copy-done = f32[1,8,16]{2,1,0} copy-done(%copy-start)\n"
+
+    def with_call(target: str) -> dict:
+        call = f'  %k = f32[8,8]{{1,0}} custom-call(%p.x), custom_call_target="{target}"\n'
+        return hlo.analyze_hlo(SYNTHETIC_HLO.replace(anchor, call + anchor), n_layers=4)["overlap"]
+
+    assert with_call("tpu_custom_call")["h2d_spanning_matmuls_bytes"] == 4 * 1024
+    assert with_call("Sharding")["h2d_spanning_matmuls_bytes"] == 0
+
+
 def test_the_dumps_async_start_form_of_a_host_transfer_reads_as_the_compiled_texts():
     """XLA:TPU's dump after optimization (what the check reads on the chip) prints an async host
     slice as ``async-start(...), calls=%c`` and ``async-done``, where ``Compiled.as_text()`` prints

@@ -284,9 +284,15 @@ def _empty_loop(trip, parent) -> dict:
 MATMULS = ("dot", "convolution")
 
 
+def _runs_matmul(ins: dict) -> bool:
+    """A matmul, or a Pallas kernel on a TPU (``custom_call_target="tpu_custom_call"``: the
+    attention kernel, ``attention="splash"``, whose matmuls XLA does not see)."""
+    return ins["opcode"] in MATMULS or (ins["opcode"] == "custom-call" and "tpu_custom_call" in ins["text"])
+
+
 def _matmul_computations(comps: dict) -> set[str]:
     """The computations that run a matmul, themselves or through the ones they call (a fusion)."""
-    direct = {n for n, c in comps.items() if any(i["opcode"] in MATMULS for i in c["instructions"])}
+    direct = {n for n, c in comps.items() if any(_runs_matmul(i) for i in c["instructions"])}
     callees = {n: {callee for i in c["instructions"] for _, callee in i["calls"]} for n, c in comps.items()}
     found, changed = set(direct), True
     while changed:
@@ -350,9 +356,7 @@ def transfer_overlap(
     for name in (n for n in graph["order"] if n not in graph["wrapped"]):
         instructions = comps[name]["instructions"]
         factor = graph["multiplier"].get(name, 1)
-        runs_matmul = [
-            i["opcode"] in MATMULS or any(callee in matmul_comps for _, callee in i["calls"]) for i in instructions
-        ]
+        runs_matmul = [_runs_matmul(i) or any(callee in matmul_comps for _, callee in i["calls"]) for i in instructions]
         cycles = [cycles_of(i) for i in instructions] if estimate else []
         done_at = {}
         for index, ins in enumerate(instructions):
