@@ -136,12 +136,13 @@ class DeviceProfile:
       the planner counts, where 0.15 put it 13-23% above them).
     - `compute_efficiency`: the fraction of the peak FLOP/s a train step achieves, which turns the
       planner's matmul FLOPs into time (:func:`transforms.plan`'s default): 1.0 where unmeasured;
-      0.35 on a v5e, where ``llama:small``'s step without offload (batch 8 x 1024) took 0.0859 s
-      against the 29.7 ms its FLOPs need at the peak
-      (``benchmarks/results/accelerator_check_TPU_v5_lite_20261206T095814Z.md``). With it the
-      planner's offload costs on that chip come near the measured ones (the streamed update
-      1.53x ``none`` against 1.27x measured, weights in host memory 2.25x against 2.40-2.54x, where
-      the peak rate predicted 2.26x and 4.53x).
+      0.38 on a v5e, where ``llama:small``'s step without offload (batch 8 x 1024, attention
+      through the TPU kernel that ``"auto"`` chooses there) took 0.0790 s against the 29.7 ms its
+      FLOPs need at the peak (``benchmarks/results/accelerator_check_TPU_v5_lite_20261206T125434Z.md``;
+      0.35 with blockwise attention, 0.0859 s in ``..._095814Z``). With 0.35 the planner's offload
+      costs on that chip came near the measured ones (the streamed update 1.53x ``none`` against
+      1.27x measured, weights in host memory 2.25x against 2.40-2.54x, where the peak rate
+      predicted 2.26x and 4.53x).
 
     Make a custom one with :func:`custom_device`.
     """
@@ -252,7 +253,7 @@ TPU_V5E_LINK = dict(link="TPU host link (PCIe; measured in-program on a v5e)", l
 
 
 #: A v5e's measured share of its peak FLOP/s in a train step (see ``DeviceProfile.compute_efficiency``).
-TPU_V5E_COMPUTE_EFFICIENCY = 0.35
+TPU_V5E_COMPUTE_EFFICIENCY = 0.38
 
 
 def _tpu(
