@@ -1143,6 +1143,13 @@ def test_a_peak_that_adds_the_builds_in_use_peak_to_the_steps_scratch_is_told_ap
     results._figures(entry)
     assert not entry["peak_in_use_from_init"] and entry["training_peak_low_bytes"] is None
     assert entry["peak_set_by"] == "working buffers"
+    # A capacity run on its own transforms (capacity_defer; the plan recorded, not applied) has the
+    # planner's figures for those, not the plan's.
+    plan["applied"] = False
+    worker["planner"] = {"device_bytes": 13 * G, "host_bytes": 10 * G, "peak_terms": [["parameters", 5 * G]]}
+    results._figures(entry)
+    assert (entry["planner_device_bytes"], entry["planner_host_bytes"]) == (13 * G, 10 * G)
+    assert entry["peak_set_by"] == "parameters"
 
 
 def test_compact_moment_configurations_are_checked_against_the_same_storage_on_the_device():

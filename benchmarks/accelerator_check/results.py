@@ -135,15 +135,15 @@ def _figures(entry: dict) -> None:
     entry["training_peak_low_bytes"] = stats["bytes_in_use"] + scratch if from_init else None
     placed = (worker.get("placement_final") or {}).values()
     entry["host_bytes"] = sum(row.get("pinned_host", 0) for row in placed if isinstance(row, dict))
-    entry["planner_device_bytes"] = (worker.get("planner") or {}).get("device_bytes")
-    if entry.get("capacity"):
-        entry["planner_device_bytes"] = ((worker.get("plan") or {}).get("predicted") or {}).get("device_bytes")
+    # A capacity run on the plan has the plan's figures; one on its own transforms (capacity_defer)
+    # the planner's for those (it once showed the plan's, 7.65 GiB against the 12.77 predicted for it).
+    on_plan = entry.get("capacity") and (worker.get("plan") or {}).get("applied", True)
+    figures = ((worker.get("plan") or {}).get("predicted") or {}) if on_plan else (worker.get("planner") or {})
+    entry["planner_device_bytes"] = figures.get("device_bytes")
     entry["xla_peak_bytes"] = (worker.get("step_memory") or {}).get("peak")
     # Host memory: the planner's host bytes against the worker's resident growth over its
     # baseline (measured once the runtime was up, before any model).
-    planned_host = (worker.get("planner") or {}).get("host_bytes")
-    if entry.get("capacity"):
-        planned_host = ((worker.get("plan") or {}).get("predicted") or {}).get("host_bytes")
+    planned_host = figures.get("host_bytes")
     rss, baseline = entry.get("host_peak_rss_bytes"), worker.get("host_baseline_bytes")
     growth = rss - baseline if rss and baseline else None
     entry.update(planner_host_bytes=planned_host, host_rss_growth_bytes=growth)
