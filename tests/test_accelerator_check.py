@@ -1240,3 +1240,59 @@ def test_the_source_digest_names_the_code_a_run_measured(tmp_path):
     (tmp_path / "notes.txt").write_text("not code")  # outside the packages: no change
     assert _environment.source_digest(tmp_path) == first
     assert _environment.software()["source_digest"] == _environment.source_digest()
+
+
+def _synthetic_trace(path):
+    """A device with one traced step of 10 ms: a loop (a container) around a 4 ms matmul of 8e9
+    FLOPs (2 TFLOP/s), a 3 ms elementwise op overlapping it by 1 ms, and a 2 ms wait on a copy; an
+    earlier step and a host thread that must not count."""
+    import gzip
+    import json
+
+    meta = [
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:TPU:0"}},
+        {"ph": "M", "pid": 3, "tid": 1, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "M", "pid": 3, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/host:CPU"}},
+    ]
+    op = lambda name, ts, dur, cat, flops=0: {
+        "ph": "X", "pid": 3, "tid": 2, "name": name, "ts": ts, "dur": dur,
+        "args": {"hlo_category": cat, "model_flops": str(flops), "long_name": f"%{name} = f32[8] ..."},
+    }  # fmt: skip
+    spans = [
+        {"ph": "X", "pid": 3, "tid": 1, "name": "jit_step(1)", "ts": 0, "dur": 5000},  # an earlier step
+        op("fusion.9", 100, 4000, "convolution fusion", 1e12),
+        {"ph": "X", "pid": 3, "tid": 1, "name": "jit_step(1)", "ts": 100_000, "dur": 10_000},
+        op("while.1", 100_000, 9000, "while"),
+        op("fusion.1", 100_000, 4000, "convolution fusion", 8e9),
+        op("add_fusion.2", 103_000, 3000, "loop fusion"),
+        op("copy-done.3", 107_000, 2000, "async-done"),
+        {"ph": "X", "pid": 9, "tid": 5, "name": "python", "ts": 100_000, "dur": 10_000},
+    ]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + spans}, f)
+    return path
+
+
+def test_a_trace_summary_says_where_the_steps_device_time_went(tmp_path):
+    from benchmarks.accelerator_check import trace, worker
+
+    s = trace.summarize(_synthetic_trace(tmp_path / "run.trace.json.gz"))
+    assert (s["step_ms"], s["busy_ms"], s["waits_ms"]) == (10.0, 8.0, 2.0)  # 4 + 3 - 1 overlap + 2
+    assert list(s["by_category"]) == ["convolution fusion", "loop fusion", "async-done"]  # no "while"
+    conv = s["by_category"]["convolution fusion"]
+    assert (conv["ms"], conv["share"], conv["tflops"]) == (4.0, 0.4, 2.0)
+    assert s["by_category"]["loop fusion"]["tflops"] is None
+    assert [o["name"] for o in s["top_ops"]] == ["fusion.1", "add_fusion.2", "copy-done.3"]
+    assert s["top_ops"][0]["count"] == 1 and s["top_ops"][0]["hlo"].startswith("%fusion.1 =")
+    line = trace.describe(s)
+    assert "10.0 ms" in line and "convolution fusion 40% at 2 TFLOP/s" in line and "copies 2.0 ms" in line
+    # The worker reads the trace it finds beside the profile, and says why where it cannot.
+    assert worker._trace_summary(tmp_path)["step_ms"] == 10.0
+    (tmp_path / "run.trace.json.gz").write_bytes(b"not gzip")
+    assert "error" in worker._trace_summary(tmp_path)
+    assert worker._trace_summary(tmp_path / "none") is None
+    with pytest.raises(ValueError, match="no device process"):
+        empty = tmp_path / "empty.trace.json"
+        empty.write_text('{"traceEvents": []}')
+        trace.summarize(empty)

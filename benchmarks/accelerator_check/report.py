@@ -11,6 +11,7 @@ from benchmarks._environment import sanitize, stamp, write_results
 from .configs import GiB
 from .guard import ACCELERATORS, label
 from .results import planner_of
+from .trace import describe as describe_trace
 
 HEADER = ["config", "status", "step s", "x none", "tokens/s", "MFU", "peak GiB", "x none", "planner GiB", "host GiB"]
 HEADER += ["GB moved", "x bound", "loss diff", "grad ok"]
@@ -144,6 +145,10 @@ def markdown(results: dict) -> str:
                 f"- {n}: host traffic {moved / 1e9:.2f} GB per step, {o['fraction']:.0%} of it in copies whose "
                 f"window in the schedule spans a matmul (the rest cannot hide behind compute){where}"
             )
+    for n, e in results["configs"].items():
+        traced = (e.get("worker") or {}).get("profile_summary")
+        if traced:
+            details.append(f"- {n}: " + (traced["error"] if "error" in traced else describe_trace(traced)))
     sources = {(e.get("transfers") or {}).get("link_source") for e in results["configs"].values()} - {None}
     details += [f"- bounds: link rates from {source}" for source in sorted(sources)]
     for n, e in results["configs"].items():

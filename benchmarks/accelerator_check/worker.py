@@ -404,6 +404,20 @@ def _flatten_traces(where: Path) -> list[str]:
     return moved
 
 
+def _trace_summary(where: Path) -> dict | None:
+    """Where the traced step's device time went (:func:`trace.summarize` of the Chrome-format trace
+    the TPU runtime writes beside the profile; ``None`` where there is none, as on a CPU)."""
+    from .trace import summarize
+
+    found = sorted(where.glob("*.trace.json.gz"))
+    if not found:
+        return None
+    try:
+        return summarize(found[-1])
+    except (OSError, ValueError, KeyError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles: dict):
     """The warm-up and timed steps; the peak device memory is read right after them."""
     import jax
@@ -422,6 +436,7 @@ def _timed_steps(spec: dict, report: dict, model, step, state, tokens, compiles:
                 model, state, _ = jax.block_until_ready(step(model, state, tokens))
         report["profile_dir"] = spec["profile_dir"]
         report["profile_files"] = _flatten_traces(Path(spec["profile_dir"]))
+        report["profile_summary"] = _trace_summary(Path(spec["profile_dir"]))
     report["step_memory"] = step_memory(step, model, state, tokens)
     report["losses"] = [report["first_step"]["loss"], *losses]
     report["compiles"] = {"after_first_step": compiles["count"] - before, "total": compiles["count"]}
