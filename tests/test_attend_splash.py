@@ -99,3 +99,6 @@ def test_other_block_sizes_and_the_fused_backward_kernel_give_the_same_gradients
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for g, w in zip(got[1], want[1], strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
+    monkeypatch.setitem(nn.SPLASH_BLOCKS, "q", 384)
+    with pytest.raises(ValueError, match=r"SPLASH_BLOCKS\['q'\] must be a power of two of at least 128, got 384"):
+        nn.attend(q, k, v, implementation="splash")

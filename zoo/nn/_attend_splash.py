@@ -43,7 +43,10 @@ def _block(seq: int, largest: int) -> int:
 
 
 def _kernel(seq: int, heads: int, window: int | None, softcap: float | None, interpret: bool):
-    blocks = (BLOCKS["q"], BLOCKS["kv"], bool(BLOCKS["fused_backward"]))
+    blocks = (BLOCKS.get("q"), BLOCKS.get("kv"), bool(BLOCKS.get("fused_backward")))
+    for name, b in zip(("q", "kv"), blocks, strict=False):
+        if not isinstance(b, int) or b < SPLASH_ALIGN or b & (b - 1):
+            raise ValueError(f"zoo.nn.SPLASH_BLOCKS[{name!r}] must be a power of two of at least 128, got {b!r}")
     return _cached_kernel(seq, heads, window, softcap, interpret, blocks)
 
 
