@@ -162,7 +162,8 @@ def test_the_preflight_exercises_every_jax_api_the_project_uses():
     assert found["checks"] == [what for what, _ in preflight.CHECKS]
     assert set(found["versions"]) == set(preflight.DISTRIBUTIONS) and found["versions"]["jax"]
     assert found["platform_version"]
-    assert found["attention"] == {"resolved": "xla", "ok": True}  # bf16 on the CPU: no cuDNN
+    # What "auto" gives long sequences here (the main runs'): blockwise on a CPU, in bf16.
+    assert found["attention"] == {"resolved": "blockwise", "ok": True}
 
 
 def test_the_main_runs_fall_back_to_xla_attention_where_the_default_failed_in_the_preflight(monkeypatch):
@@ -179,6 +180,9 @@ def test_the_main_runs_fall_back_to_xla_attention_where_the_default_failed_in_th
         args, conf, test={}, compile_cache=None, attention=orchestrate.attention_fallback(results)
     )
     assert spec["attention"] == "xla"
+    # The TPU kernel falls back to blockwise (no score matrix at long sequences).
+    failed_splash = {"preflight": {"attention": {"resolved": "splash", "ok": False}}}
+    assert orchestrate.attention_fallback(failed_splash) == "blockwise"
     assert orchestrate.attention_fallback({"preflight": {"attention": {"ok": True}}}) is None
     assert orchestrate.attention_fallback({"preflight": {}}) is None
 

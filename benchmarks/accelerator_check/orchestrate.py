@@ -24,6 +24,7 @@ from .goals import GOALS
 from .grads import TOLERANCES as GRADIENT_TOLERANCES
 from .guard import label
 from .hlo import summarize_dump
+from .preflight import fallback_attention
 from .report import file_stem, print_summary, write
 from .results import base_entry, finish_config, refresh
 from .tolerances import TOLERANCES
@@ -128,10 +129,11 @@ def run_worker(name: str, spec: dict, work_dir: Path, timeout: float, env: dict,
 
 
 def attention_fallback(results: dict) -> str | None:
-    """``"xla"`` where the preflight saw the default attention fail on this platform (the main runs
-    then use it, and the results say so under ``preflight.attention``), else None (the default)."""
+    """Where the preflight saw the default attention fail on this platform, what the main runs use
+    instead (``preflight.fallback_attention``: ``"xla"``, or ``"blockwise"`` for the TPU kernel; the
+    results say so under ``preflight.attention``), else None (the default)."""
     probe = (results.get("preflight") or {}).get("attention") or {}
-    return "xla" if probe.get("ok") is False else None
+    return fallback_attention(probe.get("resolved")) if probe.get("ok") is False else None
 
 
 def worker_spec(args, conf: Config, *, test: dict, compile_cache: str | None, attention: str | None = None) -> dict:
@@ -374,7 +376,9 @@ def orchestrate(args, probe: dict, started: float) -> dict:
     path = run.write()
     if attention_fallback(results):
         error = results["preflight"]["attention"].get("error")
-        run.say(f"the default attention failed here ({error}): the main runs use attention='xla'")
+        run.say(
+            f"the default attention failed here ({error}): the main runs use attention={attention_fallback(results)!r}"
+        )
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         run_parity(run)

@@ -128,20 +128,21 @@ def _extend() -> dict:
 
 
 def attention_default() -> dict:
-    """The default attention (``"auto"``) in bfloat16 with 8 heads of 64 (cuDNN's kernel on a GPU,
-    as in the main runs; 512 tokens keep it ``"xla"`` on a CPU), run once under `jax.vmap` and
-    `jax.grad`. Not fatal: where it fails, the main runs use ``"xla"`` and the results say why."""
+    """The attention the main runs use by default: what ``"auto"`` resolves to on this platform for
+    long sequences in bfloat16 with 8 heads of 64 (cuDNN's kernel on a GPU, the splash kernel on a
+    TPU, blockwise on a CPU), run once at 512 tokens under `jax.vmap` and `jax.grad`. Not fatal:
+    where it fails, the main runs use :func:`fallback_attention` of it and the results say why."""
     import jax
     import jax.numpy as jnp
 
     from zoo.nn import attend, resolve_attention
 
     seq, heads, dim = 512, 8, 64
-    resolved = resolve_attention("auto", queries=seq, keys=seq, heads=heads, head_dim=dim, dtype="bfloat16")
+    resolved = resolve_attention("auto", queries=4096, keys=4096, heads=heads, head_dim=dim, dtype="bfloat16")
     q = jax.random.normal(jax.random.key(0), (2, seq, heads, dim), jnp.bfloat16)
 
     def loss(x):
-        out = jax.vmap(lambda t: attend(t, t, t, implementation="auto"))(x)
+        out = jax.vmap(lambda t: attend(t, t, t, implementation=resolved))(x)
         return jnp.sum(out.astype(jnp.float32))
 
     try:
@@ -150,6 +151,12 @@ def attention_default() -> dict:
         first = (str(err).strip().splitlines() or [""])[0][:200]
         return {"resolved": resolved, "ok": False, "error": f"{type(err).__name__}: {first}"}
     return {"resolved": resolved, "ok": True}
+
+
+def fallback_attention(resolved: str | None) -> str:
+    """What the main runs use where the preflight saw ``resolved`` fail: ``"blockwise"`` for the TPU
+    kernel (long sequences, no score matrix), else ``"xla"``."""
+    return "blockwise" if resolved == "splash" else "xla"
 
 
 #: ``(what is checked, check)``, in the order they run.
