@@ -135,6 +135,16 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_projections",
+            "capacity_defer with the attention's projections offloaded too "
+            "(offload_activations(policy='block_input_and_projections')): the backward loop's link is idle "
+            "beside its matmuls, and fetching q, k, v and the attention output there saves recomputing them",
+            opt="defer",
+            activations="block_input_and_projections",
+            split=True,
+            capacity=True,
+        ),
+        Config(
             "capacity_defer_bf16",
             "capacity_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16'))",
             opt="defer",
