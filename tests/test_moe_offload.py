@@ -46,6 +46,13 @@ def _floats(model):
 def test_offloaded_training_matches_plain():
     model = _model()
     assert set(OFFLOADED) <= set(model.checkpoint_names)
+    # The gradients first, tightly: what differs is float32 rounding in another order.
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 17)), jnp.int32)
+    grads = lambda m: _floats(eqx.filter_jit(eqx.filter_grad(_loss))(m, tokens))
+    offloaded_grads = grads(transforms.offload_activations(transforms.offload_params(_model()), names=OFFLOADED))
+    for a, b in zip(offloaded_grads, grads(model), strict=True):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(jax.device_get(a)), b, rtol=0, atol=1e-6 * np.abs(b).max())
     plain, plain_losses = _train(model)  # donates model's buffers: the offloaded run gets a fresh copy
     offloaded = transforms.offload_activations(transforms.offload_params(_model()), names=OFFLOADED)
     assert offloaded.stack.layers.mlp.experts.gate.sharding.memory_kind == "pinned_host"
