@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import transforms
 import zoo
 from benchmarks import _environment as env
+from benchmarks.attention_speed import time_once
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 IMPLS = ("xla", "blockwise")
@@ -41,12 +41,6 @@ def step_fn(impl: str):
         return zoo.nn.attend(q, k, v, implementation=impl).astype(jnp.float32).sum()
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-
-
-def time_once(fn, args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
 
 
 def measure(seq: int, *, heads: int, head_dim: int, rounds: int, dtype) -> dict:

@@ -67,13 +67,15 @@ def compile_once(impl: str, args_):
 
 
 def time_once(fn, args) -> float:
+    """Seconds of one call of ``fn(*args)``, its results ready."""
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return time.perf_counter() - start
 
 
 def measure(seq: int, args) -> dict:
-    """One row: median seconds of each implementation at ``seq`` (``None`` where it failed)."""
+    """One row: median seconds of each implementation at ``seq``; one that failed to compile or run
+    is left out of the times and named, with its error, under ``errors``."""
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(seq), 3)
     q = jax.random.normal(keys[0], (args.batch, seq, args.heads, args.head_dim), dtype)
@@ -83,8 +85,7 @@ def measure(seq: int, args) -> dict:
         try:
             fns[impl] = compile_once(impl, (q, k, v))  # compile and warm up
         except Exception as e:  # reported in the row; the others are still timed
-            errors[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            fns.pop(impl)
+            errors[impl] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     times = {impl: [] for impl in fns}
     for _ in range(args.rounds):
         for impl, fn in fns.items():

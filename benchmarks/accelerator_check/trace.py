@@ -87,9 +87,6 @@ def summarize(path: Path | str, *, top: int = 8) -> dict:
         op[3] = op[3] or cat
         op[4] = op[4] or str(args.get("long_name", ""))[:200]
 
-    def rate(us: float, flops: float):
-        return round(flops / (us * 1e-6) / 1e12, 1) if flops and us else None
-
     step_us = step["dur"]
     return {
         "file": Path(path).name,
@@ -98,17 +95,22 @@ def summarize(path: Path | str, *, top: int = 8) -> dict:
         "busy_ms": round(_union_us([(e["ts"], e["ts"] + e["dur"]) for e in ops]) / 1e3, 3),
         "waits_ms": round(sum(by_cat[c][0] for c in WAITS if c in by_cat) / 1e3, 3),
         "by_category": {
-            c: {"ms": round(us / 1e3, 3), "share": round(us / step_us, 4), "tflops": rate(us, f)}
+            c: {"ms": round(us / 1e3, 3), "share": round(us / step_us, 4), "tflops": _rate(us, f)}
             for c, (us, f) in sorted(by_cat.items(), key=lambda kv: -kv[1][0])
         },
-        "top_ops": [_op(n, v, step_us, rate) for n, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
+        "top_ops": [_op(n, v, step_us) for n, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
     }
 
 
-def _op(name: str, totals: list, step_us: float, rate) -> dict:
+def _rate(us: float, flops: float) -> float | None:
+    """TFLOP/s of ``flops`` in ``us`` microseconds (``None`` where XLA counts none)."""
+    return round(flops / (us * 1e-6) / 1e12, 1) if flops and us else None
+
+
+def _op(name: str, totals: list, step_us: float) -> dict:
     us, flops, count, category, text = totals
     ms, share = round(us / 1e3, 3), round(us / step_us, 4)
-    return {"name": name, "category": category, "count": count, "ms": ms, "share": share, "tflops": rate(us, flops),
+    return {"name": name, "category": category, "count": count, "ms": ms, "share": share, "tflops": _rate(us, flops),
             "hlo": text}  # fmt: skip
 
 
