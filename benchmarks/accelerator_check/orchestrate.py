@@ -374,11 +374,10 @@ def orchestrate(args, probe: dict, started: float) -> dict:
     cache = None if args.compile_cache == "off" else str(work_dir / "jax_cache")
     run = Run(args, results, started, work_dir, cache, capped, {c.name: c for c in config_table()})
     path = run.write()
-    if attention_fallback(results):
+    fallback = attention_fallback(results)
+    if fallback:
         error = results["preflight"]["attention"].get("error")
-        run.say(
-            f"the default attention failed here ({error}): the main runs use attention={attention_fallback(results)!r}"
-        )
+        run.say(f"the default attention failed here ({error}): the main runs use attention={fallback!r}")
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         run_parity(run)
