@@ -29,9 +29,12 @@ SPLASH_ALIGN = 128
 #: (forward and backward), and whether the backward pass computes dq with dk and dv in one kernel.
 #: Each block is the largest power of two up to these that divides the padded sequence. Read when
 #: a function is traced: change it before the first call of a jitted step, e.g.
-#: ``zoo.nn.SPLASH_BLOCKS.update(q=1024, fused_backward=True)``
-#: (``benchmarks/attention_speed.py --splash-blocks`` times settings side by side).
-BLOCKS = {"q": 512, "kv": 512, "fused_backward": False}
+#: ``zoo.nn.SPLASH_BLOCKS.update(q=512, fused_backward=False)``
+#: (``benchmarks/attention_speed.py --splash-blocks`` times settings side by side). The default
+#: was the fastest of five on a TPU v5e (batch 8, 32/8 heads of 64, 2,048 tokens, value and
+#: gradient): 13.5 ms against 17.3 for 512/512 with separate kernels
+#: (``benchmarks/results/attention_speed_TPU_v5_lite_blocks.md``).
+BLOCKS = {"q": 1024, "kv": 1024, "fused_backward": True}
 
 
 def _block(seq: int, largest: int) -> int:
