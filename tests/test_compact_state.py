@@ -26,6 +26,12 @@ def test_float8_blocks_keep_small_values_apart_from_zero():
     back = np.asarray(_decode_f8(q, jnp.float32, signed.shape))
     odd = _encode_f8(signed[:, :3], 256)  # 12 codes: 3 words; 3 x 3 = 9 would stay float8
     assert odd.codes.shape == (3,) and _encode_f8(signed[:3, :3], 256).codes.dtype == jnp.float8_e4m3fn
+    # Rows of 128 words where the words divide by 128, and of 128 scales where those do (a TPU
+    # then copies one layer of a stack out of host memory in one piece, in the tiles it uses).
+    wide = jnp.asarray(rng.standard_normal((128, 512)), jnp.float32)
+    rows = _encode_f8(wide, 256)
+    assert rows.codes.shape == (128, 128) and rows.scales.shape == (2, 128)
+    assert np.allclose(np.asarray(_decode_f8(rows, jnp.float32, wide.shape)), wide, rtol=0.14, atol=1e-6)
     odd_back = np.asarray(_decode_f8(odd, jnp.float32, (4, 3)))
     assert np.allclose(odd_back, signed[:, :3], rtol=0.14) and np.all(np.sign(odd_back) == np.sign(signed[:, :3]))
     assert np.all(np.sign(back) == np.sign(np.asarray(signed))) and np.allclose(back, signed, rtol=0.14)
@@ -64,6 +70,9 @@ def test_compact_state_trains_like_float32_state_in_fewer_host_bytes(dtype, stat
     scalars = {p for p, x in state.items() if stream and ".stacked" in p and x[0].size == 1}
     assert on_device == scalars
     assert not stream or {p.rsplit(".", 3)[-3] for p in scalars} == {"attn_norm", "mlp_norm"}
+    if dtype == "float8":  # a stack's matrices: (layers, rows of 128 words), a layer contiguous
+        words = [x for p, x in state.items() if ".stacked" in p and "codes" in p and x.ndim == 3]
+        assert words and all(x.shape[-1] == 128 and x.dtype == jnp.uint32 for x in words)
     ratio = sum(x.nbytes for x in state.values()) / sum(x.nbytes for x in ref_state.values())
     assert ratio == pytest.approx(state_ratio, abs=0.02)
 

@@ -16,9 +16,9 @@ new state again.
   before about 11 decades. (Linear int8 codes, tried first, lose the
   small second moments of a block to zero, and Adam then takes huge steps: 1.5x the loss.) Blocks
   never cross the leading axes, so a stack's state quantizes the same per layer as whole (the
-  streamed update of :func:`transforms.offload_opt_state` accepts it). The codes are stored flat,
-  four to a uint32 word, and the scales flat (see :class:`Float8Block`: the layout a TPU copies
-  out of host memory row by row).
+  streamed update of :func:`transforms.offload_opt_state` accepts it). The codes are stored four
+  to a uint32 word, in rows of 128 words, and the scales in rows of 128 (see :class:`Float8Block`:
+  the layout a TPU copies out of host memory one layer at a time in one piece).
 """
 
 from __future__ import annotations
@@ -39,15 +39,20 @@ _F8_MAX = 448.0
 
 class Float8Block(NamedTuple):
     """One state leaf in 8 bits: ``codes`` (float8 e4m3, four to a uint32) and ``scales`` (float32,
-    one per block of the last axis), both flat: a leaf of shape ``(..., n)`` stores ``size / 4``
-    uint32 words (float8 codes as they are where the size does not divide by four) and
-    ``size / n * blocks`` scales.
+    one per block of the last axis). A leaf of ``size`` values stores ``size / 4`` uint32 words
+    as rows of 128, ``(size / 512, 128)`` (flat where ``size`` does not divide by 512; float8 codes
+    as they are where it does not divide by four), and ``size / n * blocks`` scales, as rows of 128
+    where they divide by 128 and flat otherwise.
 
-    Flat and in 32-bit words because a TPU lays out narrow arrays in tiles of the last two axes:
-    a stack of float8 codes (``(layers, rows, cols)``) in host memory did not compile for a v5e
-    (XLA's layout assignment made a cycle of whole-stack copies), and a stack of ``(layers, rows,
-    cols / 4)`` words, or of scales ``(layers, rows, 3)``, is copied whole to a transposed layout
-    on every step. Each layer's flat words and scales slice out of a stack as rows."""
+    In 32-bit words, in rows of 128, because a TPU lays arrays out in tiles of their last two axes
+    (8 x 128 32-bit values): a stack of float8 codes (``(layers, rows, cols)``) in host memory did
+    not compile for a v5e (XLA's layout assignment made a cycle of whole-stack copies), a stack of
+    ``(layers, rows, cols / 4)`` words, or of scales ``(layers, rows, 3)``, was copied whole to a
+    transposed layout on every step, and a stack of flat words ``(layers, words)`` tiles eight
+    layers together, so that one layer's copy out of host memory gathers 512-byte pieces and is
+    then laid out again (on a v5e a quarter of ``opt_state_defer_f8_stacks_split``'s step). A stack
+    of ``(layers, words / 128, 128)`` holds each layer in one contiguous piece, in the tiles it is
+    used in."""
 
     codes: jax.Array
     scales: jax.Array
@@ -65,18 +70,31 @@ def _encode_f8(x: jax.Array, block_size: int) -> Float8Block:
     scales = jnp.max(jnp.abs(blocks), axis=-1) / _F8_MAX
     safe = jnp.where(scales > 0, scales, 1.0)
     codes = jnp.clip(blocks / safe[..., None], -_F8_MAX, _F8_MAX).astype(_F8).reshape(-1)
-    return Float8Block(_pack(codes) if codes.size % 4 == 0 else codes, scales.reshape(-1))
+    return Float8Block(_pack(codes) if codes.size % 4 == 0 else codes, _rows(scales.reshape(-1)))
+
+
+#: The lanes of a TPU tile: words and scales are stored in rows of this many.
+_LANES = 128
+
+
+def _rows(flat: jax.Array) -> jax.Array:
+    """``flat`` as rows of 128 where its size divides by 128 (flat otherwise)."""
+    return flat.reshape(-1, _LANES) if flat.size % _LANES == 0 else flat
 
 
 def _pack(codes: jax.Array) -> jax.Array:
     """Flat float8 codes (a multiple of four) as uint32 words: word ``i`` holds codes ``i``,
     ``i + n/4``, ``i + n/2`` and ``i + 3n/4`` (four contiguous quarters, one byte each: a
-    ``(n/4, 4)`` shape would pad 4 to 128 lanes on a TPU)."""
+    ``(n/4, 4)`` shape would pad 4 to 128 lanes on a TPU). Rows of 128 words where ``n / 4``
+    divides by 128."""
     quarters = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(4, -1).astype(jnp.uint32)
-    return quarters[0] | quarters[1] << 8 | quarters[2] << 16 | quarters[3] << 24
+    return _rows(quarters[0] | quarters[1] << 8 | quarters[2] << 16 | quarters[3] << 24)
 
 
 def _unpack(words: jax.Array) -> jax.Array:
+    """The flat float8 codes of :func:`_pack`'s words (flat or in rows). Flattened first: the
+    rows are the stored layout only (reshaped rows would pull the moments' layout after them)."""
+    words = words.reshape(-1)
     quarters = [((words >> shift) & 0xFF).astype(jnp.uint8) for shift in (0, 8, 16, 24)]
     return jax.lax.bitcast_convert_type(jnp.concatenate(quarters), _F8)
 

@@ -288,12 +288,11 @@ def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16", **overr
 
 
 def _stacked_moment(x) -> bool:
-    """A state leaf of a stack's matrix (a layer axis and two more; float8 codes, stored flat as
-    uint32 words, a layer axis and a long one): ``where="stacks"``."""
+    """A state leaf of a stack's matrix: a layer axis and two more (float8 codes too, stored as
+    uint32 words in rows of 128, and their scales): ``where="stacks"``."""
     import jax.numpy as jnp
 
-    words = x.dtype == jnp.uint32 and x.ndim == 2 and x.shape[-1] >= 1024
-    return (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 3) or words
+    return x.ndim >= 3 and (jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint32)
 
 
 def make_optimizer(
