@@ -133,7 +133,7 @@ class OffloadSpec:
                 acts = tuple(policy)
             else:
                 return None
-        opt = {"stream": "stream", True: "offload"}.get(candidate.opt_state)
+        opt = {"stream": "stream", "defer": "defer", True: "offload"}.get(candidate.opt_state)
         return cls(params=bool(candidate.params), opt_state=opt, activations=acts)
 
     @property
