@@ -93,7 +93,17 @@ def candidate_notes(shown: Row, clip: bool) -> list[str]:
         if clip
         else "without gradient clipping (plan(..., clip_norm=...) counts its pass)"
     )
-    if cand.stream:
+    if cand.defer:
+        notes.append(
+            "deferred update: each stack's optimizer state moves to the device one layer at a time in the next "
+            "step's forward pass, beside that layer's matmuls, and its gradients wait on the device until then "
+            f"(the leaves outside the stacks are updated after the backward pass), {clip_text}. apply() uses "
+            "offload_opt_state(stream=True, defer=True, clip_norm=...): pass clip_norm instead of "
+            "optax.clip_by_global_norm. The model a step returns is one update behind in its stacks: "
+            "TrainStep.flush applies the pending update before you evaluate, generate or export it (the "
+            "recipes do)"
+        )
+    elif cand.stream:
         notes.append(
             "streamed update: weights, gradients and optimizer state of each layer move to the device one layer "
             f"at a time (the next one fetched ahead), {clip_text}; its copies are exposed (the update's math is "

@@ -283,8 +283,7 @@ class Plan(Answer):
         `opt_state` is ``False``, ``True`` (or ``"offload"``: :func:`transforms.offload_opt_state`),
         ``"stream"`` (``offload_opt_state(..., stream=True)``, the update streamed layer by layer) or
         ``"defer"`` (and ``defer=True``: the stacks' update in the next step's forward pass, their
-        copies beside its matmuls, their gradients pending on the device; the search does not try
-        it yet).
+        copies beside its matmuls, their gradients pending on the device; weights on the device).
 
         `activations` is ``None`` (no policy), a preset of :func:`transforms.offload_activations`
         (``"block_input"``, ``"block_input_and_projections"``, ``"recompute_all"``), one of the

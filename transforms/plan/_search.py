@@ -42,6 +42,8 @@ def _all_candidates(unified: bool, names) -> list[Candidate]:
     remat policies; only the policies whose names the model's layer tags."""
     out = []
     for acts, params, opt in itertools.product([None, *ACTIVATION_OPTIONS], (False, True), OPT_STATE_OPTIONS):
+        if opt == "defer" and params:  # the deferred update needs the weights on the device
+            continue
         cand = Candidate(params=params, opt_state=opt, activations=acts)
         if unified and cand.uses_host:
             continue
