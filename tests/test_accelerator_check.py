@@ -1308,3 +1308,24 @@ def test_a_trace_summary_says_where_the_steps_device_time_went(tmp_path):
         empty = tmp_path / "empty.trace.json"
         empty.write_text('{"traceEvents": []}')
         trace.summarize(empty)
+
+
+def test_the_capacity_run_with_16_bit_moments_plans_and_applies_that_optimizer():
+    """capacity_bf16 is the planner's plan for compact_state(adamw, 'bfloat16'): planned and applied
+    with half the state's bytes (the planner sizes the state from the optimizer it is given)."""
+    import jax
+    import jax.numpy as jnp
+
+    import transforms
+    from benchmarks.accelerator_check import worker
+
+    conf = {c.name: c for c in configs.config_table()}["capacity_bf16"]
+    assert conf.capacity and conf.state == "bfloat16" and conf.opt == "device" and not conf.activations
+    cfg = configs.make_config("llama:1b", seq=2048)
+    plans = [
+        transforms.plan(cfg, batch=8, seq=2048, device="tpu-v5e", optimizer=worker.capacity_optimizer(3e-4, s))
+        for s in (None, "bfloat16")
+    ]
+    assert plans[1].host_bytes < plans[0].host_bytes and all(p.candidate.defer for p in plans)
+    state = jax.eval_shape(worker.capacity_optimizer(3e-4, "bfloat16").init, {"w": jnp.zeros((4, 8))})
+    assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {jnp.dtype(jnp.bfloat16)}

@@ -106,6 +106,13 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_bf16",
+            "capacity with the moments in 16 bits: the planner's plan for compact_state(adamw, 'bfloat16'), "
+            "which moves half the state's bytes (the planner offloads the attention's projections too)",
+            state="bfloat16",
+            capacity=True,
+        ),
+        Config(
             "capacity_defer",
             "the capacity run's model on its own transforms instead of the plan: weights and gradients on the "
             "device, block inputs in host memory (offload_activations), the optimizer state in host memory with "

@@ -214,11 +214,11 @@ def _build_model(spec: dict, cfg, conf: Config, report: dict):
     return model, conf
 
 
-def _capacity_plan(spec: dict, cfg, report: dict, write) -> tuple[Config, object]:
+def _capacity_plan(spec: dict, cfg, report: dict, write, state: str | None = None) -> tuple[Config, object]:
     """The capacity run's plan: the plain step's need by XLA's count first (nothing allocated), then
-    the planner's plan for the running device; returns the configuration the plan amounts to (for
+    the planner's plan for the running device (for AdamW, its moments stored as ``state`` where
+    given: :func:`transforms.compact_state`); returns the configuration the plan amounts to (for
     the model's construction) and the plan."""
-    import optax
 
     import transforms
 
@@ -230,7 +230,7 @@ def _capacity_plan(spec: dict, cfg, report: dict, write) -> tuple[Config, object
         cfg, batch=batch, seq=seq, optimizer=make_optimizer("device", lr), limit_bytes=limit
     )
     write("plain_step_sized")
-    dev, opt = report["device"], optax.adamw(lr, b1=ADAM_B1)
+    dev, opt = report["device"], capacity_optimizer(lr, state)
     plain_bytes = None
     if dev["platform"] == "cpu":  # the reduced pass sizes a profile below the planned plain step
         plain_bytes = transforms.plan(cfg, batch=batch, seq=seq, device="h200", optimizer=opt).predict()["device_bytes"]
@@ -256,7 +256,17 @@ def _capacity_plan(spec: dict, cfg, report: dict, write) -> tuple[Config, object
     # Weights the plan offloads are built in host memory (plan.apply leaves them there): the
     # device's peak is the training's, not the build's (llama:1b's 4.6 GiB of float32 weights
     # built on the device set the in-use peak that the step's scratch was added to).
-    return Config("capacity", "plan", params=bool(plan.candidate.params)), plan
+    return Config("capacity", "plan", params=bool(plan.candidate.params), state=state), plan
+
+
+def capacity_optimizer(lr: float, state: str | None = None):
+    """The capacity run's AdamW, its moments stored as ``state`` (``None``: float32)."""
+    import optax
+
+    import transforms
+
+    adamw = optax.adamw(lr, b1=ADAM_B1)
+    return transforms.compact_state(adamw, state) if state else adamw
 
 
 def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None: None):
@@ -265,7 +275,6 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import optax
 
     import transforms
     import zoo
@@ -276,9 +285,9 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     report["model"].update(batch=batch, seq=seq, config=cfg.to_dict())
     plan, text = None, conf.capacity
     if conf.capacity:
-        planned, plan = _capacity_plan(spec, cfg, report, write)
+        planned, plan = _capacity_plan(spec, cfg, report, write, conf.state if conf.opt == "device" else None)
         if conf.opt == "device" and not conf.activations:  # the plan's transforms
-            conf = planned
+            conf = dataclasses.replace(planned, name=conf.name, description=conf.description)
         else:  # its own (e.g. capacity_defer): the plan stays in the report, for comparison
             report["plan"]["applied"], plan = False, None
     model, rest = _build_model(spec, cfg, conf, report)
@@ -290,7 +299,7 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
         optimizer = optimizer_for(conf, spec["lr"])
         tokens = jax.random.randint(jax.random.key(spec["seed"] + 1), (batch, seq + 1), 0, cfg.vocab_size, jnp.int32)
     else:  # the plan's transforms (weights already built in host memory where it offloads them)
-        model, optimizer = plan.apply(model, optax.adamw(spec["lr"], b1=ADAM_B1))
+        model, optimizer = plan.apply(model, capacity_optimizer(spec["lr"], conf.state))
     if text:  # a capacity run trains on text: its loss must fall
         from .capacity import text_tokens
 
