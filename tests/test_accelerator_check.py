@@ -535,6 +535,15 @@ def test_worker_runs_are_classified_by_how_they_ended():
     assert results.classify(run("done")) == ("measured", "")
     assert results.classify(run("first_step", timed_out=True))[0] == "timeout"
     assert results.classify(run("extras", timed_out=True))[0] == "measured"  # killed in the optional extras
+    status, detail = results.classify(run("done", timed_out=True))  # killed on its way out (seen on a v5e)
+    assert status == "measured" and "while exiting" in detail
+    # A recheck reclassifies a saved entry that timed out, from its worker report.
+    saved = {"run_status": "timeout", "worker": {"phase": "done"}, "wall_s": 119.0, "returncode": 0}
+    results.reclassify(saved)
+    assert saved["run_status"] == "measured" and "while exiting" in saved["run_detail"]
+    stuck = {"run_status": "timeout", "worker": {"phase": "first_step"}, "wall_s": 119.0, "returncode": 0}
+    results.reclassify(stuck)
+    assert stuck["run_status"] == "timeout"
     status, detail = results.classify(run("initialized", returncode=1, stderr="x\nRESOURCE_EXHAUSTED: 2 GiB\n"))
     assert status == "crashed" and detail.startswith("out of memory") and "RESOURCE_EXHAUSTED" in detail
     assert results.classify(run("measured", returncode=-9))[0] == "measured"

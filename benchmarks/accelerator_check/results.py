@@ -25,13 +25,15 @@ FIGURES += ("planner_host_bytes", "host_rss_growth_bytes", "planner_host_vs_rss_
 
 def classify(run: dict) -> tuple[str, str]:
     """(run status, detail) of a finished worker run, before any check. A run stopped after its
-    measurements (in the optional extras) keeps them."""
+    measurements (in the optional extras, or on its way out with its report complete) keeps them."""
     report, stderr = run.get("report", {}), run.get("stderr_tail", "")
     phase = report.get("phase", "?")
-    measured = phase in ("measured", "extras")
+    measured = phase in ("measured", "extras", "done")
     if phase == "refused":
         return "refused", report.get("error", "wrong platform")
     if run["timed_out"]:
+        if phase == "done":  # e.g. the runtime's shutdown after a profile
+            return "measured", f"killed after {run['wall_s']:.0f} s while exiting; its report was complete"
         if measured:
             return "measured", f"killed after {run['wall_s']:.0f} s during the extras; the measurements are complete"
         return "timeout", f"killed after {run['wall_s']:.0f} s in phase {phase!r}"
@@ -215,8 +217,21 @@ def check_entry(entry: dict, ref: dict | None, parity: dict, dtype: str) -> None
         entry.update(dict.fromkeys(SPEED_FIELDS))
 
 
+def reclassify(entry: dict) -> None:
+    """A saved run that timed out, classified by this code's rules from what its entry kept of
+    the run (its worker report): a recheck recovers measurements a stricter rule had withheld."""
+    if entry.get("run_status") != "timeout" or not isinstance(entry.get("worker"), dict):
+        return
+    run = {"report": entry["worker"], "timed_out": True, "wall_s": entry.get("wall_s") or 0.0}
+    run.update(returncode=entry.get("returncode"), stderr_tail=entry.get("stderr_tail", ""))
+    status, detail = classify(run)
+    entry.update(run_status=status, run_detail=detail, detail=detail, invalid_reason=detail or status)
+
+
 def apply_checks(configs: dict, parity: dict, dtype: str) -> None:
     """Check every measured training configuration (see :func:`check_entry`)."""
+    for entry in configs.values():
+        reclassify(entry)
     ref = configs.get("none")
     ref = ref if ref and ref.get("run_status") == "measured" else None
     for entry in configs.values():
