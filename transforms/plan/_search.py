@@ -158,7 +158,8 @@ def plan(
     ``zoo.lm_loss`` (parameters, gradients, optimizer state, saved activations per residual name
     and layer, logits, working buffers) on the device and on the host, for every candidate set of
     transforms (none; an activation policy; optimizer-state offload, with the whole update on the
-    device or streamed layer by layer; parameter offload; their combinations), then picks the
+    device, streamed layer by layer after the backward pass, or, with the weights on the device,
+    deferred to the next step's forward pass; parameter offload; their combinations), then picks the
     fastest predicted step among those that fit the device's memory with the margin (ties: fewer
     transforms). On a unified-memory device (DGX Spark) no
     host offload is considered. The cost model is documented in ``transforms/plan/_bytes.py``.
