@@ -134,7 +134,8 @@ matrix.
   set is the larger of the two. The state's sizes come from ``optax``'s
   ``init`` per layer (the layout the wrapper builds; step counters get the layer axis).
 
-- *Deferred update* (``defer=True``, candidate ``opt_state="defer"``, weights on the device only):
+- *Deferred update* (``defer=True``, candidate ``opt_state="defer"``, weights on the device only;
+  searched on a TPU, predicted elsewhere):
   the stacks' streamed update runs in the next step's forward pass, so the update phase keeps only
   the leaves outside the stacks, and the stacks' gradients stay on the device from one step to the
   next (``pending gradients``, in every phase; the backward writes the new ones there). Its copies
@@ -145,7 +146,7 @@ matrix.
   Calibrated on a TPU v5e (``llama:1b``, 8 x 2048, block inputs offloaded): compiled, the split
   program's temporaries were 1.3 GiB above one buffer's (7.1 against 5.8 GiB); counted, 1.1 GiB; the
   planned 13.9 GiB against 14.1 GiB in use on the chip. Where the state is not split (an odd number
-  of layers, fewer than four, several devices along the layer axis, a CPU), its copies are counted
+  of layers, fewer than four, several devices along the layer axis), its copies are counted
   as exposed: XLA scheduled none of them beside a matmul, and the step took 3.10 s against the
   split's 2.61 s on that chip.
 
@@ -208,7 +209,7 @@ NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
 #: Values of :attr:`Candidate.opt_state` the search tries: optimizer state on the device, offloaded
 #: (updated leaf by leaf), offloaded with the streamed update (``offload_opt_state(..., stream=True)``),
 #: or with the stacks' streamed update in the next step's forward pass (``..., defer=True``; weights
-#: on the device only).
+#: on the device only, and on a TPU: ``_search.DEFER_SEARCHED_ON``).
 OPT_STATE_OPTIONS = (False, True, "stream", "defer")
 #: Values :meth:`Plan.predict` also takes that the search does not try (none at present).
 PREDICT_ONLY_OPT_STATE = ()
@@ -691,12 +692,12 @@ def layer_backward_bytes(g: Geometry, cand: Candidate, sh: Shares, saved: Saved)
 
 def split_layers(g: Geometry, sh: Shares) -> bool:
     """Whether the deferred update keeps the stacks' state as even and odd layers
-    (:func:`transforms._layer_split.splits`: its default, on an accelerator, for an even number of
+    (:func:`transforms._layer_split.splits`: its default on an accelerator, for an even number of
     at least four layers, weights on the device, one device along the layer axis): its loops then
     run two layers an iteration, and XLA runs their recomputations at once."""
     from .._layer_split import MIN_LAYERS
 
-    return sh.defer and g.platform != "cpu" and sh.L % 2 == 0 and sh.L >= MIN_LAYERS and sh.fsdp == 1
+    return sh.defer and sh.L % 2 == 0 and sh.L >= MIN_LAYERS and sh.fsdp == 1
 
 
 def stream_layer_bytes(cand: Candidate, sh: Shares) -> tuple[int, int]:
