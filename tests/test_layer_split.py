@@ -70,6 +70,15 @@ def test_the_layout_is_the_deferred_updates_default_opt_in_otherwise_and_off_on_
     assert isinstance(split, LayerSplit) and not isinstance(whole, LayerSplit)  # 4 layers; 3 (odd)
     whole_state = with_split_layers(deferred, False).init(params()).streamed
     assert not any(isinstance(s, LayerSplit) for s in whole_state.stacked)
+    # The same choice in offload_opt_state's own argument.
+    public = transforms.offload_opt_state(optax.adam(1e-3), stream=True, defer=True, split_layers=False)
+    assert not any(isinstance(s, LayerSplit) for s in public.init(params()).streamed.stacked)
+    opted = transforms.offload_opt_state(optax.adam(1e-3), stream=True, split_layers=True)
+    assert isinstance(opted.init(params()).stacked[0], LayerSplit)
+    with pytest.raises(ValueError, match="split_layers lays out the streamed update's state; pass stream=True"):
+        transforms.offload_opt_state(optax.adam(1e-3), split_layers=True)
+    with pytest.raises(TypeError, match="split_layers"):  # (ours, or the type checker's)
+        transforms.offload_opt_state(optax.adam(1e-3), stream=True, split_layers="yes")
     monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", False)  # XLA:CPU would copy each half
     assert not any(isinstance(s, LayerSplit) for s in with_split_layers(plain).init(params()).stacked)
     with pytest.raises(TypeError, match=r"stream=True|StreamedOptimizer"):  # (or the type checker's)

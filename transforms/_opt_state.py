@@ -44,6 +44,7 @@ def offload_opt_state(
     clip_norm: int | float | None = None,
     defer: bool = False,
     pending_dtype: str | None = None,
+    split_layers: bool | None = None,
 ):
     """Wrap an optax optimizer so its state lives in host memory (``pinned_host``).
 
@@ -108,10 +109,17 @@ def offload_opt_state(
       update then sees each gradient rounded to 8 bits of mantissa (a relative error of at most
       2**-9, as :func:`transforms.compact_state`'s moments), clipped with the norm of the unrounded
       ones.
+    - `split_layers`: with ``stream=True``, keep each eligible stack's state as its even and odd
+      layers (``True``) or in one buffer per leaf (``False``); default ``None``: split with
+      ``defer=True``, whole without. One buffer costs the deferred update speed and saves device
+      memory: its loop runs one layer an iteration instead of two (``llama:1b`` at 8 x 2048 with
+      block inputs offloaded on a TPU v5e: 3.10 s a step at 13.5 GiB in use, against the split's
+      2.61 s at 14.1 GiB); the update after the backward pass measured no faster split.
 
     **Raises:** `TypeError` for an optimizer that is not an optax one, a `where` that is not
-    callable, a `stream` or `defer` that is not a bool or a `clip_norm` that is not a number;
-    `ValueError` for a `clip_norm` that is not positive and finite, ``defer`` without ``stream``, an
+    callable, a `stream`, `defer` or `split_layers` that is not a bool (or ``None``) or a
+    `clip_norm` that is not a number; `ValueError` for a `clip_norm` that is not positive and
+    finite, ``defer`` or ``split_layers`` without ``stream``, an
     optimizer wrapped twice, and at ``init`` for a `where` that selects nothing, (``stream=True``)
     an optimizer whose update of one layer depends on other layers or (``defer=True``) a stack's
     weights in host memory; `RuntimeError` on a backend without host memory.
@@ -146,6 +154,12 @@ def offload_opt_state(
         raise TypeError(f"offload_opt_state: defer must be True or False, got {defer!r}")
     if defer and not stream:
         raise ValueError("offload_opt_state: defer=True defers the streamed update; pass stream=True with it")
+    if split_layers is not None and not isinstance(split_layers, bool):
+        raise TypeError(f"offload_opt_state: split_layers must be True, False or None, got {split_layers!r}")
+    if split_layers is not None and not stream:
+        raise ValueError(
+            "offload_opt_state: split_layers lays out the streamed update's state; pass stream=True with it"
+        )
     if pending_dtype is not None:
         if pending_dtype not in PENDING_DTYPES:
             choices = ", ".join(PENDING_DTYPES)
@@ -160,7 +174,8 @@ def offload_opt_state(
         clip_norm = float(clip_norm)
     require_host_memory()
     if stream:
-        settings = dict(split_layers=defer, defer=defer, pending_dtype=pending_dtype)
+        split = defer if split_layers is None else split_layers
+        settings = dict(split_layers=split, defer=defer, pending_dtype=pending_dtype)
         return StreamedOptimizer(optimizer, select, clip_norm, where is not None, **settings)
     if clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)

@@ -64,7 +64,7 @@ class StreamedState(NamedTuple):
 
     - ``stacked``: one state of the wrapped optimizer per :class:`zoo.nn.Stack` of the parameters
       (in tree order), built layer by layer: every leaf has the stack's leading layer axis. (With
-      ``defer=True``, or ``transforms._opt_stream.with_split_layers``, a stack's state is kept as a
+      ``defer=True``, or ``offload_opt_state(..., split_layers=True)``, a stack's state is kept as a
       ``LayerSplit(even, odd)`` of its even and its odd layers instead, so that the update's loop
       can read one buffer while it writes the other.)
     - ``rest``: the wrapped optimizer's state for the leaves outside the stacks.
@@ -665,7 +665,8 @@ _DEFERRED_UPDATE = (
 
 
 def with_split_layers(optimizer: StreamedOptimizer, split: bool = True) -> StreamedOptimizer:
-    """``optimizer`` whose ``init`` keeps each eligible stack's state as its even and odd layers
+    """(The same as ``offload_opt_state(..., split_layers=split)``, for an optimizer already made.)
+    ``optimizer`` whose ``init`` keeps each eligible stack's state as its even and odd layers
     (:class:`~transforms._layer_split.LayerSplit`; see :func:`transforms._layer_split.splits`), or
     (``split=False``) one buffer per leaf. The deferred update (``defer=True``) splits by default:
     on a TPU v5e its forward pass then ran at 1.12x the step without offload, against 1.24x with

@@ -25,7 +25,7 @@ class Config:
     opt: str = "device"  # "device", "offload" (offload_opt_state), "stream" (stream=True) or "defer" (and defer=True)
     state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
     where: str | None = None  # "stacks": only the stacks' moments offloaded (see make_optimizer)
-    split: bool = False  # the streamed state kept as its even and odd layers (_opt_stream.with_split_layers);
+    split: bool = False  # the streamed state kept as its even and odd layers (split_layers=True);
     # without it one buffer per leaf, the deferred update included (whose library default splits)
     unroll: bool = False  # the streamed update's layer loops unrolled (_opt_stream.with_unrolled_update)
     pending: str | None = None  # the deferred update's pending_dtype (its pending gradients' dtype)
@@ -125,8 +125,9 @@ def config_table() -> list[Config]:
         ),
         Config(
             "capacity_defer_whole",
-            "capacity_defer with each stack's state in one buffer per leaf (with_split_layers(..., False)): the "
-            "split layout runs two layers' backward at once (5.8 GiB of temporaries against 7.1, compiled here)",
+            "capacity_defer with each stack's state in one buffer per leaf (offload_opt_state(..., "
+            "split_layers=False)): the split layout runs two layers' backward at once (5.8 GiB of "
+            "temporaries against 7.1, compiled here)",
             opt="defer",
             activations="block_input",
             capacity=True,
@@ -186,7 +187,7 @@ def config_table() -> list[Config]:
         _checked(
             "opt_state_stream_bf16_split",
             "opt_state_stream_bf16 with each stack's state kept as its even and its odd layers, so that the "
-            "update reads one buffer while it writes the other (experimental: _opt_stream.with_split_layers)",
+            "update reads one buffer while it writes the other (offload_opt_state(..., split_layers=True))",
             opt="stream",
             state="bfloat16",
             split=True,
@@ -211,8 +212,9 @@ def config_table() -> list[Config]:
         _checked(
             "opt_state_defer",
             "offload_opt_state(adamw, stream=True, clip_norm=1.0, defer=True): each stack's update in the next "
-            "step's forward pass, beside its matmuls; its state in one buffer per leaf (with_split_layers(..., "
-            "False); the library's default splits it, see opt_state_defer_bf16_stacks_split)",
+            "step's forward pass, beside its matmuls; its state in one buffer per leaf "
+            "(offload_opt_state(..., split_layers=False); the library's default splits it, see "
+            "opt_state_defer_bf16_stacks_split)",
             opt="defer",
         ),
         _checked(
@@ -316,12 +318,12 @@ def make_optimizer(
     in that dtype (:func:`transforms.compact_state`), the same arithmetic wherever they live. With
     ``where="stacks"`` only the moments of the stacks' matrices are offloaded (the embedding's,
     the head's and the norms' stay on the device). ``split`` keeps a streamed state as its even and
-    odd layers (``transforms._opt_stream.with_split_layers``), ``unroll`` unrolls its update's layer
+    odd layers (``offload_opt_state(..., split_layers=True)``), ``unroll`` unrolls its update's layer
     loops (``with_unrolled_update``)."""
     import optax
 
     import transforms
-    from transforms._opt_stream import with_split_layers, with_unrolled_update
+    from transforms._opt_stream import with_unrolled_update
 
     if kind not in ("device", "offload", "stream", "defer"):
         raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream, defer")
@@ -336,8 +338,9 @@ def make_optimizer(
         defer = kind == "defer"
         if pending is not None:
             select["pending_dtype"] = pending
-        streamed = transforms.offload_opt_state(adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, **select)
-        streamed = with_split_layers(streamed, split)  # explicit: defer=True alone splits
+        streamed = transforms.offload_opt_state(
+            adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, split_layers=split, **select
+        )  # split explicit: defer=True alone splits
         return with_unrolled_update(streamed) if unroll else streamed
     plain = optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
     return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain
