@@ -211,8 +211,6 @@ NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
 #: or with the stacks' streamed update in the next step's forward pass (``..., defer=True``; weights
 #: on the device only, and on a TPU: ``_search.DEFER_SEARCHED_ON``).
 OPT_STATE_OPTIONS = (False, True, "stream", "defer")
-#: Values :meth:`Plan.predict` also takes that the search does not try (none at present).
-PREDICT_ONLY_OPT_STATE = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +232,7 @@ class Candidate:
 
     def __post_init__(self):
         value = {None: False, "offload": True}.get(self.opt_state, self.opt_state)
-        valid = (*OPT_STATE_OPTIONS, *PREDICT_ONLY_OPT_STATE)
+        valid = OPT_STATE_OPTIONS
         if not any(value is v or (isinstance(v, str) and value == v) for v in valid):
             raise ValueError(
                 f"opt_state must be False, True (or 'offload'), 'stream' or 'defer', got {self.opt_state!r}"

@@ -42,7 +42,7 @@ from ._result import Plan, Row, best, closest
 DEFER_SEARCHED_ON = ("tpu",)
 
 
-def _all_candidates(unified: bool, names, platform: str = "tpu") -> list[Candidate]:
+def _all_candidates(unified: bool, names, platform: str) -> list[Candidate]:
     """Every candidate set of transforms; without host memory to offload to (``unified``), only
     remat policies; only the policies whose names the model's layer tags; the deferred update
     with the weights on the device, on the platforms of :data:`DEFER_SEARCHED_ON`."""
