@@ -11,9 +11,14 @@ leaves outside the stacks keep their update after the backward pass, with the sa
 every leaf sees the same updates in the same order as with the streamed update, the stacks' one
 step later. :func:`apply_pending` applies the last pending update (``TrainStep.flush``).
 
+A stack whose weights live in host memory (:func:`transforms.offload_params`) gets a
+:class:`zoo.nn.LayerUpdate` instead: its prefetched loop fetches each layer's weights, pending
+gradients and state, updates them, writes the weights and the state back in place and runs the
+layer with the new weights; the backward pass reads those and writes its gradients over the
+pending ones (in place, in host memory), summing their squares on the device for the global norm.
+
 :class:`transforms.TrainStep` runs it for ``offload_opt_state(..., stream=True, defer=True)``;
-supported so far: stacks whose arrays are all trainable, with their weights on the device, run
-with ``scan=True``.
+supported so far: stacks whose arrays are all trainable, run with ``scan=True``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zoo.nn import any_on_host, layer_runner
+from zoo.nn import LayerUpdate, any_on_host, layer_runner
 
+from . import _layer_split
 from ._opt_stream import StreamedOptimizer, _clip, _in_place_scan, _merge, _run
 from ._pending import Pending, no_pending
 from ._tree import stack_units as _units
@@ -39,6 +45,37 @@ def _replaced(w, new):
 
     f.defvjp(lambda w, new: (new, None), lambda _, g: (g, None))
     return f(w, jax.lax.stop_gradient(new))
+
+
+def _layer_update(inner, clip, view_def):
+    """``update(args, h, p_i, g_i, s_i, as_weights) -> (new_p_i, new_s_i)``: one layer's pending
+    update (``args``: the pending norm and flag; ``p_i``, ``g_i``: the layer's weights and pending
+    gradients as lists of leaves; ``h``: the layer's input, to order the update after it;
+    ``as_weights``: the new weights' form, from their list)."""
+
+    def update(args, h, p_i, g_i, s_i, as_weights):
+        g_norm, ready = args
+        # Two barriers pin the schedule (measured on a v5e and in its compiled program,
+        # docs/OFFLOAD_SPEED.md). This one: the layer's update waits for the layer's input, so
+        # that XLA does not hoist it (and with it the wait for its state's read) to the top of the
+        # iteration, ahead of the previous layer's matmuls that the read should hide behind.
+        _, s_i = jax.lax.optimization_barrier((jax.lax.stop_gradient(h), s_i))
+        g_i = [g.astype(w.dtype) for g, w in zip(g_i, p_i, strict=True)]  # (pending_dtype)
+        p_tree, g_tree = (jax.tree.unflatten(view_def, x) for x in (p_i, g_i))
+        if clip is not None:
+            g_tree = _clip(g_tree, g_norm, clip)
+        u, s_new = inner.update(g_tree, s_i, p_tree)
+        keep = lambda old, new: jnp.where(ready, new, old)
+        new_p = [keep(a, b) for a, b in zip(p_i, jax.tree.leaves(optax.apply_updates(p_tree, u)), strict=True)]
+        s_new = jax.tree.map(keep, s_i, s_new)
+        # The other: the new state is computed with the new weights, before the layer's matmuls,
+        # so that its write to host memory can start there (left alone, XLA fused it into a late
+        # pass and wrote it after them). Both on values without gradients: under differentiation
+        # a barrier over traced tangents mistyped the host state's memory space (jax 0.10.2).
+        new_p, s_new = jax.lax.optimization_barrier(jax.lax.stop_gradient((new_p, s_new)))
+        return as_weights(new_p), s_new
+
+    return update
 
 
 def _check(optimizer) -> None:
@@ -67,7 +104,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     units, n = _units(params)
     view_defs = [jax.tree.structure(_view(params, units, k)) for k in range(n)]
 
-    def loss_fn(p):
+    def loss_fn(p, probes):
         wanted = {}
         for k in range(n):
             leaves = jax.tree.leaves(_view(p, units, k))
@@ -81,10 +118,31 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 return None
             if len(mine) != len(leaves) or any(a is not b for a, b in zip(mine, leaves, strict=False)):
                 raise ValueError("the deferred update needs every array of a stack trainable (no frozen ones)")
-            if any_on_host(arrays) or not stack.scan:
-                raise ValueError("the deferred update needs a stack's weights on the device and scan=True")
+            if not stack.scan:
+                raise ValueError("the deferred update needs each stack run with scan=True")
             arrays_def = jax.tree.structure(arrays)
             g_leaves = jax.tree.leaves(_view(pending.grads, units, k))
+            update = _layer_update(inner, clip, view_defs[k])
+
+            def done(new_arrays, s_k):
+                found[k] = (s_k, jax.tree.unflatten(view_defs[k], jax.tree.leaves(new_arrays)))
+
+            if any_on_host(arrays):
+                # Host weights: the stack's prefetched loop updates each layer's weights, writes
+                # them back in place and runs the layer with them (zoo.nn.LayerUpdate).
+                if _layer_split.is_split(state.stacked[k]):  # pragma: no cover - splits() refuses host weights
+                    raise ValueError("the deferred update keeps a host-weight stack's state in one buffer per leaf")
+
+                def fn(args, h, w_i, g_i, s_i):
+                    return update(args, h, jax.tree.leaves(w_i), g_i, s_i, lambda p: jax.tree.unflatten(arrays_def, p))
+
+                # The backward pass writes this step's gradients over the pending ones (in place).
+                args = (pending.g_norm, pending.ready)
+                # Its gradients' squares come back as the probe's cotangent, summed in the backward
+                # pass on the device (no pass of their own over host memory for the global norm).
+                return LayerUpdate(
+                    args, g_leaves, state.stacked[k], fn, _in_place_scan, done, grads=g_leaves, probe=probes[k]
+                )
 
             def run(layer_fn, x_state, policy):
                 if policy is not None:
@@ -92,35 +150,14 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
 
                 def body(carry, read, write):
                     (p_i, g_i), (s_i,) = read, write
-                    # Two barriers pin the schedule (measured on a v5e and in its compiled
-                    # program, docs/OFFLOAD_SPEED.md). This one: the layer's update waits for the
-                    # layer's input, so that XLA does not hoist it (and with it the wait for its
-                    # state's read) to the top of the iteration, ahead of the previous layer's
-                    # matmuls that the read should hide behind.
-                    _, s_i = jax.lax.optimization_barrier((jax.lax.stop_gradient(carry), s_i))
-                    g_i = [g.astype(w.dtype) for g, w in zip(g_i, p_i, strict=True)]  # (pending_dtype)
-                    p_tree, g_tree = (jax.tree.unflatten(view_defs[k], x) for x in (p_i, g_i))
-                    if clip is not None:
-                        g_tree = _clip(g_tree, pending.g_norm, clip)
-                    u, s_new = inner.update(g_tree, s_i, p_tree)
-                    keep = lambda old, new: jnp.where(pending.ready, new, old)
-                    new_p = [
-                        keep(a, b) for a, b in zip(p_i, jax.tree.leaves(optax.apply_updates(p_tree, u)), strict=True)
-                    ]
-                    s_new = jax.tree.map(keep, s_i, s_new)
-                    # The other: the new state is computed with the new weights, before the
-                    # layer's matmuls, so that its write to host memory can start there (left
-                    # alone, XLA fused it into a late pass and wrote it after them). Both on
-                    # values without gradients: under differentiation a barrier over traced
-                    # tangents mistyped the host state's memory space (jax 0.10.2).
-                    new_p, s_new = jax.lax.optimization_barrier(jax.lax.stop_gradient((new_p, s_new)))
+                    new_p, s_new = update((pending.g_norm, pending.ready), carry, p_i, g_i, s_i, list)
                     used = [_replaced(a, b) for a, b in zip(p_i, new_p, strict=True)]
                     carry = layer_fn(carry, jax.tree.unflatten(arrays_def, used))
                     return carry, ((s_new,), [jax.lax.stop_gradient(b) for b in new_p])
 
                 read, write = (leaves, g_leaves), (state.stacked[k],)
                 x_state, (s_k,), new_leaves = _in_place_scan(body, x_state, read, write, stack.n_layers)
-                found[k] = (s_k, jax.tree.unflatten(view_defs[k], new_leaves))
+                done(new_leaves, s_k)
                 return x_state
 
             return run
@@ -133,7 +170,11 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
         loss, aux = out if has_aux else (out, None)
         return loss, (aux, found)
 
-    (loss, (aux, found)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    probes = tuple(jnp.zeros((), jnp.float32) for _ in range(n))
+    (loss, (aux, found)), (grads, squares) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, probes)
+    # The host-weight stacks' squares, summed in their backward pass (with micro-batches the
+    # gradients are means over them, summed again below).
+    hosted = {k: squares[k] for k in range(n) if any_on_host(_view(params, units, k))} if more is None else {}
     if more is not None:
         ran = _merge(
             units, [_view(params, units, -1), *(jax.tree.map(jax.lax.stop_gradient, found[k][1]) for k in range(n))]
@@ -141,7 +182,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
         loss, aux, grads = more(ran, (loss, aux, grads))
     state = state._replace(stacked=tuple(found[k][0] for k in range(n)))
     # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
-    rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False)
+    rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False, stack_squares=hosted)
     new_params = _merge(units, [_view(rest_params, units, -1), *(found[k][1] for k in range(n))])
     kept = lambda u, g: g.astype(optimizer.pending_dtype or g.dtype) if u >= 0 else None
     pending = Pending(jax.tree.map(kept, units, grads), g_norm, jnp.ones((), bool))

@@ -12,6 +12,7 @@ import optax
 
 from zoo.nn import is_arraylike as is_arraylike
 from zoo.nn import on_host
+from zoo.nn._placement import row_major as row_major
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -81,18 +82,6 @@ def layer_of(leaves, i) -> list:
 def to_host(x):
     """Inside `jit`: ``x`` in host memory (a no-op for a value already there)."""
     return x if on_host(x) else jax.device_put(x, jax.memory.Space.Host)
-
-
-def row_major(x):
-    """Inside `jit`: ``x`` constrained to the default (row-major) layout, as the buffers it is
-    written into have. Left free, XLA may give a value another layout (the one a matmul that reads
-    it prefers) and then relay out every buffer it is written into, whole (the deferred update's
-    attention moments, ``docs/OFFLOAD_SPEED.md``)."""
-    if getattr(x, "ndim", 0) < 2:
-        return x
-    from jax.experimental.layout import Layout, with_layout_constraint
-
-    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
 def traced_kind(x) -> str:

@@ -96,8 +96,12 @@ def offload_opt_state(
       weights, on the device) and :class:`transforms.TrainStep` runs it: the model a step returns
       has its stacks one update behind, and :meth:`transforms.TrainStep.flush` applies the last one
       (before evaluating, generating or exporting; a checkpoint keeps the pending form and resumes
-      exactly). Experimental: the stacks' weights must be on the device (no ``offload_params``),
-      every array of a stack trained (no LoRA base), ``scan=True`` stacks. With ``accum_steps > 1``
+      exactly). With :func:`transforms.offload_params` the stacks' weights stay in host memory:
+      each layer's weights are fetched once for the forward pass, updated there and written back
+      in place (no fetch of them for the update after the backward pass), the backward pass reads
+      the new ones and writes its gradients over the pending ones, in place, in host memory
+      (:class:`zoo.nn.LayerUpdate`). Experimental: every array of a stack trained (no LoRA base),
+      ``scan=True`` stacks. With ``accum_steps > 1``
       the pending update runs in the first micro-batch's forward pass, and the state moves once per
       optimizer step. Each stack of at least four layers (an even number, weights on an accelerator)
       keeps its state as its even and its odd layers, so that the forward pass reads one buffer
@@ -121,8 +125,9 @@ def offload_opt_state(
     `clip_norm` that is not a number; `ValueError` for a `clip_norm` that is not positive and
     finite, ``defer`` or ``split_layers`` without ``stream``, an
     optimizer wrapped twice, and at ``init`` for a `where` that selects nothing, (``stream=True``)
-    an optimizer whose update of one layer depends on other layers or (``defer=True``) a stack's
-    weights in host memory; `RuntimeError` on a backend without host memory.
+    an optimizer whose update of one layer depends on other layers or (``pending_dtype``) a
+    stack's weights in host memory (their pending gradients stay there, in the weights' dtype);
+    `RuntimeError` on a backend without host memory.
 
     **Example:**
 

@@ -471,10 +471,13 @@ def _run(
     stacks: bool = True,
     rest: bool = True,
     g_norm=None,
+    stack_squares: dict | None = None,
 ):
     """The streamed update (see the module's docstring): ``(new params or updates, new state,
     global norm)``. ``stacks=False`` or ``rest=False`` leave that part (its weights and state) as it
-    is; ``g_norm``: the global norm to clip with, instead of the one of ``grads``."""
+    is; ``g_norm``: the global norm to clip with, instead of the one of ``grads``;
+    ``stack_squares``: ``{k: sum of squares}`` of stacks whose gradients' squares are already
+    summed (the deferred update's host-weight stacks: in their backward pass), not read again."""
     units, n = _units(grads if params is None else params)
     if not isinstance(state, StreamedState) or len(state.stacked) != n:
         raise ValueError(
@@ -494,6 +497,11 @@ def _run(
     grads_rest = tree_to_device(unblocked(g_view))
     g_blocked = {j: x for j, x in enumerate(jax.tree.leaves(g_view)) if j in blocked}
 
+    known = stack_squares or {}
+
+    def _squares_of(k):
+        return known[k] if k in known else _stackedsum_squares(_view(grads, units, k), lengths[k])
+
     scale = None
     if clip_norm is not None and g_norm is not None:
         scale = lambda tree: _clip(tree, g_norm, clip_norm)
@@ -502,7 +510,7 @@ def _run(
         for j, k in blocked.items():
             total = total + _stackedsum_squares(rows.blocks_view(g_blocked[j], k), k)
         for k in range(n):
-            total = total + _stackedsum_squares(_view(grads, units, k), lengths[k])
+            total = total + _squares_of(k)
         g_norm = jnp.sqrt(total)
         scale = lambda tree: _clip(tree, g_norm, clip_norm)
 
@@ -526,7 +534,7 @@ def _run(
     for k in range(n):
         g_k, p_k, s_k = _view(grads, units, k), _view(params, units, k), state.stacked[k]
         if not stacks:  # left as they are (their update runs elsewhere: transforms._deferred)
-            squares = squares + _stackedsum_squares(g_k, lengths[k]) if scale is None else squares
+            squares = squares + _squares_of(k) if scale is None else squares
             new_stacked.append(s_k)
             outs.append(p_k)
             continue
@@ -614,11 +622,13 @@ class StreamedOptimizer(OffloadedOptimizer):
             if not defer:
                 return state
             units, _ = _units(params)
-            if any(jax.tree.leaves(jax.tree.map(lambda u, p: bool(u >= 0 and on_host(p)), units, params))):
+            if pending_dtype is not None and any(
+                jax.tree.leaves(jax.tree.map(lambda u, p: bool(u >= 0 and on_host(p)), units, params))
+            ):
                 raise ValueError(
-                    "offload_opt_state(..., defer=True): the stacks' weights must live on the device (a stack's "
-                    "update runs in its forward pass, which does not yet fetch host weights for it); use "
-                    "defer=False with offload_params"
+                    f"offload_opt_state(..., pending_dtype={pending_dtype!r}): the stacks' weights live in host "
+                    "memory, where their pending gradients are kept in the weights' dtype (they hold no device "
+                    "memory); pass pending_dtype=None"
                 )
             return DeferredState(state, no_pending(params, pending_dtype))
 

@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zoo.nn import memory_typed, on_host
+
 from ._tree import stack_units as _units
 
 
@@ -22,9 +24,21 @@ class Pending(NamedTuple):
 
 def no_pending(params, dtype=None) -> Pending:
     """The :class:`Pending` of a run that has taken no step yet; its gradients in ``dtype``
-    (default: each weight's)."""
+    (default: each weight's), each where its weight lives (host memory for host weights)."""
     units, _ = _units(params)
-    grads = jax.tree.map(lambda u, x: jnp.zeros_like(x, dtype=dtype) if u >= 0 else None, units, params)
+
+    def zeros(u, x):
+        if u < 0:
+            return None
+        if not on_host(x):
+            return jnp.zeros_like(x, dtype=dtype)
+        make = lambda: jnp.zeros(x.shape, dtype or x.dtype)
+        if isinstance(x, jax.core.Tracer):
+            return jax.device_put(make(), jax.memory.Space.Host)
+        # Made in place (no device copy of the stack), with the host memory in its type.
+        return memory_typed(jax.jit(make, out_shardings=x.sharding)())
+
+    grads = jax.tree.map(zeros, units, params)
     return Pending(grads, jnp.zeros((), jnp.float32), jnp.zeros((), bool))
 
 

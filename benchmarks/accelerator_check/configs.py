@@ -248,6 +248,24 @@ def config_table() -> list[Config]:
             split=True,
         ),
         _checked(
+            "params_defer",
+            "offload_params(prefetch=True) with the deferred update (offload_opt_state(adamw, stream=True, "
+            "clip_norm=1.0, defer=True)): each layer's weights and state updated in the next forward pass as "
+            "the layer is fetched, written back to host memory in place, the backward reading the new weights",
+            params=True,
+            prefetch=True,
+            opt="defer",
+        ),
+        _checked(
+            "all_three_defer",
+            "all_three with the deferred update: offload_params(prefetch=True) + offload_activations(block_input) + "
+            "offload_opt_state(stream=True, defer=True)",
+            params=True,
+            prefetch=True,
+            activations="block_input",
+            opt="defer",
+        ),
+        _checked(
             "opt_state_defer_bf16_split",
             "opt_state_defer_bf16 with each stack's state kept as its even and odd layers "
             "(see opt_state_defer_bf16_stacks_split)",

@@ -55,6 +55,18 @@ def use_param(p, dtype=None):
     return p if dtype is None else p.astype(dtype)
 
 
+def row_major(x):
+    """Inside `jit`: ``x`` constrained to the default (row-major) layout, as the buffers it is
+    written into have. Left free, XLA may give a value another layout (the one a matmul that reads
+    it prefers) and then relay out every buffer it is written into, whole (the deferred update's
+    attention moments, ``docs/OFFLOAD_SPEED.md``)."""
+    if getattr(x, "ndim", 0) < 2:
+        return x
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
+
+
 def is_arraylike(node) -> bool:
     """True for arrays and for abstract arrays (`jax.ShapeDtypeStruct`, as from `eqx.filter_eval_shape`).
 

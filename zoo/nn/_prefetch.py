@@ -22,13 +22,16 @@ example first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._jax_compat import innermost_transform_is_vmap
-from ._placement import on_host
+from ._placement import on_host, row_major
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
@@ -164,22 +167,126 @@ def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
     return prefetch_scan(body, x, arrays, length=n_layers)
 
 
-def _backward(arrays, saved: _Saved, kw, g, n_layers: int):
+def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squares: bool = False):
     """Gradients of the weights (each in its weight's memory), the input and the keyword arguments
-    (summed over the layers, which all read them)."""
+    (summed over the layers, which all read them). With ``into`` (stacked arrays, one per floating
+    weight, in the order of its leaves) each layer's weight gradients are written into those
+    buffers in place (where they live) instead of new stacked outputs. With ``with_squares``, also
+    the sum of squares of the weight gradients (a fourth result)."""
     kf = _floating(kw)[0]
+    homes = _floating(arrays)[0]
 
-    def body(carry, w, layer_saved):
-        dh, dkf = carry
+    def body(carry, w, xs):
+        dh, dkf, bufs, squares = carry
+        layer_saved, i = xs
         dw, dh, dk = layer_saved.vjp((_floating(w)[0], kw))(dh)
         dkf = jax.tree.map(jnp.add, dkf, dk)
-        return (dh, dkf), _to_host_like(dw, _floating(arrays)[0])
+        if squares is not None:  # on the device, before the gradients leave for host memory
+            squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
+        dw = _to_host_like(dw, homes)
+        if bufs is None:
+            return (dh, dkf, None, squares), dw
+        written = [
+            jax.lax.dynamic_update_index_in_dim(b, row_major(d).astype(b.dtype), i, 0)
+            for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)
+        ]
+        return (dh, dkf, written, squares), None
 
-    init = (g, jax.tree.map(jnp.zeros_like, kf))
-    (dx, dkf), dws = prefetch_scan(body, init, arrays, saved, length=n_layers, reverse=True)
+    squares = jnp.zeros((), jnp.float32) if with_squares else None
+    init = (g, jax.tree.map(jnp.zeros_like, kf), None if into is None else list(into), squares)
+    xs = (saved, jnp.arange(n_layers))
+    (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, arrays, xs, length=n_layers, reverse=True)
+    if into is not None:
+        dws = jax.tree.unflatten(jax.tree.structure(homes), bufs)
     # Integer leaves get the symbolic zero cotangent.
     zeros = lambda tree: jax.tree.map(_zero_cotangent, eqx.filter(tree, eqx.is_inexact_array, inverse=True))
-    return eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))
+    out = eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))
+    return (*out, squares) if with_squares else out
+
+
+class LayerUpdate(NamedTuple):
+    """An update of each layer's weights run in the forward pass, just before the layer: what a
+    runner (:func:`zoo.nn.layer_runner`) returns for a stack whose weights live in host memory
+    (the deferred optimizer update of ``transforms.offload_opt_state(..., defer=True)`` with
+    :func:`transforms.offload_params`).
+
+    The forward pass becomes one loop that, for layer ``i``, updates the layer's weights and the
+    state beside them, writes both back where they live (in place) and runs the layer with the new
+    weights; the backward pass reads the new weights, and the gradient it gives the stack's
+    weights is the gradient with respect to the weights the layers ran with.
+
+    - ``args``: arrays the update reads, not stacked (a global norm, a flag).
+    - ``read``: stacked arrays read one layer at a time (the pending gradients).
+    - ``write``: stacked arrays rewritten one layer at a time (the optimizer state).
+    - ``fn(args, h, weights_i, read_i, write_i) -> (new_weights_i, new_write_i)``: layer ``i``'s
+      update, given the layer's input ``h`` (not differentiated; to order the update after it).
+    - ``scan(body, carry, read, write, length) -> (carry, new_write, ys)``: the loop that
+      rewrites ``write`` in place, ``body(carry, read_i, write_i) -> (carry, (new_write_i, y_i))``
+      (``transforms``' in-place layer scan).
+    - ``done(new_weights, new_write)``: called with the stack's new weights and state.
+    - ``grads``: ``None``, or stacked arrays (one per weight, in the order of the stack's leaves)
+      the backward pass writes the weights' gradients into, in place, layer by layer (their
+      old values are no longer needed: the pending gradients this step's forward pass applied).
+      Gradients of host weights returned from a step as new stacked outputs of the backward's
+      loop failed to compile on a TPU v5e (E1200, output location mismatch); in place they are
+      the same pattern as the state the forward pass writes.
+    - ``probe``: ``None``, or a float32 scalar whose cotangent the backward pass sets to the sum
+      of squares of the stack's weight gradients, summed on the device as each layer's are made
+      (differentiate with respect to it: a global norm's share of a host-weight stack, without
+      reading the gradients back from host memory in a pass of their own). Exact when the
+      stack's weights are read by the stack alone.
+    """
+
+    args: Any
+    read: Any
+    write: Any
+    fn: Callable
+    scan: Callable
+    done: Callable
+    grads: Any = None
+    probe: Any = None
+
+
+def _forward_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate, args, read, write):
+    """:func:`_forward` with each layer's weights updated first (see :class:`LayerUpdate`):
+    ``(y, new_arrays, new_write, saved)``."""
+
+    def body(h, read_i, write_i):
+        w_i, s_i = write_i
+        new_w, new_s = update.fn(args, h, w_i, read_i, s_i)
+        if policy is None:
+            h, saved = apply(new_w, h, kw), None
+        else:
+            h, saved = _layer_vjp(apply, policy, new_w, h, kw)
+        return h, ((new_w, new_s), saved)
+
+    h, (new_arrays, new_write), saved = update.scan(body, x, read, (arrays, write), n_layers)
+    return h, new_arrays, new_write, saved
+
+
+def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate):
+    """``(arrays, x, kw, args, read, write) -> (y, new_arrays, new_write)`` through the updating
+    forward, differentiated by the prefetched backward over the new weights (the update's own
+    inputs and outputs carry no gradient)."""
+
+    @jax.custom_vjp
+    def run(arrays, x, kw, args, read, write, grads, probe):
+        return _forward_update(apply, arrays, x, kw, n_layers, None, update, args, read, write)[:3]
+
+    def run_fwd(arrays, x, kw, args, read, write, grads, probe):
+        h, new_arrays, new_write, saved = _forward_update(
+            apply, arrays, x, kw, n_layers, policy, update, args, read, write
+        )
+        return (h, new_arrays, new_write), (new_arrays, saved, kw, grads)
+
+    def run_bwd(res, cts):
+        new_arrays, saved, kw, grads = res
+        with_squares = update.probe is not None
+        dw, dx, dkw, *squares = _backward(new_arrays, saved, kw, cts[0], n_layers, grads, with_squares)
+        return dw, dx, dkw, None, None, None, None, (squares[0] if with_squares else None)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
 
 
 def _differentiable(apply, n_layers: int, policy):
@@ -202,10 +309,18 @@ def _differentiable(apply, n_layers: int, policy):
     return run
 
 
-def _run(apply, arrays, x, kw, n_layers: int, policy):
-    plain = _differentiable(apply, n_layers, policy)
+def _run(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate | None = None):
+    if update is None:
+        plain = _differentiable(apply, n_layers, policy)
+    else:
+        # The update's arrays pass through the custom rules as arguments (never closed over).
+        extra = (update.args, update.read, update.write, update.grads, update.probe)
+        updating = _differentiable_update(apply, n_layers, policy, update)
+        plain = lambda arrays, x, kw: updating(arrays, x, kw, *extra)
     if not innermost_transform_is_vmap():
         return plain(arrays, x, kw)
+    if update is not None:
+        return _run_batched_update(apply, arrays, x, kw, n_layers, policy, update)
 
     # Under `vmap` (models here are per example): run the batched layer as one function of the
     # shared weights, so the backward pass sums weight gradients over the batch inside each
@@ -235,20 +350,56 @@ def _run(apply, arrays, x, kw, n_layers: int, policy):
     return run(arrays, x, kw)
 
 
-def prefetched_scan(apply, static, arrays, x, kwargs: dict, *, n_layers: int, policy):
+def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate):
+    """:func:`_run` with an update under `vmap`: the batched layer inside the custom rules, as
+    there; the update's arrays and outputs are not batched."""
+
+    @jax.custom_batching.custom_vmap
+    def run(arrays, x, kw, args, read, write, grads, probe):
+        return _differentiable_update(apply, n_layers, policy, update)(arrays, x, kw, args, read, write, grads, probe)
+
+    @run.def_vmap
+    def _batched(axis_size, in_batched, arrays, x, kw, args, read, write, grads, probe):
+        a_b, x_b, k_b, *u_b = in_batched
+        if any(jax.tree.leaves((a_b, u_b))):
+            raise ValueError(
+                "a stack's update in its forward pass (the deferred optimizer update) cannot be vmapped over "
+                "its weights or its optimizer state"
+            )
+        x = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)), x, x_b)
+        kw_axes = jax.tree.map(lambda b: 0 if b else None, k_b)
+
+        def batched_apply(w, h, kw):
+            return jax.vmap(apply, in_axes=(None, 0, kw_axes))(w, h, kw)
+
+        mine = update._replace(args=args, read=read, write=write, grads=grads, probe=probe)
+        h, new_arrays, new_write = _run(batched_apply, arrays, x, kw, n_layers, policy, mine)
+        flags = (jax.tree.map(lambda _: True, h), *(jax.tree.map(lambda _: False, t) for t in (new_arrays, new_write)))
+        return (h, new_arrays, new_write), flags
+
+    return run(arrays, x, kw, update.args, update.read, update.write, update.grads, update.probe)
+
+
+def prefetched_scan(
+    apply, static, arrays, x, kwargs: dict, *, n_layers: int, policy, update: LayerUpdate | None = None
+):
     """Run the layers ``eqx.combine(arrays, static)`` over ``x`` (any pytree: the residual stream,
     possibly with a carry beside it) with one-layer-ahead prefetch: ``apply(layer, x, kwargs) -> x``
     runs one layer.
 
     ``policy`` is the `jax.checkpoint` policy of each layer: what its backward pass keeps from
     the forward pass (the rest is recomputed). ``kwargs`` go to every layer.
+
+    With an ``update`` (a :class:`LayerUpdate`; every array of the stack floating) each layer's
+    weights are updated before the layer runs and written back in place; returns ``(y,
+    new_arrays, new_write)``.
     """
     kw, kw_static = eqx.partition(kwargs, eqx.is_array)
 
     def apply_arrays(w, h, kw):
         return apply(eqx.combine(w, static), h, eqx.combine(kw, kw_static))
 
-    return _run(apply_arrays, arrays, x, kw, n_layers, policy)
+    return _run(apply_arrays, arrays, x, kw, n_layers, policy, update)
 
 
 def _zero_cotangent(x):

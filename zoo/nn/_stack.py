@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from ._axes import AxisNamed, logical_axes
 from ._kv_cache import CacheLayer, KVCache, LayeredCacheLayer, LayeredKVCache, to_host
 from ._placement import any_on_host, is_arraylike, on_host
-from ._prefetch import prefetch_scan, prefetched_scan
+from ._prefetch import LayerUpdate, prefetch_scan, prefetched_scan
 from ._remat import Remat
 from ._spec import describe_part
 
@@ -48,8 +48,11 @@ def layer_runner(runner):
     layers (``arrays``: the stack's array leaves, stacked). ``None`` keeps the stack's own loop;
     otherwise the answer is called as ``run(layer_fn, state, policy)`` and its result returned,
     where ``layer_fn(state, layer_arrays) -> state`` runs one layer and ``policy`` is the stack's
-    checkpoint policy (or ``None``). Used by the deferred optimizer update
-    (``transforms._deferred``), which runs each layer's pending update in the layer loop.
+    checkpoint policy (or ``None``). For a stack whose weights live in host memory the runner may
+    instead return a :class:`zoo.nn.LayerUpdate`: the stack then runs its prefetched loop with
+    each layer's weights updated (and written back in place) just before the layer runs. Used by
+    the deferred optimizer update (``transforms._deferred``), which runs each layer's pending
+    update in the layer loop.
 
     **Example:**
 
@@ -231,6 +234,14 @@ class Stack(AxisNamed):
         policy = self._policy(arrays)
         runner = _LAYER_RUNNER.get()
         run = None if runner is None else runner(self, arrays)
+        if isinstance(run, LayerUpdate):
+            if not self.scan or policy is None:
+                raise ValueError("a layer update in the forward pass needs a Stack with scan=True and host weights")
+            out, new_arrays, new_write = prefetched_scan(
+                apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy, update=run
+            )
+            run.done(new_arrays, new_write)
+            return out
         if run is not None:
             return run(lambda s, layer_arrays: apply(eqx.combine(layer_arrays, static), s, kwargs), state, policy)
         if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):

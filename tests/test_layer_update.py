@@ -1,0 +1,120 @@
+"""zoo.nn.LayerUpdate: a stack of host-resident weights updated layer by layer in its forward pass,
+written back in place, the backward reading the new weights and writing their gradients in place."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_prefetch import scan_counts, scans
+
+import transforms
+from transforms._opt_stream import _in_place_scan
+from zoo import nn
+
+N, D, STEP = 4, 8, 0.1
+
+
+def make_stack():
+    return nn.Stack(lambda k: nn.Linear(D, D, key=k), N, key=jax.random.key(0))
+
+
+def pending_like(arrays, seed):
+    leaves, treedef = jax.tree.flatten(arrays)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)])
+
+
+def updated(arrays, pending):  # what each layer runs with: one SGD step along the pending "gradient"
+    return jax.tree.map(lambda w, g: w - STEP * g, arrays, pending)
+
+
+def loss_of(stack, xs):
+    return jnp.sum(jax.vmap(stack)(xs) ** 2)
+
+
+def run(host_arrays, static, pending, counts, xs):
+    """The loss, its gradient, the new weights, the update's written state and the probe's
+    cotangent, through a runner."""
+    found = {}
+
+    def fn(args, h, w, g, count):
+        (step,) = args
+        leaves, treedef = jax.tree.flatten(w)
+        return jax.tree.unflatten(treedef, [a - step * b for a, b in zip(leaves, g, strict=True)]), count + 1
+
+    def loss(arrays, probe):
+        with nn.layer_runner(lambda stack, arrays: runner(stack, arrays, probe)):
+            out = loss_of(eqx.combine(arrays, static), xs)
+        return out, found
+
+    def runner(stack, arrays, probe):
+        g = jax.tree.leaves(pending)
+        done = lambda new, written: found.update(new=new, written=written)
+        return nn.LayerUpdate((jnp.float32(STEP),), g, counts, fn, _in_place_scan, done, grads=g, probe=probe)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (value, found), (grads, squares) = grad(host_arrays, jnp.float32(0))
+    return value, grads, found["new"], found["written"], squares
+
+
+@pytest.fixture(scope="module")
+def case():
+    host, static = eqx.partition(transforms.offload_params(make_stack(), prefetch=True), eqx.is_array)
+    arrays = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), host)  # the same weights on the device
+    pending = transforms.offload_params(pending_like(arrays, 1), prefetch=True)
+    counts = jnp.zeros((N,), jnp.int32)
+    xs = jax.random.normal(jax.random.key(2), (3, 5, D))
+    return arrays, static, pending, counts, xs, host
+
+
+def test_each_layer_runs_its_updated_weights_and_the_gradient_is_theirs(case):
+    arrays, static, pending, counts, xs, host = case
+    value, grads, new, written, squares = jax.jit(lambda *a: run(*a[:1], static, *a[1:]))(host, pending, counts, xs)
+
+    want_arrays = updated(arrays, jax.device_get(pending))
+    want, want_grads = jax.value_and_grad(lambda a: loss_of(eqx.combine(a, static), xs))(want_arrays)
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-6)
+    for got, ref in ((new, want_arrays), (grads, want_grads)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(written), np.ones(N))
+    # The probe's cotangent: the gradients' sum of squares, summed as the backward made them.
+    want_squares = sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(want_grads))
+    np.testing.assert_allclose(float(squares), want_squares, rtol=1e-5)
+    # The new weights and the gradients stay where the weights live.
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((new, grads))} == {"pinned_host"}
+
+
+def test_the_backward_writes_the_gradients_into_the_given_buffers_in_place(case):
+    """The gradients are the backward loop's carry, started from the ``grads`` buffers (in place,
+    as the forward writes the weights), not stacked outputs of the loop."""
+    _, static, pending, counts, xs, host = case
+    jaxpr = jax.make_jaxpr(lambda *a: run(*a[:1], static, *a[1:]))(host, pending, counts, xs).jaxpr
+    n_weights = len(jax.tree.leaves(host))
+    g_vars = jaxpr.invars[n_weights : 2 * n_weights]
+    backward = [e for e in scans(jaxpr) if e.params["reverse"]]
+    assert backward
+    for eqn in backward:
+        n_consts, n_carry = scan_counts(eqn)
+        carried = eqn.invars[n_consts : n_consts + n_carry]
+        assert all(any(v is c for c in carried) for v in g_vars)
+        stacked_ys = [v for v in eqn.outvars[n_carry:] if v.aval.shape[:1] == (N,) and v.aval.ndim == 3]
+        assert not stacked_ys
+
+
+def test_under_vmap_only_the_examples_are_batched(case):
+    """The model is vmapped per example (as zoo.lm_loss does); the update's state, new weights and
+    gradients come out unbatched, and vmapping over the weights is refused."""
+    _, static, pending, counts, xs, host = case
+    _, grads, new, written, _ = jax.jit(lambda *a: run(*a[:1], static, *a[1:]))(host, pending, counts, xs)
+    assert written.shape == (N,) and jax.tree.leaves(new)[0].shape[0] == N
+    assert jax.tree.structure(grads) == jax.tree.structure(host)
+
+    def runner(stack, arrays):
+        g = jax.tree.leaves(pending)
+        return nn.LayerUpdate((), g, counts, lambda a, h, w, g, c: (w, c), _in_place_scan, lambda *_: None)
+
+    ensemble = jax.tree.map(lambda x: jnp.stack([x, x]), host)
+    with nn.layer_runner(runner), pytest.raises(ValueError, match="vmapped over its weights"):
+        jax.vmap(lambda a: eqx.combine(a, static)(xs[0]))(ensemble)
