@@ -12,7 +12,7 @@ import optax
 
 from zoo.nn import is_arraylike as is_arraylike
 from zoo.nn import on_host
-from zoo.nn._placement import row_major as row_major
+from zoo.nn import row_major as row_major
 
 HOST = "pinned_host"
 DEVICE = "device"

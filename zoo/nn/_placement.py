@@ -59,7 +59,15 @@ def row_major(x):
     """Inside `jit`: ``x`` constrained to the default (row-major) layout, as the buffers it is
     written into have. Left free, XLA may give a value another layout (the one a matmul that reads
     it prefers) and then relay out every buffer it is written into, whole (the deferred update's
-    attention moments, ``docs/OFFLOAD_SPEED.md``)."""
+    attention moments, ``docs/OFFLOAD_SPEED.md``).
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp, zoo
+    jax.jit(lambda x: zoo.nn.row_major(x.T))(jnp.ones((2, 3))).shape   # (3, 2)
+    ```
+    """
     if getattr(x, "ndim", 0) < 2:
         return x
     from jax.experimental.layout import Layout, with_layout_constraint

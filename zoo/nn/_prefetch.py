@@ -235,6 +235,34 @@ class LayerUpdate(NamedTuple):
       (differentiate with respect to it: a global norm's share of a host-weight stack, without
       reading the gradients back from host memory in a pass of their own). Exact when the
       stack's weights are read by the stack alone.
+
+    **Example** (each layer's weights halved before it runs, a per-layer count kept beside them;
+    the loop here writes new stacks, ``transforms``' writes them in place):
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    from zoo import nn
+    stack = nn.Stack(lambda k: nn.Linear(4, 4, key=k), 2, key=jax.random.key(0))
+    arrays, static = eqx.partition(stack, eqx.is_array)
+    arrays = jax.device_put(arrays, jax.memory.Space.Host)  # the weights in host memory
+
+    def scan(body, carry, read, write, length):
+        def step(c, i):
+            c, (new, _) = body(c, None, jax.tree.map(lambda a: a[i], write))
+            return c, new
+        carry, new = jax.lax.scan(step, carry, jnp.arange(length))
+        return carry, new, None
+
+    def halve(args, h, weights, read, count):
+        return jax.tree.map(lambda w: w * args, weights), count + 1
+
+    found = {}
+    update = nn.LayerUpdate(jnp.float32(0.5), None, jnp.zeros(2), halve, scan,
+                            lambda weights, counts: found.update(counts=counts))
+    with nn.layer_runner(lambda stack, arrays: update):
+        y = eqx.combine(arrays, static)(jnp.ones(4))
+    found["counts"]   # [1., 1.]: each layer updated once
+    ```
     """
 
     args: Any
