@@ -157,7 +157,7 @@ def build_parser(
         default="",
         help=f"comma-separated subset of {','.join(OFFLOADABLE)} for pinned_host (opt_state_stream: the optimizer "
         "state offloaded and its update streamed layer by layer; opt_state_defer: that update run in the next "
-        "step's forward pass, weights on the device)",
+        "step's forward pass, beside each layer's matmuls)",
     )
     a(
         "--activations",

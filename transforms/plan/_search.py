@@ -45,10 +45,10 @@ DEFER_SEARCHED_ON = ("tpu",)
 def _all_candidates(unified: bool, names, platform: str) -> list[Candidate]:
     """Every candidate set of transforms; without host memory to offload to (``unified``), only
     remat policies; only the policies whose names the model's layer tags; the deferred update
-    with the weights on the device, on the platforms of :data:`DEFER_SEARCHED_ON`."""
+    on the platforms of :data:`DEFER_SEARCHED_ON`."""
     out = []
     for acts, params, opt in itertools.product([None, *ACTIVATION_OPTIONS], (False, True), OPT_STATE_OPTIONS):
-        if opt == "defer" and (params or platform not in DEFER_SEARCHED_ON):
+        if opt == "defer" and platform not in DEFER_SEARCHED_ON:
             continue
         cand = Candidate(params=params, opt_state=opt, activations=acts)
         if unified and cand.uses_host:
