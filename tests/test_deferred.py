@@ -125,10 +125,6 @@ def test_defer_refuses_what_it_does_not_support():
     opt = transforms.offload_opt_state(adamw, stream=True, defer=True)
     model = zoo.build_model(zoo.config_from_name("llama:tiny"), key=jax.random.key(0))
     params = eqx.filter(model, eqx.is_array)
-    with pytest.raises(ValueError, match="pending_dtype=None"):  # host weights' pending gradients stay in host memory
-        transforms.offload_opt_state(adamw, stream=True, defer=True, pending_dtype="bfloat16").init(
-            transforms.offload_params(params)
-        )
     state = opt.init(params)
     with pytest.raises(ValueError, match="train_step"):
         opt.update(params, state, params)
@@ -136,10 +132,12 @@ def test_defer_refuses_what_it_does_not_support():
         transforms.train_step(zoo.lm_loss, opt).init(transforms.lora(model, rank=2, alpha=4, key=jax.random.key(1)))
 
 
-def test_pending_gradients_kept_in_bfloat16_take_half_the_memory_and_the_same_steps_to_rounding():
-    """``pending_dtype="bfloat16"``: the stacks' pending gradients live in 16 bits between steps;
-    three steps and a flush land where float32 pending gradients do, to the rounding of the
-    gradients (2**-9 each), and not exactly there (they were rounded)."""
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_pending_gradients_kept_in_bfloat16_take_half_the_memory_and_the_same_steps_to_rounding(where):
+    """``pending_dtype="bfloat16"``: the stacks' pending gradients live in 16 bits between steps
+    (with host weights in host memory: the backward casts them on the device and writes them
+    there); three steps and a flush land where float32 pending gradients do, to the rounding of
+    the gradients (2**-9 each), and not exactly there (they were rounded)."""
     cfg = zoo.config_from_name("llama:tiny").replace(n_layers=2)
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, jnp.int32)
     ends = {}
@@ -149,11 +147,15 @@ def test_pending_gradients_kept_in_bfloat16_take_half_the_memory_and_the_same_st
         )
         step = transforms.train_step(zoo.lm_loss, opt)
         model = zoo.build_model(cfg, key=jax.random.key(0))
+        model = transforms.offload_params(model, prefetch=True) if where == "host" else model
         state = step.init(model)
         for _ in range(STEPS):
             model, state, _ = step(model, state, tokens)
         pending = [g for g in jax.tree.leaves(state.pending.grads) if g is not None]
         assert {g.dtype for g in pending} == {jnp.dtype(dtype or "float32")}
+        assert {g.sharding.memory_kind for g in pending if g.ndim > 1} == {
+            "pinned_host" if where == "host" else "device"
+        }
         ends[dtype] = (sum(g.nbytes for g in pending), eqx.filter(step.flush(model, state)[0], eqx.is_array))
     assert ends["bfloat16"][0] * 2 == ends[None][0]
     full, rounded = (jax.tree.leaves(ends[k][1]) for k in (None, "bfloat16"))

@@ -34,8 +34,9 @@ def loss_of(stack, xs):
 
 
 def run(host_arrays, static, pending, counts, xs):
-    """The loss, its gradient, the new weights, the update's written state and the probe's
-    cotangent, through a runner."""
+    """The loss, its gradient (the cotangent of the pending buffers it is written into), the new
+    weights, the update's written state, the probe's cotangent and the weights' own cotangent,
+    through a runner."""
     found = {}
 
     def fn(args, h, w, g, count):
@@ -43,19 +44,20 @@ def run(host_arrays, static, pending, counts, xs):
         leaves, treedef = jax.tree.flatten(w)
         return jax.tree.unflatten(treedef, [a - step * b for a, b in zip(leaves, g, strict=True)]), count + 1
 
-    def loss(arrays, probe):
-        with nn.layer_runner(lambda stack, arrays: runner(stack, arrays, probe)):
+    def loss(arrays, probe, g):
+        with nn.layer_runner(lambda stack, arrays: runner(stack, arrays, probe, g)):
             out = loss_of(eqx.combine(arrays, static), xs)
         return out, found
 
-    def runner(stack, arrays, probe):
-        g = jax.tree.leaves(pending)
+    def runner(stack, arrays, probe, g):
         done = lambda new, written: found.update(new=new, written=written)
         return nn.LayerUpdate((jnp.float32(STEP),), g, counts, fn, _in_place_scan, done, grads=g, probe=probe)
 
-    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    (value, found), (grads, squares) = grad(host_arrays, jnp.float32(0))
-    return value, grads, found["new"], found["written"], squares
+    # The gradients come back as the cotangent of the buffers they are written into.
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (value, found), (own, squares, written) = grad(host_arrays, jnp.float32(0), jax.tree.leaves(pending))
+    grads = jax.tree.unflatten(jax.tree.structure(host_arrays), written)
+    return value, grads, found["new"], found["written"], squares, own
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,10 @@ def case():
 
 def test_each_layer_runs_its_updated_weights_and_the_gradient_is_theirs(case):
     arrays, static, pending, counts, xs, host = case
-    value, grads, new, written, squares = jax.jit(lambda *a: run(*a[:1], static, *a[1:]))(host, pending, counts, xs)
+    value, grads, new, written, squares, own = jax.jit(lambda *a: run(*a[:1], static, *a[1:]))(
+        host, pending, counts, xs
+    )
+    assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(own))  # the weights' own: zero
 
     want_arrays = updated(arrays, jax.device_get(pending))
     want, want_grads = jax.value_and_grad(lambda a: loss_of(eqx.combine(a, static), xs))(want_arrays)
@@ -92,7 +97,7 @@ def test_the_backward_writes_the_gradients_into_the_given_buffers_in_place(case)
     _, static, pending, counts, xs, host = case
     jaxpr = jax.make_jaxpr(lambda *a: run(*a[:1], static, *a[1:]))(host, pending, counts, xs).jaxpr
     n_weights = len(jax.tree.leaves(host))
-    g_vars = jaxpr.invars[n_weights : 2 * n_weights]
+    g_vars = jaxpr.invars[n_weights : 2 * n_weights]  # (the pending buffers)
     backward = [e for e in scans(jaxpr) if e.params["reverse"]]
     assert backward
     for eqn in backward:
@@ -107,7 +112,7 @@ def test_under_vmap_only_the_examples_are_batched(case):
     """The model is vmapped per example (as zoo.lm_loss does); the update's state, new weights and
     gradients come out unbatched, and vmapping over the weights is refused."""
     _, static, pending, counts, xs, host = case
-    _, grads, new, written, _ = jax.jit(lambda *a: run(*a[:1], static, *a[1:]))(host, pending, counts, xs)
+    _, grads, new, written, *_ = jax.jit(lambda *a: run(*a[:1], static, *a[1:]))(host, pending, counts, xs)
     assert written.shape == (N,) and jax.tree.leaves(new)[0].shape[0] == N
     assert jax.tree.structure(grads) == jax.tree.structure(host)
 

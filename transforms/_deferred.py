@@ -104,7 +104,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     units, n = _units(params)
     view_defs = [jax.tree.structure(_view(params, units, k)) for k in range(n)]
 
-    def loss_fn(p, probes):
+    def loss_fn(p, probes, pend):
         wanted = {}
         for k in range(n):
             leaves = jax.tree.leaves(_view(p, units, k))
@@ -136,12 +136,12 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 def fn(args, h, w_i, g_i, s_i):
                     return update(args, h, jax.tree.leaves(w_i), g_i, s_i, lambda p: jax.tree.unflatten(arrays_def, p))
 
-                # The backward pass writes this step's gradients over the pending ones (in place).
+                # The backward pass writes this step's gradients over the pending ones (in place,
+                # in their dtype), which come back as the cotangent of those buffers; their squares
+                # as the probe's, summed on the device (no pass over host memory for the norm).
                 args = (pending.g_norm, pending.ready)
-                # Its gradients' squares come back as the probe's cotangent, summed in the backward
-                # pass on the device (no pass of their own over host memory for the global norm).
                 return LayerUpdate(
-                    args, g_leaves, state.stacked[k], fn, _in_place_scan, done, grads=g_leaves, probe=probes[k]
+                    args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
                 )
 
             def run(layer_fn, x_state, policy):
@@ -170,11 +170,16 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
         loss, aux = out if has_aux else (out, None)
         return loss, (aux, found)
 
+    host = [any_on_host(_view(params, units, k)) for k in range(n)]
     probes = tuple(jnp.zeros((), jnp.float32) for _ in range(n))
-    (loss, (aux, found)), (grads, squares) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, probes)
-    # The host-weight stacks' squares, summed in their backward pass (with micro-batches the
-    # gradients are means over them, summed again below).
-    hosted = {k: squares[k] for k in range(n) if any_on_host(_view(params, units, k))} if more is None else {}
+    pend = tuple(jax.tree.leaves(_view(pending.grads, units, k)) if host[k] else [] for k in range(n))
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
+    (loss, (aux, found)), (grads, squares, written) = grad_fn(params, probes, pend)
+    # The host-weight stacks' gradients: the pending buffers their backward wrote (the weights'
+    # own cotangent is zero), and their squares, summed in that backward.
+    views = [jax.tree.unflatten(view_defs[k], written[k]) if host[k] else _view(grads, units, k) for k in range(n)]
+    grads = _merge(units, [_view(grads, units, -1), *views])
+    hosted = {k: squares[k] for k in range(n) if host[k]} if more is None else {}  # (micro-batches: means)
     if more is not None:
         ran = _merge(
             units, [_view(params, units, -1), *(jax.tree.map(jax.lax.stop_gradient, found[k][1]) for k in range(n))]

@@ -112,7 +112,8 @@ def offload_opt_state(
       memory they hold (one copy of the stacks' weights in float32; 3.6 GB of ``llama:1b``'s); the
       update then sees each gradient rounded to 8 bits of mantissa (a relative error of at most
       2**-9, as :func:`transforms.compact_state`'s moments), clipped with the norm of the unrounded
-      ones.
+      ones. With the weights in host memory the pending gradients wait there, and a 16-bit dtype
+      halves their bytes over the link instead (the backward casts them on the device).
     - `split_layers`: with ``stream=True``, keep each eligible stack's state as its even and odd
       layers (``True``) or in one buffer per leaf (``False``); default ``None``: split with
       ``defer=True``, whole without. One buffer costs the deferred update speed and saves device
@@ -125,9 +126,8 @@ def offload_opt_state(
     `clip_norm` that is not a number; `ValueError` for a `clip_norm` that is not positive and
     finite, ``defer`` or ``split_layers`` without ``stream``, an
     optimizer wrapped twice, and at ``init`` for a `where` that selects nothing, (``stream=True``)
-    an optimizer whose update of one layer depends on other layers or (``pending_dtype``) a
-    stack's weights in host memory (their pending gradients stay there, in the weights' dtype);
-    `RuntimeError` on a backend without host memory.
+    an optimizer whose update of one layer depends on other layers; `RuntimeError` on a backend
+    without host memory.
 
     **Example:**
 

@@ -621,15 +621,6 @@ class StreamedOptimizer(OffloadedOptimizer):
             state = _init(inner, select, where_given, params, split_layers)
             if not defer:
                 return state
-            units, _ = _units(params)
-            if pending_dtype is not None and any(
-                jax.tree.leaves(jax.tree.map(lambda u, p: bool(u >= 0 and on_host(p)), units, params))
-            ):
-                raise ValueError(
-                    f"offload_opt_state(..., pending_dtype={pending_dtype!r}): the stacks' weights live in host "
-                    "memory, where their pending gradients are kept in the weights' dtype (they hold no device "
-                    "memory); pass pending_dtype=None"
-                )
             return DeferredState(state, no_pending(params, pending_dtype))
 
         def update(updates, state, params=None):

@@ -183,12 +183,16 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         dkf = jax.tree.map(jnp.add, dkf, dk)
         if squares is not None:  # on the device, before the gradients leave for host memory
             squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
-        dw = _to_host_like(dw, homes)
         if bufs is None:
-            return (dh, dkf, None, squares), dw
+            return (dh, dkf, None, squares), _to_host_like(dw, homes)
+        # Cast to the buffers' dtype on the device, then sent where the buffers live.
+        dw = jax.tree.unflatten(
+            jax.tree.structure(dw),
+            [row_major(d.astype(b.dtype)) for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)],
+        )
+        dw = _to_host_like(dw, homes)
         written = [
-            jax.lax.dynamic_update_index_in_dim(b, row_major(d).astype(b.dtype), i, 0)
-            for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)
+            jax.lax.dynamic_update_index_in_dim(b, d, i, 0) for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)
         ]
         return (dh, dkf, written, squares), None
 
@@ -224,12 +228,13 @@ class LayerUpdate(NamedTuple):
       rewrites ``write`` in place, ``body(carry, read_i, write_i) -> (carry, (new_write_i, y_i))``
       (``transforms``' in-place layer scan).
     - ``done(new_weights, new_write)``: called with the stack's new weights and state.
-    - ``grads``: ``None``, or stacked arrays (one per weight, in the order of the stack's leaves)
-      the backward pass writes the weights' gradients into, in place, layer by layer (their
-      old values are no longer needed: the pending gradients this step's forward pass applied).
-      Gradients of host weights returned from a step as new stacked outputs of the backward's
-      loop failed to compile on a TPU v5e (E1200, output location mismatch); in place they are
-      the same pattern as the state the forward pass writes.
+    - ``grads``: ``None``, or stacked arrays (one per weight, in the order of the stack's leaves,
+      in any floating dtype) the backward pass writes the weights' gradients into, in place,
+      layer by layer, cast to their dtype on the device (their old values are no longer needed:
+      the pending gradients this step's forward pass applied). The gradients then come out as
+      the cotangent of ``grads`` (differentiate with respect to it), in those buffers' dtype; the
+      weights themselves get a zero cotangent. In place they are the same pattern as the state
+      the forward pass writes.
     - ``probe``: ``None``, or a float32 scalar whose cotangent the backward pass sets to the sum
       of squares of the stack's weight gradients, summed on the device as each layer's are made
       (differentiate with respect to it: a global norm's share of a host-weight stack, without
@@ -311,7 +316,12 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate):
         new_arrays, saved, kw, grads = res
         with_squares = update.probe is not None
         dw, dx, dkw, *squares = _backward(new_arrays, saved, kw, cts[0], n_layers, grads, with_squares)
-        return dw, dx, dkw, None, None, None, None, (squares[0] if with_squares else None)
+        squares = squares[0] if with_squares else None
+        if grads is None:
+            return dw, dx, dkw, None, None, None, None, squares
+        # The gradients travel as the cotangent of the buffers they were written into (in those
+        # buffers' dtype, which may be narrower than the weights').
+        return None, dx, dkw, None, None, None, jax.tree.leaves(_floating(dw)[0]), squares
 
     run.defvjp(run_fwd, run_bwd)
     return run
