@@ -266,6 +266,15 @@ def config_table() -> list[Config]:
             state="bfloat16",
         ),
         _checked(
+            "params_defer_bf16grads",
+            "params_defer with the pending gradients in 16 bits (offload_opt_state(..., pending_dtype='bfloat16'): "
+            "cast on the device by the backward, half their bytes each way)",
+            params=True,
+            prefetch=True,
+            opt="defer",
+            pending="bfloat16",
+        ),
+        _checked(
             "all_three_defer",
             "all_three with the deferred update: offload_params(prefetch=True) + offload_activations(block_input) + "
             "offload_opt_state(stream=True, defer=True)",
@@ -273,6 +282,17 @@ def config_table() -> list[Config]:
             prefetch=True,
             activations="block_input",
             opt="defer",
+        ),
+        _checked(
+            "all_three_defer_bf16",
+            "all_three_defer with 16-bit moments and pending gradients (compact_state(adamw, 'bfloat16'), "
+            "pending_dtype='bfloat16'): the fewest bytes of the three offloaded",
+            params=True,
+            prefetch=True,
+            activations="block_input",
+            opt="defer",
+            state="bfloat16",
+            pending="bfloat16",
         ),
         _checked(
             "opt_state_defer_bf16_split",
