@@ -295,6 +295,18 @@ def config_table() -> list[Config]:
             pending="bfloat16",
         ),
         _checked(
+            "all_three_defer_bf16_stacks",
+            "all_three_defer_bf16 with only the stacks' moments in host memory (the embedding's and the head's on "
+            "the device: their update after the backward then moves their weights and gradients only)",
+            params=True,
+            prefetch=True,
+            activations="block_input",
+            opt="defer",
+            state="bfloat16",
+            where="stacks",
+            pending="bfloat16",
+        ),
+        _checked(
             "opt_state_defer_bf16_split",
             "opt_state_defer_bf16 with each stack's state kept as its even and odd layers "
             "(see opt_state_defer_bf16_stacks_split)",
