@@ -376,16 +376,23 @@ def _run(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate | None
                 "stacks): its host-resident weights are indexed per layer, which vmap turns into a "
                 "gather on host memory; offload such a model with prefetch=False"
             )
-        x = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)), x, x_b)
-        kw_axes = jax.tree.map(lambda b: 0 if b else None, k_b)
-
-        def batched_apply(w, h, kw):
-            return jax.vmap(apply, in_axes=(None, 0, kw_axes))(w, h, kw)
-
+        x, batched_apply = _per_example(apply, axis_size, x, x_b, k_b)
         out = _run(batched_apply, arrays, x, kw, n_layers, policy)
         return out, jax.tree.map(lambda _: True, out)
 
     return run(arrays, x, kw)
+
+
+def _per_example(apply, axis_size: int, x, x_batched, kw_batched):
+    """Inside a ``custom_vmap`` rule: ``x`` with every leaf batched (unbatched ones broadcast) and
+    ``apply`` over the batch, one function of the shared weights."""
+    x = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)), x, x_batched)
+    kw_axes = jax.tree.map(lambda b: 0 if b else None, kw_batched)
+
+    def batched_apply(w, h, kw):
+        return jax.vmap(apply, in_axes=(None, 0, kw_axes))(w, h, kw)
+
+    return x, batched_apply
 
 
 def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate):
@@ -404,12 +411,7 @@ def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: Lay
                 "a stack's update in its forward pass (the deferred optimizer update) cannot be vmapped over "
                 "its weights or its optimizer state"
             )
-        x = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)), x, x_b)
-        kw_axes = jax.tree.map(lambda b: 0 if b else None, k_b)
-
-        def batched_apply(w, h, kw):
-            return jax.vmap(apply, in_axes=(None, 0, kw_axes))(w, h, kw)
-
+        x, batched_apply = _per_example(apply, axis_size, x, x_b, k_b)
         mine = update._replace(args=args, read=read, write=write, grads=grads, probe=probe)
         h, new_arrays, new_write = _run(batched_apply, arrays, x, kw, n_layers, policy, mine)
         flags = (jax.tree.map(lambda _: True, h), *(jax.tree.map(lambda _: False, t) for t in (new_arrays, new_write)))
