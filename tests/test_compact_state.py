@@ -8,7 +8,7 @@ import pytest
 
 import transforms
 import zoo
-from transforms._compact_state import _decode_f8, _encode_f8
+from transforms._compact_state import _decode_f8, _encode_f8, _unpack
 
 
 def test_float8_blocks_keep_small_values_apart_from_zero():
@@ -84,3 +84,23 @@ def test_compact_state_refuses_what_it_cannot_store():
         transforms.compact_state(optax.adam(1e-3), "float8", block_size=0)
     with pytest.raises(TypeError, match="GradientTransformation"):
         transforms.compact_state("adam")
+
+
+@pytest.mark.parametrize("shape", [(64, 768), (6, 100), (4, 3)])
+def test_float8_words_hold_four_contiguous_quarters_of_the_codes(shape):
+    """The stored format (checkpoints hold it): with ``n`` codes in row-major order, word ``i``
+    holds codes ``i``, ``i + n/4``, ``i + n/2``, ``i + 3n/4`` (low byte first), and unpacking
+    gives the codes back in that order."""
+    x = jax.random.normal(jax.random.key(3), shape)
+    q = _encode_f8(x, 256)
+    b = 256 if shape[-1] % 256 == 0 else shape[-1]
+    c = np.sign(np.asarray(x)) * np.sqrt(np.abs(np.asarray(x)))
+    blocks = c.reshape(*shape[:-1], shape[-1] // b, b)
+    scales = np.abs(blocks).max(-1, keepdims=True) / 448.0
+    codes = jnp.asarray(blocks / scales, jnp.float32).astype(jnp.float8_e4m3fn).reshape(-1)
+    u8 = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.uint8)).astype(np.uint32)
+    quarter = u8.size // 4
+    want = u8[:quarter] | u8[quarter : 2 * quarter] << 8 | u8[2 * quarter : 3 * quarter] << 16 | u8[3 * quarter :] << 24
+    assert q.codes.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(q.codes).reshape(-1), want)
+    np.testing.assert_array_equal(np.asarray(_unpack(q.codes)).view(np.uint8), u8.astype(np.uint8))
