@@ -255,16 +255,19 @@ def test_with_gradient_accumulation_the_update_runs_once_per_step_as_streamed(wh
     assert_same_model(runs[True][0], runs[False][0])
 
 
-def test_with_host_weights_the_deferred_steps_equal_the_streamed_steps():
+@pytest.mark.parametrize("state_in", ["pinned_host", "device"])
+def test_with_host_weights_the_deferred_steps_equal_the_streamed_steps(state_in):
     """offload_params + defer: each layer's weights updated in the forward pass where they are
     fetched and written back to host memory; the same losses, norms and (flushed) weights as the
-    streamed update, every weight, pending gradient and moment in host memory (by type too: the
-    first step's pending gradients are made straight into host memory)."""
+    streamed update, every weight and pending gradient in host memory (by type too: the first
+    step's pending gradients are made straight into host memory), the moments where ``where``
+    puts them (on the device when it chooses none, which only the deferred update accepts)."""
     cfg = zoo.config_from_name("llama:tiny")
     tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, cfg.vocab_size, jnp.int32)
     runs = {}
     for defer in (False, True):
-        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
+        where = {"where": lambda x: False} if defer and state_in == "device" else {}
+        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer, **where)
         step = transforms.train_step(zoo.lm_loss, opt)
         model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
         state = step.init(model)
@@ -282,6 +285,5 @@ def test_with_host_weights_the_deferred_steps_equal_the_streamed_steps():
     assert metrics[-1][1] > 0.5  # the clip was active: its norm (squares summed in the backward) matters
     assert_same_model(model, runs[False][0][0])
     kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree) if x.ndim >= 2}
-    assert (
-        kinds(eqx.filter(model, eqx.is_array)) == kinds(state.pending.grads) == kinds(state.streamed) == {"pinned_host"}
-    )
+    assert kinds(eqx.filter(model, eqx.is_array)) == kinds(state.pending.grads) == {"pinned_host"}
+    assert kinds(state.streamed) == {state_in}

@@ -82,7 +82,10 @@ def offload_opt_state(
 
     - `optimizer`: an `optax.GradientTransformation`.
     - `where`: optional filter ``state_leaf -> bool`` choosing which state leaves live on host
-      (with ``stream=True`` it sees the stacked leaves, layer axis included).
+      (with ``stream=True`` it sees the stacked leaves, layer axis included). With ``defer=True``
+      it may choose none: the state stays on the device and each stack's update still runs in
+      the next forward pass, which with :func:`transforms.offload_params` updates each layer's
+      host weights where they are fetched (no update loop after the backward pass).
     - `stream`: update the stacked layers one at a time (see above).
     - `clip_norm`: clip the gradients to this global norm before the update, as
       ``optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)`` does. With ``stream=True`` the
@@ -125,7 +128,8 @@ def offload_opt_state(
     callable, a `stream`, `defer` or `split_layers` that is not a bool (or ``None``) or a
     `clip_norm` that is not a number; `ValueError` for a `clip_norm` that is not positive and
     finite, ``defer`` or ``split_layers`` without ``stream``, an
-    optimizer wrapped twice, and at ``init`` for a `where` that selects nothing, (``stream=True``)
+    optimizer wrapped twice, and at ``init`` for a `where` that selects nothing (without
+    ``defer``), (``stream=True``)
     an optimizer whose update of one layer depends on other layers; `RuntimeError` on a backend
     without host memory.
 

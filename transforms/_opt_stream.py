@@ -399,7 +399,7 @@ def check_streamable(optimizer: optax.GradientTransformation, params, units, n: 
 # ---- the wrapper --------------------------------------------------------------------------
 
 
-def _init(inner, select: Callable, where_given: bool, params, split_layers: bool = False):
+def _init(inner, select: Callable, where_given: bool, params, split_layers: bool = False, allow_empty: bool = False):
     units, n = _units(params)
     if n:
         check_streamable(inner, params, units, n)
@@ -413,7 +413,7 @@ def _init(inner, select: Callable, where_given: bool, params, split_layers: bool
     # Leaves to keep in host memory, chosen on the stacked shapes (the layer axis included).
     abstract = jax.eval_shape(abstract_state, params)
     chosen = jax.tree.map(lambda a: bool(is_arraylike(a) and select(a)), abstract)
-    if where_given and not any(jax.tree.leaves(chosen)):
+    if where_given and not allow_empty and not any(jax.tree.leaves(chosen)):
         raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
     if not where_given:  # by default, as offload_params does with such weights (see packed_layer_vector)
 
@@ -618,7 +618,9 @@ class StreamedOptimizer(OffloadedOptimizer):
         pending_dtype: str | None = None,
     ):
         def init(params):
-            state = _init(inner, select, where_given, params, split_layers)
+            # Deferred, a filter may keep all the state on the device: the update still runs in
+            # the forward pass, where host weights are fetched anyway.
+            state = _init(inner, select, where_given, params, split_layers, allow_empty=defer)
             if not defer:
                 return state
             return DeferredState(state, no_pending(params, pending_dtype))
