@@ -24,7 +24,7 @@ class Config:
     remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
     opt: str = "device"  # "device", "offload" (offload_opt_state), "stream" (stream=True) or "defer" (and defer=True)
     state: str | None = None  # transforms.compact_state's storage dtype of the moments ("bfloat16", "float8")
-    where: str | None = None  # "stacks": only the stacks' moments offloaded (see make_optimizer)
+    where: str | None = None  # "stacks": only the stacks' moments offloaded, "none": none (see make_optimizer)
     split: bool = False  # the streamed state kept as its even and odd layers (split_layers=True);
     # without it one buffer per leaf, the deferred update included (whose library default splits)
     unroll: bool = False  # the streamed update's layer loops unrolled (_opt_stream.with_unrolled_update)
@@ -257,6 +257,16 @@ def config_table() -> list[Config]:
             opt="defer",
         ),
         _checked(
+            "params_defer_device_state",
+            "offload_params(prefetch=True) with the deferred update and the optimizer state on the device "
+            "(offload_opt_state(..., defer=True, where=lambda x: False)): params' placement, each layer's host "
+            "weights updated where the forward fetches them instead of in a loop after the backward",
+            params=True,
+            prefetch=True,
+            opt="defer",
+            where="none",
+        ),
+        _checked(
             "params_defer_bf16",
             "params_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16')): a quarter fewer bytes "
             "cross the link in the forward pass",
@@ -363,6 +373,11 @@ def _stacked_moment(x) -> bool:
     return x.ndim >= 3 and (jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint32)
 
 
+def _nothing(x) -> bool:
+    """No state leaf in host memory (``where="none"``: the deferred update with the state on the device)."""
+    return False
+
+
 def make_optimizer(
     kind: str,
     lr: float,
@@ -376,7 +391,8 @@ def make_optimizer(
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
     in that dtype (:func:`transforms.compact_state`), the same arithmetic wherever they live. With
     ``where="stacks"`` only the moments of the stacks' matrices are offloaded (the embedding's,
-    the head's and the norms' stay on the device). ``split`` keeps a streamed state as its even and
+    the head's and the norms' stay on the device); with ``where="none"`` (the deferred update
+    only) none is. ``split`` keeps a streamed state as its even and
     odd layers (``offload_opt_state(..., split_layers=True)``), ``unroll`` unrolls its update's layer
     loops (``with_unrolled_update``)."""
     import optax
@@ -386,11 +402,11 @@ def make_optimizer(
 
     if kind not in ("device", "offload", "stream", "defer"):
         raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream, defer")
-    if where not in (None, "stacks"):
-        raise ValueError(f"unknown where {where!r}; valid: None, 'stacks'")
+    if where not in (None, "stacks", "none"):
+        raise ValueError(f"unknown where {where!r}; valid: None, 'stacks', 'none'")
     adamw = optax.adamw(lr, b1=ADAM_B1)
     adamw = transforms.compact_state(adamw, state) if state else adamw
-    select = {"where": _stacked_moment} if where else {}
+    select = {"where": _stacked_moment if where == "stacks" else _nothing} if where else {}
     if (split or unroll) and kind not in ("stream", "defer"):
         raise ValueError(f"split and unroll need the streamed optimizer (kind 'stream' or 'defer'), got kind {kind!r}")
     if kind in ("stream", "defer"):

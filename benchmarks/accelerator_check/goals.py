@@ -128,12 +128,13 @@ def optimizer_goals(configs: dict) -> list[dict]:
 #: ``(configuration, GOALS key)`` of the whole-step speed goals of weight offload. The deferred
 #: update's configurations count toward them too: ``all_three_defer*`` offload the same three things
 #: (with the state in 16 bits, or the embedding's and head's moments on the device, where named);
-#: ``params_defer*`` offload the optimizer state beside the weights (the streamed optimizer keeps
-#: at least the stacks' state in host memory), more than ``params`` does.
+#: ``params_defer_device_state`` offloads what ``params`` does; the other ``params_defer*`` offload
+#: the optimizer state beside the weights.
 OFFLOAD_SPEED = (("params", "params_step_ratio"), ("params_prefetch", "params_step_ratio"))
 OFFLOAD_SPEED += (("all_three", "all_three_step_ratio"),)
 OFFLOAD_SPEED += tuple(
-    (name, "params_step_ratio") for name in ("params_defer", "params_defer_bf16", "params_defer_bf16grads")
+    (name, "params_step_ratio")
+    for name in ("params_defer_device_state", "params_defer", "params_defer_bf16", "params_defer_bf16grads")
 )
 OFFLOAD_SPEED += tuple(
     (name, "all_three_step_ratio")
