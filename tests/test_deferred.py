@@ -287,3 +287,27 @@ def test_with_host_weights_the_deferred_steps_equal_the_streamed_steps(state_in)
     kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree) if x.ndim >= 2}
     assert kinds(eqx.filter(model, eqx.is_array)) == kinds(state.pending.grads) == {"pinned_host"}
     assert kinds(state.streamed) == {state_in}
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_a_stack_with_integer_per_layer_arrays_defers_as_it_streams(where):
+    """Gemma 2's stack holds an integer array per layer (its attention kind): the deferred update
+    updates the floating arrays and reads that one as it is, with weights on the device or in host
+    memory (it used to refuse such a stack at the first step, after init accepted it)."""
+    cfg = zoo.config_from_name("gemma2:tiny")
+    tokens = jax.random.randint(jax.random.key(4), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    runs = {}
+    for defer in (False, True):
+        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
+        step = transforms.train_step(zoo.lm_loss, opt)
+        model = zoo.build_model(cfg, key=jax.random.key(0))
+        assert any(x.dtype == jnp.int32 for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_array)))
+        model = transforms.offload_params(model, prefetch=True) if where == "host" else model
+        state = step.init(model)
+        losses = []
+        for _ in range(2):
+            model, state, metrics = step(model, state, tokens)
+            losses.append(float(metrics["loss"]))
+        runs[defer] = step.flush(model, state)[0], losses
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
+    assert_same_model(runs[True][0], runs[False][0])

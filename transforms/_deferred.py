@@ -113,19 +113,29 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
 
         def runner(stack, arrays):
             leaves = jax.tree.leaves(arrays)
-            k, mine = wanted.get(id(leaves[0]), (None, None)) if leaves else (None, None)
+            # The stack's floating arrays are its trained ones; integer ones (Gemma's per-layer
+            # attention kinds) are read as they are.
+            floating = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+            k, mine = next((wanted[id(x)] for x in floating if id(x) in wanted), (None, None))
             if k is None:
                 return None
-            if len(mine) != len(leaves) or any(a is not b for a, b in zip(mine, leaves, strict=False)):
-                raise ValueError("the deferred update needs every array of a stack trainable (no frozen ones)")
+            if len(mine) != len(floating) or any(a is not b for a, b in zip(mine, floating, strict=False)):
+                raise ValueError("the deferred update needs every floating array of a stack trainable (no frozen ones)")
             if not stack.scan:
                 raise ValueError("the deferred update needs each stack run with scan=True")
             arrays_def = jax.tree.structure(arrays)
+            is_float = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+            others = [x for x, f in zip(leaves, is_float, strict=True) if not f]
             g_leaves = jax.tree.leaves(_view(pending.grads, units, k))
             update = _layer_update(inner, clip, view_defs[k])
 
+            def whole(new_floating, other):  # the layer's arrays: the new floating ones and the rest
+                new_floating, other = iter(new_floating), iter(other)
+                return jax.tree.unflatten(arrays_def, [next(new_floating) if f else next(other) for f in is_float])
+
             def done(new_arrays, s_k):
-                found[k] = (s_k, jax.tree.unflatten(view_defs[k], jax.tree.leaves(new_arrays)))
+                new_floating = [x for x in jax.tree.leaves(new_arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]
+                found[k] = (s_k, jax.tree.unflatten(view_defs[k], new_floating))
 
             if any_on_host(arrays):
                 # Host weights: the stack's prefetched loop updates each layer's weights, writes
@@ -133,8 +143,9 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 if _layer_split.is_split(state.stacked[k]):  # pragma: no cover - splits() refuses host weights
                     raise ValueError("the deferred update keeps a host-weight stack's state in one buffer per leaf")
 
-                def fn(args, h, w_i, g_i, s_i):
-                    return update(args, h, jax.tree.leaves(w_i), g_i, s_i, lambda p: jax.tree.unflatten(arrays_def, p))
+                def fn(args, h, w_i, g_i, s_i):  # (w_i: the layer's floating arrays)
+                    as_weights = lambda p: jax.tree.unflatten(jax.tree.structure(w_i), p)
+                    return update(args, h, jax.tree.leaves(w_i), g_i, s_i, as_weights)
 
                 # The backward pass writes this step's gradients over the pending ones (in place,
                 # in their dtype), which come back as the cotangent of those buffers; their squares
@@ -149,13 +160,13 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                     layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
 
                 def body(carry, read, write):
-                    (p_i, g_i), (s_i,) = read, write
+                    (p_i, g_i, o_i), (s_i,) = read, write
                     new_p, s_new = update((pending.g_norm, pending.ready), carry, p_i, g_i, s_i, list)
                     used = [_replaced(a, b) for a, b in zip(p_i, new_p, strict=True)]
-                    carry = layer_fn(carry, jax.tree.unflatten(arrays_def, used))
+                    carry = layer_fn(carry, whole(used, o_i))
                     return carry, ((s_new,), [jax.lax.stop_gradient(b) for b in new_p])
 
-                read, write = (leaves, g_leaves), (state.stacked[k],)
+                read, write = (floating, g_leaves, others), (state.stacked[k],)
                 x_state, (s_k,), new_leaves = _in_place_scan(body, x_state, read, write, stack.n_layers)
                 done(new_leaves, s_k)
                 return x_state

@@ -223,7 +223,9 @@ class LayerUpdate(NamedTuple):
     - ``read``: stacked arrays read one layer at a time (the pending gradients).
     - ``write``: stacked arrays rewritten one layer at a time (the optimizer state).
     - ``fn(args, h, weights_i, read_i, write_i) -> (new_weights_i, new_write_i)``: layer ``i``'s
-      update, given the layer's input ``h`` (not differentiated; to order the update after it).
+      update of its floating arrays (``weights_i``, the others ``None``: integer per-layer
+      settings are read as they are), given the layer's input ``h`` (not differentiated; to
+      order the update after it).
     - ``scan(body, carry, read, write, length) -> (carry, new_write, ys)``: the loop that
       rewrites ``write`` in place, ``body(carry, read_i, write_i) -> (carry, (new_write_i, y_i))``
       (``transforms``' in-place layer scan).
@@ -253,7 +255,7 @@ class LayerUpdate(NamedTuple):
 
     def scan(body, carry, read, write, length):
         def step(c, i):
-            c, (new, _) = body(c, None, jax.tree.map(lambda a: a[i], write))
+            c, (new, _) = body(c, jax.tree.map(lambda a: a[i], read), jax.tree.map(lambda a: a[i], write))
             return c, new
         carry, new = jax.lax.scan(step, carry, jnp.arange(length))
         return carry, new, None
@@ -282,19 +284,23 @@ class LayerUpdate(NamedTuple):
 
 def _forward_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate, args, read, write):
     """:func:`_forward` with each layer's weights updated first (see :class:`LayerUpdate`):
-    ``(y, new_arrays, new_write, saved)``."""
+    ``(y, new_arrays, new_write, saved)``. The update sees and rewrites the floating arrays; the
+    others (integer per-layer settings) are read as they are."""
+    floating, other = _floating(arrays)
+    other_leaves, other_def = jax.tree.flatten(other)
 
     def body(h, read_i, write_i):
-        w_i, s_i = write_i
-        new_w, new_s = update.fn(args, h, w_i, read_i, s_i)
+        (r_i, o_i), (w_i, s_i) = read_i, write_i
+        new_w, new_s = update.fn(args, h, w_i, r_i, s_i)
+        layer = eqx.combine(new_w, jax.tree.unflatten(other_def, o_i))
         if policy is None:
-            h, saved = apply(new_w, h, kw), None
+            h, saved = apply(layer, h, kw), None
         else:
-            h, saved = _layer_vjp(apply, policy, new_w, h, kw)
+            h, saved = _layer_vjp(apply, policy, layer, h, kw)
         return h, ((new_w, new_s), saved)
 
-    h, (new_arrays, new_write), saved = update.scan(body, x, read, (arrays, write), n_layers)
-    return h, new_arrays, new_write, saved
+    h, (new_floating, new_write), saved = update.scan(body, x, (read, other_leaves), (floating, write), n_layers)
+    return h, eqx.combine(new_floating, other), new_write, saved
 
 
 def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate):
@@ -430,7 +436,7 @@ def prefetched_scan(
     ``policy`` is the `jax.checkpoint` policy of each layer: what its backward pass keeps from
     the forward pass (the rest is recomputed). ``kwargs`` go to every layer.
 
-    With an ``update`` (a :class:`LayerUpdate`; every array of the stack floating) each layer's
+    With an ``update`` (a :class:`LayerUpdate`) each layer's
     weights are updated before the layer runs and written back in place; returns ``(y,
     new_arrays, new_write)``.
     """
