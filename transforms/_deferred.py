@@ -18,7 +18,8 @@ layer with the new weights; the backward pass reads those and writes its gradien
 pending ones (in place, in host memory), summing their squares on the device for the global norm.
 
 :class:`transforms.TrainStep` runs it for ``offload_opt_state(..., stream=True, defer=True)``;
-supported so far: stacks whose arrays are all trainable, run with ``scan=True``.
+supported so far: stacks whose floating arrays are all trainable (integer per-layer arrays are
+read as they are), run with ``scan=True``.
 """
 
 from __future__ import annotations
