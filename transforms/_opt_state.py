@@ -103,7 +103,7 @@ def offload_opt_state(
       each layer's weights are fetched once for the forward pass, updated there and written back
       in place (no fetch of them for the update after the backward pass), the backward pass reads
       the new ones and writes its gradients over the pending ones, in place, in host memory
-      (:class:`zoo.nn.LayerUpdate`). Experimental: every array of a stack trained (no LoRA base),
+      (:class:`zoo.nn.LayerUpdate`). Experimental: every floating array of a stack trained (no LoRA base),
       ``scan=True`` stacks. With ``accum_steps > 1``
       the pending update runs in the first micro-batch's forward pass, and the state moves once per
       optimizer step. Each stack of at least four layers (an even number, weights on an accelerator)
