@@ -35,6 +35,7 @@ JAX itself stays on this machine's CPU)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -68,9 +69,14 @@ def _device(target: str, topology: str):
     return topo.devices[0]
 
 
-def build(model_name: str, config: str, *, lr: float = 1e-3):
+def build(model_name: str, config: str, *, lr: float = 1e-3, weights: str = "all"):
     """The configuration's model, optimizer state and train step, built on this machine (the
-    check's transforms and optimizer: AdamW after global-norm clipping at 1.0)."""
+    check's transforms and optimizer: AdamW after global-norm clipping at 1.0). With ``weights=
+    "stacks"`` a configuration that offloads weights offloads only the stacks' (the embedding, head
+    and final norm stay on the device): this libtpu refuses programs whose host-resident embedding
+    the streamed optimizer updates (a layout mismatch of its host buffer; the chip compiles them),
+    so the stacks' part of such a program can be studied here."""
+    import equinox as eqx
     import jax
 
     import transforms
@@ -80,7 +86,12 @@ def build(model_name: str, config: str, *, lr: float = 1e-3):
     _layer_split.SPLIT_ON_CPU = True  # the state is built here for a TPU: laid out as there
     conf = {c.name: c for c in config_table()}[config]
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
-    model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), conf)
+    if weights == "stacks" and conf.params:
+        model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), dataclasses.replace(conf, params=False))
+        host_stack = transforms.offload_params(model.stack, prefetch=conf.prefetch)
+        model = eqx.tree_at(lambda m: m.stack, model, host_stack)
+    else:
+        model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), conf)
     step = transforms.train_step(zoo.lm_loss, optimizer_for(conf, lr))
     return model, step.init(model), step
 
@@ -149,7 +160,7 @@ def measure(args, config: str, device) -> dict:
     row = {"config": config}
     t = time.perf_counter()
     try:
-        model, state, step = build(args.model, config)
+        model, state, step = build(args.model, config, weights=getattr(args, "weights", "all"))
         lowered = lowered_for(device, model, state, step, args.batch, args.seq)
         compiled = lowered.compile(compiler_options=getattr(args, "compiler_options", None))
     except Exception as err:  # the compiler's refusal is the result
@@ -271,6 +282,13 @@ def main(argv=None) -> int:
         metavar="NAME=VALUE,...",
         help="XLA options of the compile (e.g. xla_tpu_enable_all_experimental_scheduler_features=true)",
     )
+    p.add_argument(
+        "--weights",
+        choices=("all", "stacks"),
+        default="all",
+        help="with a configuration that offloads weights: all of them (default) or the stacks' only (this "
+        "libtpu refuses a host-resident embedding updated by the streamed optimizer; the chip does not)",
+    )
     p.add_argument("--row", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row as JSON
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -291,6 +309,7 @@ def main(argv=None) -> int:
         f"Train step of {args.model} (fp32 weights, bf16 compute, AdamW after clipping), batch "
         f"{args.batch} x {args.seq}, compiled for {args.topology if args.target == 'tpu' else 'this CPU'}"
         + (f" with {args.compiler_options}" if args.compiler_options else "")
+        + (" (weights offloaded: the stacks' only)" if args.weights == "stacks" else "")
     )
     text = table(rows, head)
     print(text, flush=True)

@@ -59,3 +59,17 @@ def test_host_arguments_reach_the_library_with_a_host_type(monkeypatch):
     tpu_compile.lowered_for(jax.devices("cpu")[0], model, state, step, 2, 16)
     stacked = [x for x in jax.tree.leaves(state.stacked) if x.sharding.memory_kind == "pinned_host"]
     assert stacked and sum(seen) >= len(stacked)  # each stacked host leaf is read as host (0 untyped)
+
+
+def test_weights_stacks_offloads_only_the_stacks_weights():
+    """``--weights stacks``: a configuration that offloads weights keeps the embedding, head and
+    final norm on the device (this libtpu refuses a host embedding updated by the streamed
+    optimizer), the stack's transforms (prefetch, activation policy) as the configuration says."""
+    import jax
+
+    model, _, _ = tpu_compile.build("llama:tiny", "all_three_defer", weights="stacks")
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    assert kinds(model.stack) == {"pinned_host"} and model.stack.prefetch and model.stack.remat is not None
+    assert kinds((model.embed, model.norm, model.lm_head)) == {"device"}
+    whole, _, _ = tpu_compile.build("llama:tiny", "all_three_defer")
+    assert kinds(whole.embed) == {"pinned_host"}
