@@ -152,11 +152,15 @@ def test_pending_gradients_kept_in_bfloat16_take_half_the_memory_and_the_same_st
         for _ in range(STEPS):
             model, state, _ = step(model, state, tokens)
         pending = [g for g in jax.tree.leaves(state.pending.grads) if g is not None]
-        assert {g.dtype for g in pending} == {jnp.dtype(dtype or "float32")}
+        # The stacked matrices' in ``dtype``; the stacked vectors' (norm scales) in their weights'
+        # (a TPU slices a 16-bit (layers, width) host array only in pairs of rows).
+        assert {g.dtype for g in pending if g.ndim >= 3} == {jnp.dtype(dtype or "float32")}
+        assert {g.dtype for g in pending if g.ndim < 3} == {jnp.dtype("float32")}
         assert {g.sharding.memory_kind for g in pending if g.ndim > 1} == {
             "pinned_host" if where == "host" else "device"
         }
-        ends[dtype] = (sum(g.nbytes for g in pending), eqx.filter(step.flush(model, state)[0], eqx.is_array))
+        matrices = sum(g.nbytes for g in pending if g.ndim >= 3)
+        ends[dtype] = (matrices, eqx.filter(step.flush(model, state)[0], eqx.is_array))
     assert ends["bfloat16"][0] * 2 == ends[None][0]
     full, rounded = (jax.tree.leaves(ends[k][1]) for k in (None, "bfloat16"))
     deltas = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) for a, b in zip(full, rounded, strict=True)]

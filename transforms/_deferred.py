@@ -32,7 +32,7 @@ from zoo.nn import LayerUpdate, any_on_host, layer_runner
 
 from . import _layer_split
 from ._opt_stream import StreamedOptimizer, _clip, _in_place_scan, _merge, _run
-from ._pending import Pending, no_pending
+from ._pending import Pending, no_pending, pending_dtype_of
 from ._tree import stack_units as _units
 from ._tree import stack_view as _view
 
@@ -201,7 +201,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
     rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False, stack_squares=hosted)
     new_params = _merge(units, [_view(rest_params, units, -1), *(found[k][1] for k in range(n))])
-    kept = lambda u, g: g.astype(optimizer.pending_dtype or g.dtype) if u >= 0 else None
+    kept = lambda u, g: g.astype(pending_dtype_of(g, optimizer.pending_dtype)) if u >= 0 else None
     pending = Pending(jax.tree.map(kept, units, grads), g_norm, jnp.ones((), bool))
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 

@@ -22,17 +22,28 @@ class Pending(NamedTuple):
     ready: jax.Array
 
 
+def pending_dtype_of(x, dtype=None):
+    """The dtype a stacked weight ``x``'s pending gradient is kept in: ``dtype`` for a stack of
+    matrices, the weight's own for a stack of vectors (norm scales: few bytes, and a TPU slices a
+    16-bit ``(layers, width)`` host array one layer at a time only in pairs of rows, its packing:
+    XLA:TPU refused the program, "sublane slicing size must be multiple of element packing
+    factor")."""
+    return dtype if dtype is not None and x.ndim >= 3 else x.dtype
+
+
 def no_pending(params, dtype=None) -> Pending:
     """The :class:`Pending` of a run that has taken no step yet; its gradients in ``dtype``
-    (default: each weight's), each where its weight lives (host memory for host weights)."""
+    (default: each weight's; see :func:`pending_dtype_of`), each where its weight lives (host
+    memory for host weights)."""
     units, _ = _units(params)
 
     def zeros(u, x):
         if u < 0:
             return None
+        kind = pending_dtype_of(x, dtype)
         if not on_host(x):
-            return jnp.zeros_like(x, dtype=dtype)
-        make = lambda: jnp.zeros(x.shape, dtype or x.dtype)
+            return jnp.zeros_like(x, dtype=kind)
+        make = lambda: jnp.zeros(x.shape, kind)
         if isinstance(x, jax.core.Tracer):
             return jax.device_put(make(), jax.memory.Space.Host)
         # Made in place (no device copy of the stack), with the host memory in its type.
