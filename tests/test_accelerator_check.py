@@ -1338,3 +1338,18 @@ def test_the_capacity_run_with_16_bit_moments_plans_and_applies_that_optimizer()
     assert plans[1].host_bytes < plans[0].host_bytes and all(p.candidate.defer for p in plans)
     state = jax.eval_shape(worker.capacity_optimizer(3e-4, "bfloat16").init, {"w": jnp.zeros((4, 8))})
     assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_the_planner_column_says_when_it_counts_another_state_placement():
+    """The planner models the default ``where=`` only: a configuration that keeps some state on the
+    device gets a note beside its figures, one that does not gets none."""
+    import zoo
+
+    spec = {"batch": 2, "seq": 32, "plan_device": "tpu-v5e", "lr": 1e-3, "accum_steps": 1}
+    cfg = zoo.config_from_name("llama:tiny")
+    table = {c.name: c for c in configs.config_table()}
+    for name, noted in (("params_defer_device_state", True), ("params_defer", False)):
+        report = {}
+        worker_module._planner(spec, table[name], cfg, report)
+        assert "device_bytes" in report["planner"], report
+        assert ("note" in report["planner"]) == noted, name

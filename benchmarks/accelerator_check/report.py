@@ -121,6 +121,8 @@ def markdown(results: dict) -> str:
         if planner.get("peak_terms"):
             what = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in planner["peak_terms"])
             details.append(f"- {n}: peak set by (planner, {planner.get('peak_phase')}): {what}")
+        if planner.get("note"):
+            details.append(f"- {n}: planner: {planner['note']}")
         if e.get("peak_in_use_from_init") and e.get("peak_bytes"):
             stats = e["worker"]["memory_stats"]
             details.append(
