@@ -138,7 +138,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 new_floating = [x for x in jax.tree.leaves(new_arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]
                 found[k] = (s_k, jax.tree.unflatten(view_defs[k], new_floating))
 
-            if any_on_host(arrays):
+            if host[k]:
                 # Host weights: the stack's prefetched loop updates each layer's weights, writes
                 # them back in place and runs the layer with them (zoo.nn.LayerUpdate).
                 if _layer_split.is_split(state.stacked[k]):  # pragma: no cover - splits() refuses host weights

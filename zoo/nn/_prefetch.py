@@ -353,18 +353,19 @@ def _differentiable(apply, n_layers: int, policy):
     return run
 
 
+def _update_arrays(update: LayerUpdate) -> tuple:
+    """The update's arrays, passed through the custom rules as arguments (never closed over)."""
+    return update.args, update.read, update.write, update.grads, update.probe
+
+
 def _run(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate | None = None):
-    if update is None:
-        plain = _differentiable(apply, n_layers, policy)
-    else:
-        # The update's arrays pass through the custom rules as arguments (never closed over).
-        extra = (update.args, update.read, update.write, update.grads, update.probe)
-        updating = _differentiable_update(apply, n_layers, policy, update)
-        plain = lambda arrays, x, kw: updating(arrays, x, kw, *extra)
+    if update is not None:
+        if innermost_transform_is_vmap():
+            return _run_batched_update(apply, arrays, x, kw, n_layers, policy, update)
+        return _differentiable_update(apply, n_layers, policy, update)(arrays, x, kw, *_update_arrays(update))
+    plain = _differentiable(apply, n_layers, policy)
     if not innermost_transform_is_vmap():
         return plain(arrays, x, kw)
-    if update is not None:
-        return _run_batched_update(apply, arrays, x, kw, n_layers, policy, update)
 
     # Under `vmap` (models here are per example): run the batched layer as one function of the
     # shared weights, so the backward pass sums weight gradients over the batch inside each
@@ -423,7 +424,7 @@ def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: Lay
         flags = (jax.tree.map(lambda _: True, h), *(jax.tree.map(lambda _: False, t) for t in (new_arrays, new_write)))
         return (h, new_arrays, new_write), flags
 
-    return run(arrays, x, kw, update.args, update.read, update.write, update.grads, update.probe)
+    return run(arrays, x, kw, *_update_arrays(update))
 
 
 def prefetched_scan(
