@@ -267,6 +267,16 @@ def config_table() -> list[Config]:
             where="none",
         ),
         _checked(
+            "params_defer_device_state_bf16grads",
+            "params_defer_device_state with the pending gradients in 16 bits (pending_dtype='bfloat16'): the "
+            "forward loop then reads 37.5 MB a llama:small layer instead of 50",
+            params=True,
+            prefetch=True,
+            opt="defer",
+            where="none",
+            pending="bfloat16",
+        ),
+        _checked(
             "params_defer_bf16",
             "params_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16')): a quarter fewer bytes "
             "cross the link in the forward pass",

@@ -134,7 +134,13 @@ OFFLOAD_SPEED = (("params", "params_step_ratio"), ("params_prefetch", "params_st
 OFFLOAD_SPEED += (("all_three", "all_three_step_ratio"),)
 OFFLOAD_SPEED += tuple(
     (name, "params_step_ratio")
-    for name in ("params_defer_device_state", "params_defer", "params_defer_bf16", "params_defer_bf16grads")
+    for name in (
+        "params_defer_device_state",
+        "params_defer_device_state_bf16grads",
+        "params_defer",
+        "params_defer_bf16",
+        "params_defer_bf16grads",
+    )
 )
 OFFLOAD_SPEED += tuple(
     (name, "all_three_step_ratio")
