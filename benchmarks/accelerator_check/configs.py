@@ -113,6 +113,13 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_f8",
+            "capacity with the moments in 8 bits: the planner's plan for compact_state(adamw, 'float8'), whose "
+            "state moves a quarter of float32's bytes",
+            state="float8",
+            capacity=True,
+        ),
+        Config(
             "capacity_defer",
             "the capacity run's model on its own transforms instead of the plan: weights and gradients on the "
             "device, block inputs in host memory (offload_activations), the optimizer state in host memory with "
