@@ -334,6 +334,18 @@ def config_table() -> list[Config]:
             pending="bfloat16",
         ),
         _checked(
+            "all_three_defer_f8_stacks",
+            "all_three_defer_bf16_stacks with the moments in 8 bits (compact_state(adamw, 'float8')): the forward "
+            "loop moves 50 MB each way a llama:small layer instead of 62.5",
+            params=True,
+            prefetch=True,
+            activations="block_input",
+            opt="defer",
+            state="float8",
+            where="stacks",
+            pending="bfloat16",
+        ),
+        _checked(
             "opt_state_defer_bf16_split",
             "opt_state_defer_bf16 with each stack's state kept as its even and odd layers "
             "(see opt_state_defer_bf16_stacks_split)",

@@ -144,7 +144,7 @@ OFFLOAD_SPEED += tuple(
 )
 OFFLOAD_SPEED += tuple(
     (name, "all_three_step_ratio")
-    for name in ("all_three_defer", "all_three_defer_bf16", "all_three_defer_bf16_stacks")
+    for name in ("all_three_defer", "all_three_defer_bf16", "all_three_defer_bf16_stacks", "all_three_defer_f8_stacks")
 )
 
 
