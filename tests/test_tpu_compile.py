@@ -73,3 +73,15 @@ def test_weights_stacks_offloads_only_the_stacks_weights():
     assert kinds((model.embed, model.norm, model.lm_head)) == {"device"}
     whole, _, _ = tpu_compile.build("llama:tiny", "all_three_defer")
     assert kinds(whole.embed) == {"pinned_host"}
+
+
+def test_capacity_configurations_with_stated_transforms_compile_and_planned_ones_do_not():
+    from benchmarks.accelerator_check.configs import config_table
+
+    table = {c.name: c for c in config_table()}
+    stated = [n for n, c in table.items() if c.capacity and c.opt != "device"]
+    planned = [n for n, c in table.items() if c.capacity and c.opt == "device"]
+    assert "capacity_defer_f8_projections" in stated and {"capacity", "capacity_bf16"} <= set(planned)
+    assert set(stated) <= set(tpu_compile.CONFIGS)
+    assert not set(planned) & set(tpu_compile.CONFIGS)
+    assert not any(table[n].capped for n in tpu_compile.CONFIGS)

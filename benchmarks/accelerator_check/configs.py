@@ -169,6 +169,16 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_f8_projections",
+            "capacity_f8's transforms stated rather than planned (the deferred update, block inputs and the "
+            "attention's projections offloaded, moments in 8 bits), so that tpu_compile can compile them",
+            opt="defer",
+            state="float8",
+            activations="block_input_and_projections",
+            split=True,
+            capacity=True,
+        ),
+        Config(
             "capped",
             "all three transforms on a larger model under a device-memory cap",
             params=True,
