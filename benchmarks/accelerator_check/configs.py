@@ -169,6 +169,16 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_bf16_projections",
+            "capacity_bf16's transforms stated rather than planned (as capacity_defer_f8_projections, with 16-bit "
+            "moments): the comparison for the 8-bit plan's memory",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input_and_projections",
+            split=True,
+            capacity=True,
+        ),
+        Config(
             "capacity_defer_f8_projections",
             "capacity_f8's transforms stated rather than planned (the deferred update, block inputs and the "
             "attention's projections offloaded, moments in 8 bits), so that tpu_compile can compile them",
