@@ -293,6 +293,27 @@ def test_with_host_weights_the_deferred_steps_equal_the_streamed_steps(state_in)
     assert kinds(state.streamed) == {state_in}
 
 
+def test_with_host_weights_a_tied_embedding_gets_both_parts_of_its_gradient():
+    """The embedding read before the stacks takes its gradient through a device shadow; tied, it is
+    read again as the head after them, and that part reaches it in host memory: the deferred
+    steps must add both (as the streamed update's plain gradient has them)."""
+    cfg = zoo.config_from_name("llama:tiny", tie_embeddings=True)
+    tokens = jax.random.randint(jax.random.key(4), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    runs = {}
+    for defer in (False, True):
+        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
+        step = transforms.train_step(zoo.lm_loss, opt)
+        model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
+        state = step.init(model)
+        metrics = []
+        for _ in range(2):
+            model, state, m = step(model, state, tokens)
+            metrics.append((float(m["loss"]), float(m["grad_norm"])))
+        runs[defer] = step.flush(model, state)[0], metrics
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
+    assert_same_model(runs[True][0], runs[False][0])
+
+
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_a_stack_with_integer_per_layer_arrays_defers_as_it_streams(where):
     """Gemma 2's stack holds an integer array per layer (its attention kind): the deferred update

@@ -107,6 +107,7 @@ PUBLIC = [
     zoo.nn.on_host,
     zoo.nn.any_on_host,
     zoo.nn.use_param,
+    zoo.nn.param_fetch,
     zoo.nn.is_arraylike,
     zoo.nn.memory_space,
     zoo.nn.var_memory_space,

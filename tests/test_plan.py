@@ -328,7 +328,9 @@ def test_streamed_update_bytes_moved_agree_with_the_train_steps_jaxpr(cand, clip
         activations=cand.activations,
     )
     assert est.host_to_device > plain.estimate.host_to_device  # the extra layer, the clip pass
-    assert est.device_to_host == plain.estimate.device_to_host
+    # Deferred with host weights, the (untied) embedding's gradient stays on the device.
+    embedding = CFG.vocab_size * CFG.d_model * 4 if cand.defer and cand.params else 0
+    assert est.device_to_host == plain.estimate.device_to_host - embedding
     # No stacked (L, ...) float array crosses to the device as a whole: one layer at a time.
     whole = [t for t in report.transfers if t[0] == "h2d" and t[2][:1] == (CFG.n_layers,) and "float" in t[1]]
     assert whole == [], whole

@@ -201,3 +201,26 @@ def test_bad_prefetch_values_are_type_errors():
         transforms.offload_params(stack(False), prefetch="yes")
     with pytest.raises(TypeError, match="prefetch"):
         nn.Stack(lambda k: nn.Linear(4, 4, key=k), 2, prefetch=1, key=jax.random.key(0))
+
+
+def test_param_fetch_is_asked_for_host_arrays_only_and_none_keeps_the_plain_copy():
+    host = jax.device_put(jnp.arange(3.0), jax.memory.Space.Host)
+    device = jnp.arange(3.0)
+    asked = []
+
+    def fetch(p):
+        asked.append(p.shape)
+        return None if len(asked) == 1 else jnp.zeros(3)
+
+    def f(h, d):
+        with zoo.nn.param_fetch(fetch):
+            first, second, on_device = zoo.nn.use_param(h), zoo.nn.use_param(h), zoo.nn.use_param(d)
+        return first, second, on_device, zoo.nn.use_param(h)
+
+    first, second, on_device, after = jax.jit(f)(host, device)
+    assert asked == [(3,), (3,)]  # the device array was not asked about
+    np.testing.assert_array_equal(on_device, [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(first, [0.0, 1.0, 2.0])  # None: the plain copy
+    np.testing.assert_array_equal(second, [0.0, 0.0, 0.0])  # the hook's copy
+    np.testing.assert_array_equal(after, [0.0, 1.0, 2.0])  # outside the context, the plain copy again
+    assert {x.sharding.memory_kind for x in (first, after)} == {"device"}

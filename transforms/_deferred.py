@@ -16,6 +16,10 @@ A stack whose weights live in host memory (:func:`transforms.offload_params`) ge
 gradients and state, updates them, writes the weights and the state back in place and runs the
 layer with the new weights; the backward pass reads those and writes its gradients over the
 pending ones (in place, in host memory), summing their squares on the device for the global norm.
+A host leaf outside the stacks read before any of them (the embedding) is read through a zero
+"shadow" on the device (:func:`zoo.nn.param_fetch`), whose cotangent is its gradient: made on the
+device, it stays there for the update after the backward pass instead of crossing to host memory
+and back.
 
 :class:`transforms.TrainStep` runs it for ``offload_opt_state(..., stream=True, defer=True)``;
 supported so far: stacks whose floating arrays are all trainable (integer per-layer arrays are
@@ -28,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zoo.nn import LayerUpdate, any_on_host, layer_runner
+from zoo.nn import LayerUpdate, any_on_host, layer_runner, on_host, param_fetch
 
 from . import _layer_split
 from ._opt_stream import StreamedOptimizer, _clip, _in_place_scan, _merge, _run
@@ -105,14 +109,32 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     units, n = _units(params)
     view_defs = [jax.tree.structure(_view(params, units, k)) for k in range(n)]
 
-    def loss_fn(p, probes, pend):
+    def loss_fn(p, probes, pend, shadows):
         wanted = {}
         for k in range(n):
             leaves = jax.tree.leaves(_view(p, units, k))
             wanted[id(leaves[0])] = (k, leaves)
         found = {}
+        rest_ids = {id(x): j for j, x in enumerate(_rest_leaves(p))}
+        started = []
+
+        def fetch(x):
+            # A host leaf outside the stacks read before any stack runs (the embedding): its copy
+            # is the weight without gradient plus a zero "shadow" on the device, whose cotangent
+            # is the gradient, on the device where the update runs. Read after a stack (a head,
+            # a tied embedding's second use): the plain copy, whose gradient goes to host memory
+            # as it is made, so that it does not wait on the device through the backward pass.
+            j = rest_ids.get(id(x))
+            if j is None:
+                return None
+            if started:
+                after.add(j)
+                return None
+            shadowed.add(j)
+            return jax.device_put(jax.lax.stop_gradient(x), jax.memory.Space.Device) + shadows[j]
 
         def runner(stack, arrays):
+            started.append(True)
             leaves = jax.tree.leaves(arrays)
             # The stack's floating arrays are its trained ones; integer ones (Gemma's per-layer
             # attention kinds) are read as they are.
@@ -174,7 +196,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
 
             return run
 
-        with layer_runner(runner):
+        with layer_runner(runner), param_fetch(fetch):
             out = loss_of(p)
         missing = sorted(set(range(n)) - set(found))
         if missing:
@@ -185,8 +207,11 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     host = [any_on_host(_view(params, units, k)) for k in range(n)]
     probes = tuple(jnp.zeros((), jnp.float32) for _ in range(n))
     pend = tuple(jax.tree.leaves(_view(pending.grads, units, k)) if host[k] else [] for k in range(n))
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
-    (loss, (aux, found)), (grads, squares, written) = grad_fn(params, probes, pend)
+    shadows = tuple(jnp.zeros(x.shape, x.dtype) for x in _rest_leaves(params))
+    shadowed, after = set(), set()  # (filled while loss_fn is traced)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)
+    (loss, (aux, found)), (grads, squares, written, shadow_grads) = grad_fn(params, probes, pend, shadows)
+    grads = _with_shadow_grads(params, grads, units, shadow_grads, shadowed, after)
     # The host-weight stacks' gradients: the pending buffers their backward wrote (the weights'
     # own cotangent is zero), and their squares, summed in that backward.
     views = [jax.tree.unflatten(view_defs[k], written[k]) if host[k] else _view(grads, units, k) for k in range(n)]
@@ -204,6 +229,29 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     kept = lambda u, g: g.astype(pending_dtype_of(g, optimizer.pending_dtype)) if u >= 0 else None
     pending = Pending(jax.tree.map(kept, units, grads), g_norm, jnp.ones((), bool))
     return ((loss, aux) if has_aux else loss), new_params, state, pending
+
+
+def _rest_leaves(params) -> list:
+    """The host-resident leaves outside the stacks, in tree order (those :func:`deferred_step`
+    may differentiate through a device "shadow")."""
+    units, _ = _units(params)
+    return [x for u, x in zip(jax.tree.leaves(units), jax.tree.leaves(params), strict=True) if u < 0 and on_host(x)]
+
+
+def _with_shadow_grads(params, grads, units, shadow_grads, shadowed, after):
+    """``grads`` with each shadowed leaf's gradient taken from its shadow (on the device), plus,
+    for a leaf also read after a stack (a tied embedding's head), the part that reached it
+    directly (in host memory)."""
+    if not shadowed:
+        return grads
+    out, j = [], 0
+    for u, x, g in zip(jax.tree.leaves(units), jax.tree.leaves(params), jax.tree.leaves(grads), strict=True):
+        if u < 0 and on_host(x):
+            if j in shadowed:
+                g = shadow_grads[j] + (jax.device_put(g, jax.memory.Space.Device) if j in after else 0)
+            j += 1
+        out.append(g)
+    return jax.tree.unflatten(jax.tree.structure(grads), out)
 
 
 def apply_pending(optimizer, params, state, pending: Pending):

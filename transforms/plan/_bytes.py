@@ -153,8 +153,10 @@ matrix.
   weights and state back (one buffer per leaf), beside the layer's matmuls; the backward fetches
   the new weights and writes its gradients over the pending ones in host memory (no pending
   gradients on the device, no clip pass: the backward sums their squares); the update phase keeps
-  the leaves outside the stacks. Calibrated on a v5e (``llama:small``, 8 x 1024): 0.221 s counted
-  against 0.290 s measured, as optimistic as the streamed update with host weights is counted.
+  the leaves outside the stacks, whose gradients cross to host memory and back except an untied
+  embedding's (read before the stacks: its gradient is made on the device, ``T_first``).
+  Calibrated on a v5e (``llama:small``, 8 x 1024): 0.221 s counted against 0.290 s measured, as
+  optimistic as the streamed update with host weights is counted.
 
 **Heap packing.** XLA places all of a program's temporaries in one heap, packed by best fit over
 their live ranges; buffers of different sizes and lifetimes leave holes, so the heap is larger
@@ -549,6 +551,9 @@ class Shares:
     host_grads: bool  # the streamed update reads the stacks' gradients from host memory
     fetches: float  # layer copies per layer of a streamed pass: each layer fetched one ahead
     clip_pass: bool  # the streamed update makes a first pass over the host gradients for the norm
+    # Trained bytes read only before the stacks (an untied embedding): under the deferred update
+    # with host weights their gradient stays on the device (transforms._deferred's shadow).
+    T_first: int = 0
 
     @property
     def G(self) -> int:
@@ -595,6 +600,7 @@ def shares(
         P_out=P - P_stack,
         T=g.trained_bytes // fsdp,
         T_stack=g.stack_trained_bytes // fsdp,
+        T_first=0 if g.tied_head or g.trained_bytes < g.param_bytes else g.head_elems * g.p // fsdp,
         O_all=O_all,
         O_move=O_move,
         O_stack=O_stack,
@@ -840,9 +846,10 @@ def bytes_moved(cand: Candidate, sh: Shares, saved: Saved) -> Moved:
     if cand.params and sh.defer:
         # Each stack layer's weights fetched (one ahead) in the forward, updated and written back
         # there, fetched again in the backward; the outside weights for the forward and their update.
+        # The embedding's gradient (first micro-batch) stays on the device.
         h2d += acc * (2 * sh.fetches * P_stack + P_out) + (acc * G if acc > 1 else 0)
-        d2h += acc * G
-        upd_h2d += T_out
+        d2h += acc * G - sh.T_first
+        upd_h2d += T_out - sh.T_first
         upd_d2h += T
     elif cand.params:  # forward, recomputation and the outside weights; gradients out
         h2d += acc * (2 * P_stack + P_out) + (acc * G if acc > 1 else 0)

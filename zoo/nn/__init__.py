@@ -47,6 +47,7 @@ from ._placement import any_on_host as any_on_host
 from ._placement import is_arraylike as is_arraylike
 from ._placement import memory_typed as memory_typed
 from ._placement import on_host as on_host
+from ._placement import param_fetch as param_fetch
 from ._placement import row_major as row_major
 from ._placement import use_param as use_param
 from ._prefetch import LayerUpdate as LayerUpdate

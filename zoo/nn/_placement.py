@@ -10,6 +10,8 @@ For a weight already on the device, `use_param` is only the dtype cast.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import equinox as eqx
@@ -20,6 +22,41 @@ from .._jax_compat import memory_space
 
 #: Name tagged on the device copies of host-resident weights (never saved for the backward pass).
 PARAM_NAME = "zoo_streamed_param"
+
+#: See :func:`param_fetch`.
+_FETCH: contextvars.ContextVar = contextvars.ContextVar("zoo_param_fetch", default=None)
+
+
+@contextlib.contextmanager
+def param_fetch(fetch):
+    """While active, :func:`use_param` asks ``fetch(p)`` for the device copy of each host-resident
+    array ``p`` it is given: an array on the device (used as the copy), or ``None`` for the plain
+    copy (`jax.device_put`, whose gradient goes back to host memory with ``p``'s). Used by the
+    deferred optimizer update (``transforms._deferred``) to keep the embedding's gradient on the
+    device, where its update runs, instead of sending it to host memory and back.
+
+    **Example** (each host weight's copy doubled):
+
+    ```python
+    import jax, jax.numpy as jnp
+    from zoo import nn
+    w = jax.device_put(jnp.ones(3), jax.memory.Space.Host)
+
+    def twice(p):
+        return 2 * jax.device_put(p, jax.memory.Space.Device)
+
+    def f(w):
+        with nn.param_fetch(twice):
+            return nn.use_param(w)
+
+    jax.jit(f)(w)   # [2., 2., 2.]
+    ```
+    """
+    token = _FETCH.set(fetch)
+    try:
+        yield
+    finally:
+        _FETCH.reset(token)
 
 
 def on_host(x) -> bool:
@@ -48,7 +85,9 @@ def use_param(p, dtype=None):
     ```
     """
     if on_host(p):
-        p = jax.device_put(p, jax.memory.Space.Device)
+        fetch = _FETCH.get()
+        copy = None if fetch is None else fetch(p)
+        p = jax.device_put(p, jax.memory.Space.Device) if copy is None else copy
         if dtype is not None:
             p = p.astype(dtype)
         return checkpoint_name(p, PARAM_NAME)
