@@ -520,6 +520,12 @@ def test_bandwidth_worker_times_copies_both_ways():
     for name in ("h2d", "d2h", "both", "eager_h2d", "eager_d2h"):
         assert bandwidth[f"{name}_gb_per_s"] > 0
         assert all(row[name]["median_s"] > 0 for row in bandwidth["sizes"])
+    # And inside a layer loop: reads, rewrites, both; each layer a slice of the largest size.
+    loop = bandwidth["loop"]
+    assert loop["layer_bytes"] * loop["layers"] == 2 * 2**20
+    for name in ("loop_read", "loop_rewrite", "loop_read_rewrite"):
+        assert bandwidth[f"{name}_gb_per_s"] > 0 and len(loop[name]["times_s"]) == 2
+    assert "in a layer loop" in row[2]
 
 
 def test_worker_runs_are_classified_by_how_they_ended():

@@ -40,6 +40,11 @@ def table_rows(results: dict) -> list[list[str]]:
             rate = lambda k, bw=bw: _num(bw.get(f"{k}_gb_per_s"), "{:.1f}")
             text = f"in-program h2d {rate('h2d')} / d2h {rate('d2h')} / both {rate('both')} each way; "
             text += f"eager h2d {rate('eager_h2d')} / d2h {rate('eager_d2h')} GB/s"
+            if bw.get("loop_read_gb_per_s") is not None:
+                text += (
+                    f"; in a layer loop, in: read {rate('loop_read')} / rewrite {rate('loop_rewrite')}"
+                    f" / both {rate('loop_read_rewrite')} GB/s"
+                )
             rows.append([name, status, text, *["-"] * (len(HEADER) - 3)])
             continue
         figures = [("step_time_s", "{:.4f}", 1), ("step_ratio_vs_none", "{:.2f}", 1), ("tokens_per_s", "{:.0f}", 1)]

@@ -185,6 +185,54 @@ def worker_bandwidth(spec: dict, report: dict, write) -> None:
     largest = max(rows, key=lambda r: r["bytes"])
     for name in ("h2d", "d2h", "d2h_fresh", "both", "eager_h2d", "eager_d2h"):
         report[f"{name}_gb_per_s"] = largest[name]["gb_per_s"]
+    _loop_bandwidth(spec, report, host, largest["bytes"])
+    write()
+
+
+#: Layers of the loop probes (each a slice of the largest size divided by this).
+LOOP_LAYERS = 8
+
+
+def _loop_bandwidth(spec: dict, report: dict, host, total_bytes: int) -> None:
+    """Copies inside a layer loop, as the deferred update's forward makes them
+    (``transforms._opt_stream._in_place_scan``, each host layer fetched one iteration ahead):
+    ``loop_read`` reads a stacked host array layer by layer; ``loop_rewrite`` reads and writes
+    back each layer of one (the new weights); ``loop_read_rewrite`` does both (weights and pending
+    gradients in, new weights out). Each rate is per direction: the bytes that cross the busier
+    direction over the median time, so a loop whose reads and writes run at once shows the
+    reads' rate, and one whose directions take turns shows less."""
+    import jax
+    import jax.numpy as jnp
+
+    from transforms._opt_stream import _in_place_scan
+
+    n = max(total_bytes // 4 // LOOP_LAYERS, 1)
+    stack = lambda v: jax.device_put(jnp.full((LOOP_LAYERS, n), v, jnp.float32), host)
+
+    def loop(read, write):
+        def body(c, read_i, write_i):
+            total = c + sum(jnp.sum(r[:8]) for r in read_i)
+            return total, ([w + 1.0 for w in write_i], None)
+
+        c, new, _ = _in_place_scan(body, jnp.zeros((), jnp.float32), read, write, LOOP_LAYERS)
+        return c, new
+
+    fn = jax.jit(loop, donate_argnums=1)
+    layer_bytes = n * 4
+    cases = {"loop_read": (1, 0), "loop_rewrite": (0, 1), "loop_read_rewrite": (1, 1)}
+    out = report["loop"] = {"layers": LOOP_LAYERS, "layer_bytes": layer_bytes}
+    for name, (reads, writes) in cases.items():
+        read = [stack(1.0) for _ in range(reads)]
+        buffer = [[stack(0.0) for _ in range(writes)]]
+
+        def call(read=read, buffer=buffer):
+            buffer[0] = jax.block_until_ready(fn(read, buffer[0]))[1]
+
+        median, times = _median_time(call, spec["bandwidth_reps"])
+        busier = (reads + writes) * layer_bytes * LOOP_LAYERS  # in: the reads and the rewritten layers
+        out[name] = {"times_s": times, "median_s": median, "gb_per_s": busier / median / 1e9}
+        report[f"{name}_gb_per_s"] = out[name]["gb_per_s"]
+        del read, buffer
 
 
 def _build_model(spec: dict, cfg, conf: Config, report: dict):
