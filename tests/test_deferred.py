@@ -238,25 +238,32 @@ def test_a_checkpoint_of_the_pending_form_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def assert_deferred_matches_streamed(cfg, tokens, *, host: bool, steps: int, accum_steps: int = 1):
+    """``steps`` train steps with the streamed update and with the deferred one (weights in host
+    memory with ``host``): the same losses and norms, and the same model once flushed."""
+    runs = {}
+    for defer in (False, True):
+        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
+        step = transforms.train_step(zoo.lm_loss, opt, accum_steps=accum_steps)
+        model = zoo.build_model(cfg, key=jax.random.key(0))
+        model = transforms.offload_params(model, prefetch=True) if host else model
+        state = step.init(model)
+        metrics = []
+        for _ in range(steps):
+            model, state, m = step(model, state, tokens)
+            metrics.append((float(m["loss"]), float(m["grad_norm"])))
+        runs[defer] = step.flush(model, state)[0], metrics
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
+    assert_same_model(runs[True][0], runs[False][0])
+
+
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_with_gradient_accumulation_the_update_runs_once_per_step_as_streamed(where):
     """(With host weights the later micro-batches run the weights the first one wrote back.)"""
     cfg = zoo.config_from_name("llama:tiny")
     tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, cfg.vocab_size, jnp.int32)
-    runs = {}
-    for defer in (False, True):
-        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
-        step = transforms.train_step(zoo.lm_loss, opt, accum_steps=2)
-        model = zoo.build_model(cfg, key=jax.random.key(0))
-        model = transforms.offload_params(model, prefetch=True) if where == "host" else model
-        state = step.init(model)
-        losses = []
-        for _ in range(3):
-            model, state, metrics = step(model, state, tokens)
-            losses.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-        runs[defer] = step.flush(model, state)[0], losses
-    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)  # mean loss and norm over both halves
-    assert_same_model(runs[True][0], runs[False][0])
+    # (the losses and norms compared are the means over both halves)
+    assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=3, accum_steps=2)
 
 
 @pytest.mark.parametrize("state_in", ["pinned_host", "device"])
@@ -299,19 +306,7 @@ def test_with_host_weights_a_tied_embedding_gets_both_parts_of_its_gradient():
     steps must add both (as the streamed update's plain gradient has them)."""
     cfg = zoo.config_from_name("llama:tiny", tie_embeddings=True)
     tokens = jax.random.randint(jax.random.key(4), (2, 17), 0, cfg.vocab_size, jnp.int32)
-    runs = {}
-    for defer in (False, True):
-        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
-        step = transforms.train_step(zoo.lm_loss, opt)
-        model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
-        state = step.init(model)
-        metrics = []
-        for _ in range(2):
-            model, state, m = step(model, state, tokens)
-            metrics.append((float(m["loss"]), float(m["grad_norm"])))
-        runs[defer] = step.flush(model, state)[0], metrics
-    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
-    assert_same_model(runs[True][0], runs[False][0])
+    assert_deferred_matches_streamed(cfg, tokens, host=True, steps=2)
 
 
 @pytest.mark.parametrize("where", ["device", "host"])
@@ -320,19 +315,7 @@ def test_a_stack_with_integer_per_layer_arrays_defers_as_it_streams(where):
     updates the floating arrays and reads that one as it is, with weights on the device or in host
     memory (it used to refuse such a stack at the first step, after init accepted it)."""
     cfg = zoo.config_from_name("gemma2:tiny")
+    model = jax.eval_shape(lambda: zoo.build_model(cfg, key=jax.random.key(0)))
+    assert any(getattr(x, "dtype", None) == jnp.int32 for x in jax.tree.leaves(model.stack))
     tokens = jax.random.randint(jax.random.key(4), (2, 17), 0, cfg.vocab_size, jnp.int32)
-    runs = {}
-    for defer in (False, True):
-        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
-        step = transforms.train_step(zoo.lm_loss, opt)
-        model = zoo.build_model(cfg, key=jax.random.key(0))
-        assert any(x.dtype == jnp.int32 for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_array)))
-        model = transforms.offload_params(model, prefetch=True) if where == "host" else model
-        state = step.init(model)
-        losses = []
-        for _ in range(2):
-            model, state, metrics = step(model, state, tokens)
-            losses.append(float(metrics["loss"]))
-        runs[defer] = step.flush(model, state)[0], losses
-    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
-    assert_same_model(runs[True][0], runs[False][0])
+    assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2)
