@@ -115,7 +115,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
             leaves = jax.tree.leaves(_view(p, units, k))
             wanted[id(leaves[0])] = (k, leaves)
         found = {}
-        rest_ids = {id(x): j for j, x in enumerate(_rest_leaves(p))}
+        rest_ids = {id(x): j for j, x in enumerate(_rest_leaves(p, units))}
         started = []
 
         def fetch(x):
@@ -207,7 +207,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     host = [any_on_host(_view(params, units, k)) for k in range(n)]
     probes = tuple(jnp.zeros((), jnp.float32) for _ in range(n))
     pend = tuple(jax.tree.leaves(_view(pending.grads, units, k)) if host[k] else [] for k in range(n))
-    shadows = tuple(jnp.zeros(x.shape, x.dtype) for x in _rest_leaves(params))
+    shadows = tuple(jnp.zeros(x.shape, x.dtype) for x in _rest_leaves(params, units))
     shadowed, after = set(), set()  # (filled while loss_fn is traced)
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)
     (loss, (aux, found)), (grads, squares, written, shadow_grads) = grad_fn(params, probes, pend, shadows)
@@ -231,10 +231,10 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 
-def _rest_leaves(params) -> list:
-    """The host-resident leaves outside the stacks, in tree order (those :func:`deferred_step`
-    may differentiate through a device "shadow")."""
-    units, _ = _units(params)
+def _rest_leaves(params, units) -> list:
+    """The host-resident leaves outside the stacks (``units``: :func:`transforms._tree.stack_units`
+    of ``params``), in tree order: those :func:`deferred_step` may differentiate through a device
+    "shadow"."""
     return [x for u, x in zip(jax.tree.leaves(units), jax.tree.leaves(params), strict=True) if u < 0 and on_host(x)]
 
 
