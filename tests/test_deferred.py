@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_prefetch import scans
+from test_prefetch import check_prefetch, scans
 
 import transforms
 import zoo
@@ -238,15 +238,21 @@ def test_a_checkpoint_of_the_pending_form_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def assert_deferred_matches_streamed(cfg, tokens, *, host: bool, steps: int, accum_steps: int = 1):
+def assert_deferred_matches_streamed(
+    cfg, tokens, *, host: bool, steps: int, accum_steps: int = 1, acts=None, split: bool = False
+):
     """``steps`` train steps with the streamed update and with the deferred one (weights in host
-    memory with ``host``): the same losses and norms, and the same model once flushed."""
+    memory with ``host``, activations offloaded with the policy ``acts``, each stack's state kept
+    as its even and odd layers with ``split``): the same losses and norms, and the same model
+    once flushed."""
     runs = {}
     for defer in (False, True):
         opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
+        opt = with_split_layers(opt) if split else opt
         step = transforms.train_step(zoo.lm_loss, opt, accum_steps=accum_steps)
         model = zoo.build_model(cfg, key=jax.random.key(0))
         model = transforms.offload_params(model, prefetch=True) if host else model
+        model = transforms.offload_activations(model, policy=acts) if acts else model
         state = step.init(model)
         metrics = []
         for _ in range(steps):
@@ -319,3 +325,30 @@ def test_a_stack_with_integer_per_layer_arrays_defers_as_it_streams(where):
     assert any(getattr(x, "dtype", None) == jnp.int32 for x in jax.tree.leaves(model.stack))
     tokens = jax.random.randint(jax.random.key(4), (2, 17), 0, cfg.vocab_size, jnp.int32)
     assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2)
+
+
+@pytest.mark.parametrize("where", ["device", "device, split state", "host"])
+def test_with_offloaded_activations_the_deferred_steps_equal_the_streamed_steps(where, monkeypatch):
+    """Offloaded activations under the deferred update: the stacks run the prefetched loop (device
+    weights too), whose backward pass fetches each layer's offloaded activations one layer ahead.
+    With the state split into even and odd layers the loop runs two layers an iteration."""
+    split = where == "device, split state"
+    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", split)
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=4 if split else 2)
+    tokens = jax.random.randint(jax.random.key(5), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    acts = "block_input_and_projections"
+    assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2, acts=acts, split=split)
+
+
+def test_with_device_weights_offloaded_activations_come_back_one_layer_ahead():
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=3)
+    batch, seq = 2, 16
+    model = transforms.offload_activations(zoo.build_model(cfg, key=jax.random.key(0)), policy="block_input")
+    params, static = eqx.partition(model, eqx.is_array)
+    tokens = jnp.zeros((batch, seq + 1), jnp.int32)
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5)
+    loss_of = lambda p: zoo.lm_loss(eqx.combine(p, static), tokens)
+    step = lambda p, s, q: _deferred.deferred_step(loss_of, opt, p, s, q)
+    jaxpr = jax.make_jaxpr(step)(params, opt.init(params), _deferred.no_pending(params)).jaxpr
+    (backward,) = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers]
+    check_prefetch(backward, {(batch, seq, cfg.d_model)})

@@ -224,3 +224,13 @@ def test_param_fetch_is_asked_for_host_arrays_only_and_none_keeps_the_plain_copy
     np.testing.assert_array_equal(second, [0.0, 0.0, 0.0])  # the hook's copy
     np.testing.assert_array_equal(after, [0.0, 1.0, 2.0])  # outside the context, the plain copy again
     assert {x.sharding.memory_kind for x in (first, after)} == {"device"}
+
+
+def test_offloaded_activations_come_back_one_layer_ahead_in_the_backward_scan():
+    m = transforms.offload_activations(llama(prefetch=True), policy="block_input")
+    per_layer = {tuple(x.shape[1:]) for x in jax.tree.leaves(eqx.filter(m.stack, eqx.is_array))}
+    (backward,) = [e for e in scans(grad_jaxpr(m)) if e.params["reverse"] and e.params["length"] == CFG.n_layers]
+    check_prefetch(backward, per_layer | {(B, S, CFG.d_model)})
+    # No host-resident residual is left a scanned input (copied in the iteration that reads it).
+    body, (n_consts, n_carry) = backward.params["jaxpr"].jaxpr, scan_counts(backward)
+    assert not [v for v in body.invars[n_consts + n_carry :] if v.aval.memory_space == H]

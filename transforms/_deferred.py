@@ -160,23 +160,27 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 new_floating = [x for x in jax.tree.leaves(new_arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]
                 found[k] = (s_k, jax.tree.unflatten(view_defs[k], new_floating))
 
+            def fn(args, h, w_i, g_i, s_i):  # (w_i: the layer's floating arrays)
+                as_weights = lambda p: jax.tree.unflatten(jax.tree.structure(w_i), p)
+                return update(args, h, jax.tree.leaves(w_i), g_i, s_i, as_weights)
+
+            args = (pending.g_norm, pending.ready)
             if host[k]:
                 # Host weights: the stack's prefetched loop updates each layer's weights, writes
                 # them back in place and runs the layer with them (zoo.nn.LayerUpdate).
                 if _layer_split.is_split(state.stacked[k]):  # pragma: no cover - splits() refuses host weights
                     raise ValueError("the deferred update keeps a host-weight stack's state in one buffer per leaf")
-
-                def fn(args, h, w_i, g_i, s_i):  # (w_i: the layer's floating arrays)
-                    as_weights = lambda p: jax.tree.unflatten(jax.tree.structure(w_i), p)
-                    return update(args, h, jax.tree.leaves(w_i), g_i, s_i, as_weights)
-
                 # The backward pass writes this step's gradients over the pending ones (in place,
                 # in their dtype), which come back as the cotangent of those buffers; their squares
                 # as the probe's, summed on the device (no pass over host memory for the norm).
-                args = (pending.g_norm, pending.ready)
                 return LayerUpdate(
                     args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
                 )
+            if stack.remat is not None and stack.remat.offload:
+                # Device weights with activations offloaded: the same prefetched loop, whose
+                # backward pass fetches each layer's offloaded activations one layer ahead (left
+                # to automatic differentiation, each would be copied in the iteration that reads it).
+                return LayerUpdate(args, g_leaves, state.stacked[k], fn, _in_place_scan, done)
 
             def run(layer_fn, x_state, policy):
                 if policy is not None:

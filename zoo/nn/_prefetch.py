@@ -9,9 +9,10 @@ layers' weights. What each layer keeps for the backward pass is what the stack's
 policy saves (matmul outputs by default; a `Remat`'s names, offloaded ones in host memory),
 never the weight copies.
 
-Backward (a reverse scan): iteration ``i`` issues the copy of layer ``i - 1``, then applies
-layer ``i``'s vector-Jacobian product to the saved residuals and the carried copy of its
-weights, and sends the weight gradient of each host-resident leaf back to host memory.
+Backward (a reverse scan): iteration ``i`` issues the copy of layer ``i - 1``'s weights and of
+its residuals offloaded to host memory, then applies layer ``i``'s vector-Jacobian product to the
+residuals and the carried copy of its weights, and sends the weight gradient of each
+host-resident leaf back to host memory.
 
 Written with `jax.custom_vjp`, since automatic differentiation of a scan would save the carried
 weight copies of every layer for the backward pass. Under `jax.vmap` (models here are per
@@ -175,10 +176,19 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     the sum of squares of the weight gradients (a fourth result)."""
     kf = _floating(kw)[0]
     homes = _floating(arrays)[0]
+    # Residuals offloaded to host memory (a `Remat`'s offloaded names) are fetched one layer
+    # ahead, like the weights: left as scan inputs, XLA would copy each in the iteration that
+    # reads it, and the layer's backward would wait for it.
+    hosted = [on_host(x) for x in saved.leaves]
+    res_host = [x for x, h in zip(saved.leaves, hosted, strict=True) if h]
+    res_device = [x for x, h in zip(saved.leaves, hosted, strict=True) if not h]
 
-    def body(carry, w, xs):
+    def body(carry, fetched, xs):
         dh, dkf, bufs, squares = carry
-        layer_saved, i = xs
+        (w, here_host), (here_device, i) = fetched, xs
+        from_host, from_device = iter(here_host), iter(here_device)
+        leaves = [next(from_host) if h else next(from_device) for h in hosted]
+        layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
         dw, dh, dk = layer_saved.vjp((_floating(w)[0], kw))(dh)
         dkf = jax.tree.map(jnp.add, dkf, dk)
         if squares is not None:  # on the device, before the gradients leave for host memory
@@ -198,8 +208,8 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
 
     squares = jnp.zeros((), jnp.float32) if with_squares else None
     init = (g, jax.tree.map(jnp.zeros_like, kf), None if into is None else list(into), squares)
-    xs = (saved, jnp.arange(n_layers))
-    (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, arrays, xs, length=n_layers, reverse=True)
+    xs = (res_device, jnp.arange(n_layers))
+    (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, (arrays, res_host), xs, length=n_layers, reverse=True)
     if into is not None:
         dws = jax.tree.unflatten(jax.tree.structure(homes), bufs)
     # Integer leaves get the symbolic zero cotangent.
@@ -212,12 +222,13 @@ class LayerUpdate(NamedTuple):
     """An update of each layer's weights run in the forward pass, just before the layer: what a
     runner (:func:`zoo.nn.layer_runner`) returns for a stack whose weights live in host memory
     (the deferred optimizer update of ``transforms.offload_opt_state(..., defer=True)`` with
-    :func:`transforms.offload_params`).
+    :func:`transforms.offload_params`), or for one on the device whose activations are offloaded.
 
     The forward pass becomes one loop that, for layer ``i``, updates the layer's weights and the
-    state beside them, writes both back where they live (in place) and runs the layer with the new
-    weights; the backward pass reads the new weights, and the gradient it gives the stack's
-    weights is the gradient with respect to the weights the layers ran with.
+    state beside them, writes both back where they live (host weights in place; device ones become
+    the loop's stacked outputs) and runs the layer with the new weights; the backward pass reads
+    the new weights (and the offloaded activations, one layer ahead), and the gradient it gives
+    the stack's weights is the gradient with respect to the weights the layers ran with.
 
     - ``args``: arrays the update reads, not stacked (a global norm, a flag).
     - ``read``: stacked arrays read one layer at a time (the pending gradients).
@@ -288,18 +299,35 @@ def _forward_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUp
     others (integer per-layer settings) are read as they are."""
     floating, other = _floating(arrays)
     other_leaves, other_def = jax.tree.flatten(other)
+    # Host weights are rewritten in place where they live; device ones are read and their new
+    # values stacked as the loop's outputs (an in-place loop would copy device stacks whole).
+    in_place = any(on_host(a) for a in jax.tree.leaves(floating))
 
-    def body(h, read_i, write_i):
-        (r_i, o_i), (w_i, s_i) = read_i, write_i
+    def layer_of(h, w_i, r_i, s_i, o_i):
         new_w, new_s = update.fn(args, h, w_i, r_i, s_i)
         layer = eqx.combine(new_w, jax.tree.unflatten(other_def, o_i))
         if policy is None:
             h, saved = apply(layer, h, kw), None
         else:
             h, saved = _layer_vjp(apply, policy, layer, h, kw)
-        return h, ((new_w, new_s), saved)
+        return h, new_w, new_s, saved
 
-    h, (new_floating, new_write), saved = update.scan(body, x, (read, other_leaves), (floating, write), n_layers)
+    if in_place:
+
+        def body(h, read_i, write_i):
+            (r_i, o_i), (w_i, s_i) = read_i, write_i
+            h, new_w, new_s, saved = layer_of(h, w_i, r_i, s_i, o_i)
+            return h, ((new_w, new_s), saved)
+
+        h, (new_floating, new_write), saved = update.scan(body, x, (read, other_leaves), (floating, write), n_layers)
+    else:
+
+        def body(h, read_i, write_i):
+            r_i, o_i, w_i = read_i
+            h, new_w, new_s, saved = layer_of(h, w_i, r_i, write_i, o_i)
+            return h, (new_s, (new_w, saved))
+
+        h, new_write, (new_floating, saved) = update.scan(body, x, (read, other_leaves, floating), write, n_layers)
     return h, eqx.combine(new_floating, other), new_write, saved
 
 

@@ -48,9 +48,11 @@ def layer_runner(runner):
     layers (``arrays``: the stack's array leaves, stacked). ``None`` keeps the stack's own loop;
     otherwise the answer is called as ``run(layer_fn, state, policy)`` and its result returned,
     where ``layer_fn(state, layer_arrays) -> state`` runs one layer and ``policy`` is the stack's
-    checkpoint policy (or ``None``). For a stack whose weights live in host memory the runner may
-    instead return a :class:`zoo.nn.LayerUpdate`: the stack then runs its prefetched loop with
-    each layer's weights updated (and written back in place) just before the layer runs. Used by
+    checkpoint policy (or ``None``). For a stack with a checkpoint policy (always one for weights
+    in host memory) the runner may instead return a :class:`zoo.nn.LayerUpdate`: the stack then
+    runs its prefetched loop with each layer's weights updated (host ones written back in place)
+    just before the layer runs, and its backward pass fetches offloaded activations one layer
+    ahead. Used by
     the deferred optimizer update (``transforms._deferred``), which runs each layer's pending
     update in the layer loop.
 
@@ -236,7 +238,10 @@ class Stack(AxisNamed):
         run = None if runner is None else runner(self, arrays)
         if isinstance(run, LayerUpdate):
             if not self.scan or policy is None:
-                raise ValueError("a layer update in the forward pass needs a Stack with scan=True and host weights")
+                raise ValueError(
+                    "a layer update in the forward pass needs a Stack with scan=True and a checkpoint policy "
+                    "(host weights, or a Remat)"
+                )
             out, new_arrays, new_write = prefetched_scan(
                 apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy, update=run
             )
