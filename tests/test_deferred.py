@@ -238,17 +238,13 @@ def test_a_checkpoint_of_the_pending_form_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def assert_deferred_matches_streamed(
-    cfg, tokens, *, host: bool, steps: int, accum_steps: int = 1, acts=None, split: bool = False
-):
+def assert_deferred_matches_streamed(cfg, tokens, *, host: bool, steps: int, accum_steps: int = 1, acts=None):
     """``steps`` train steps with the streamed update and with the deferred one (weights in host
-    memory with ``host``, activations offloaded with the policy ``acts``, each stack's state kept
-    as its even and odd layers with ``split``): the same losses and norms, and the same model
-    once flushed."""
+    memory with ``host``, activations offloaded with the policy ``acts``): the same losses and
+    norms, and the same model once flushed."""
     runs = {}
     for defer in (False, True):
         opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=defer)
-        opt = with_split_layers(opt) if split else opt
         step = transforms.train_step(zoo.lm_loss, opt, accum_steps=accum_steps)
         model = zoo.build_model(cfg, key=jax.random.key(0))
         model = transforms.offload_params(model, prefetch=True) if host else model
@@ -327,17 +323,14 @@ def test_a_stack_with_integer_per_layer_arrays_defers_as_it_streams(where):
     assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2)
 
 
-@pytest.mark.parametrize("where", ["device", "device, split state", "host"])
-def test_with_offloaded_activations_the_deferred_steps_equal_the_streamed_steps(where, monkeypatch):
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_with_offloaded_activations_the_deferred_steps_equal_the_streamed_steps(where):
     """Offloaded activations under the deferred update: the stacks run the prefetched loop (device
-    weights too), whose backward pass fetches each layer's offloaded activations one layer ahead.
-    With the state split into even and odd layers the loop runs two layers an iteration."""
-    split = where == "device, split state"
-    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", split)
-    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=4 if split else 2)
+    weights too), whose backward pass fetches each layer's offloaded activations one layer ahead."""
+    cfg = zoo.config_from_name("llama:tiny")
     tokens = jax.random.randint(jax.random.key(5), (2, 17), 0, cfg.vocab_size, jnp.int32)
     acts = "block_input_and_projections"
-    assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2, acts=acts, split=split)
+    assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2, acts=acts)
 
 
 def test_with_device_weights_offloaded_activations_come_back_one_layer_ahead():

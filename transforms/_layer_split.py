@@ -228,11 +228,5 @@ def split_scan(body: Callable, carry, read, write, length: int, place_y: Callabl
     (carry, *_, bufs), (y_even, y_odd) = jax.lax.scan(step, init, jnp.arange(half))
     # One pass that interleaves the two halves into the output (a stack of pairs as the loop's
     # output cost a second stack-sized buffer on the CPU).
-    # By leaves: the two halves' outputs may differ in static metadata only (what a layer keeps
-    # for its backward pass holds the jaxpr of each traced body; the bodies are the same layer),
-    # and the even half's structure stands for both.
-    (even, y_def), odd = jax.tree.flatten(y_even), jax.tree.leaves(y_odd)
-    if len(even) != len(odd):  # pragma: no cover - the same body traced twice
-        raise ValueError("split_scan: the even and odd layers' outputs differ in structure")
-    ys = [jnp.stack([a, b], axis=1).reshape(length, *a.shape[1:]) for a, b in zip(even, odd, strict=True)]
-    return carry, slots.rebuild(bufs), jax.tree.unflatten(y_def, ys)
+    ys = jax.tree.map(lambda a, b: jnp.stack([a, b], axis=1).reshape(length, *a.shape[1:]), y_even, y_odd)
+    return carry, slots.rebuild(bufs), ys

@@ -179,6 +179,16 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_bf16_projections_whole",
+            "capacity_defer_bf16_projections with each stack's state in one buffer per leaf: the deferred update "
+            "then runs the stacks through the prefetched loop, whose backward pass fetches the offloaded "
+            "activations one layer ahead (the split layout's loop does not)",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input_and_projections",
+            capacity=True,
+        ),
+        Config(
             "capacity_defer_f8_projections",
             "capacity_f8's transforms stated rather than planned (the deferred update, block inputs and the "
             "attention's projections offloaded, moments in 8 bits), so that tpu_compile can compile them",
