@@ -52,9 +52,8 @@ def layer_runner(runner):
     in host memory) the runner may instead return a :class:`zoo.nn.LayerUpdate`: the stack then
     runs its prefetched loop with each layer's weights updated (host ones written back in place)
     just before the layer runs, and its backward pass fetches offloaded activations one layer
-    ahead. Used by
-    the deferred optimizer update (``transforms._deferred``), which runs each layer's pending
-    update in the layer loop.
+    ahead. Used by the deferred optimizer update (``transforms._deferred``), which runs each
+    layer's pending update in the layer loop.
 
     **Example:**
 
