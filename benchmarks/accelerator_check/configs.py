@@ -189,6 +189,28 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_bf16_projections_bf16grads",
+            "capacity_bf16's transforms (capacity_defer_bf16_projections) with the pending gradients in 16 bits "
+            "(pending_dtype='bfloat16'), which the planner does not yet choose",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input_and_projections",
+            split=True,
+            pending="bfloat16",
+            capacity=True,
+        ),
+        Config(
+            "capacity_defer_bf16_projections_whole_bf16grads",
+            "capacity_defer_bf16_projections_whole with the pending gradients in 16 bits (pending_dtype='bfloat16'): "
+            "the 1.9 GB freed on the device is what XLA's scheduler needs to start the backward's fetches of "
+            "offloaded activations a layer early (without it the early start does not fit, 15.93 of 15.75 GiB)",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input_and_projections",
+            pending="bfloat16",
+            capacity=True,
+        ),
+        Config(
             "capacity_defer_f8_projections",
             "capacity_f8's transforms stated rather than planned (the deferred update, block inputs and the "
             "attention's projections offloaded, moments in 8 bits), so that tpu_compile can compile them",
