@@ -132,12 +132,13 @@ def test_defer_refuses_what_it_does_not_support():
         transforms.train_step(zoo.lm_loss, opt).init(transforms.lora(model, rank=2, alpha=4, key=jax.random.key(1)))
 
 
-@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("where", ["device", "host", "device_acts"])
 def test_pending_gradients_kept_in_bfloat16_take_half_the_memory_and_the_same_steps_to_rounding(where):
     """``pending_dtype="bfloat16"``: the stacks' pending gradients live in 16 bits between steps
-    (with host weights in host memory: the backward casts them on the device and writes them
-    there); three steps and a flush land where float32 pending gradients do, to the rounding of
-    the gradients (2**-9 each), and not exactly there (they were rounded)."""
+    (with host weights in host memory, and with device weights whose activations are offloaded on
+    the device: the backward casts them on the device and writes them over the pending ones);
+    three steps and a flush land where float32 pending gradients do, to the rounding of the
+    gradients (2**-9 each), and not exactly there (they were rounded)."""
     cfg = zoo.config_from_name("llama:tiny").replace(n_layers=2)
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, jnp.int32)
     ends = {}
@@ -148,6 +149,7 @@ def test_pending_gradients_kept_in_bfloat16_take_half_the_memory_and_the_same_st
         step = transforms.train_step(zoo.lm_loss, opt)
         model = zoo.build_model(cfg, key=jax.random.key(0))
         model = transforms.offload_params(model, prefetch=True) if where == "host" else model
+        model = transforms.offload_activations(model, policy="block_input") if where == "device_acts" else model
         state = step.init(model)
         for _ in range(STEPS):
             model, state, _ = step(model, state, tokens)
@@ -259,13 +261,15 @@ def assert_deferred_matches_streamed(cfg, tokens, *, host: bool, steps: int, acc
     assert_same_model(runs[True][0], runs[False][0])
 
 
-@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("where", ["device", "host", "device_acts"])
 def test_with_gradient_accumulation_the_update_runs_once_per_step_as_streamed(where):
-    """(With host weights the later micro-batches run the weights the first one wrote back.)"""
+    """(With host weights the later micro-batches run the weights the first one wrote back; with
+    offloaded activations the first micro-batch's gradients are written over the pending ones.)"""
     cfg = zoo.config_from_name("llama:tiny")
     tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, cfg.vocab_size, jnp.int32)
+    acts = "block_input" if where == "device_acts" else None
     # (the losses and norms compared are the means over both halves)
-    assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=3, accum_steps=2)
+    assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=3, accum_steps=2, acts=acts)
 
 
 @pytest.mark.parametrize("state_in", ["pinned_host", "device"])
@@ -345,3 +349,25 @@ def test_with_device_weights_offloaded_activations_come_back_one_layer_ahead():
     jaxpr = jax.make_jaxpr(step)(params, opt.init(params), _deferred.no_pending(params)).jaxpr
     (backward,) = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers]
     check_prefetch(backward, {(batch, seq, cfg.d_model)})
+
+
+def test_with_device_weights_and_offloaded_activations_the_backward_writes_over_the_pending_gradients():
+    """The backward loop writes each layer's gradients into the pending buffers, in their dtype (16
+    bits here), in place: it makes no stack of float32 gradients beside the pending ones (3.9 GB on
+    llama:1b, whose backward then had no memory left to fetch offloaded activations early)."""
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=3)
+    model = transforms.offload_activations(zoo.build_model(cfg, key=jax.random.key(0)), policy="block_input")
+    params, static = eqx.partition(model, eqx.is_array)
+    tokens = jnp.zeros((2, 17), jnp.int32)
+    opt = transforms.offload_opt_state(
+        optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=True, pending_dtype="bfloat16"
+    )
+    loss_of = lambda p: zoo.lm_loss(eqx.combine(p, static), tokens)
+    step = lambda p, s, q: _deferred.deferred_step(loss_of, opt, p, s, q)
+    jaxpr = jax.make_jaxpr(step)(params, opt.init(params).streamed, _deferred.no_pending(params, "bfloat16")).jaxpr
+    (backward,) = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers]
+    layers = [v.aval for v in backward.outvars if v.aval.ndim >= 3 and v.aval.shape[0] == cfg.n_layers]
+    stacked = {(a.dtype, a.shape) for a in layers}
+    matrices = {(jnp.dtype("bfloat16"), x.shape) for x in jax.tree.leaves(params.stack) if x.ndim >= 3}
+    assert matrices <= stacked  # the pending buffers, carried through the loop and written
+    assert {d for d, _ in stacked} == {jnp.dtype("bfloat16")}, stacked  # no float32 stack of gradients
