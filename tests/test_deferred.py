@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import all_outvars
 from test_prefetch import check_prefetch, scans
 
 import transforms
@@ -327,11 +328,13 @@ def test_a_stack_with_integer_per_layer_arrays_defers_as_it_streams(where):
     assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2)
 
 
-@pytest.mark.parametrize("where", ["device", "host"])
-def test_with_offloaded_activations_the_deferred_steps_equal_the_streamed_steps(where):
+@pytest.mark.parametrize("where", ["device", "host", "device_split"])
+def test_with_offloaded_activations_the_deferred_steps_equal_the_streamed_steps(where, monkeypatch):
     """Offloaded activations under the deferred update: the stacks run the prefetched loop (device
-    weights too), whose backward pass fetches each layer's offloaded activations one layer ahead."""
-    cfg = zoo.config_from_name("llama:tiny")
+    weights too), whose backward pass fetches each layer's offloaded activations one layer ahead
+    (with the state split into even and odd layers, two layers an iteration)."""
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=4 if where == "device_split" else 2)
+    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", where == "device_split")
     tokens = jax.random.randint(jax.random.key(5), (2, 17), 0, cfg.vocab_size, jnp.int32)
     acts = "block_input_and_projections"
     assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2, acts=acts)
@@ -371,3 +374,26 @@ def test_with_device_weights_and_offloaded_activations_the_backward_writes_over_
     matrices = {(jnp.dtype("bfloat16"), x.shape) for x in jax.tree.leaves(params.stack) if x.ndim >= 3}
     assert matrices <= stacked  # the pending buffers, carried through the loop and written
     assert {d for d, _ in stacked} == {jnp.dtype("bfloat16")}, stacked  # no float32 stack of gradients
+
+
+def test_with_the_state_split_offloaded_activations_stay_in_halves_and_come_back_a_pair_ahead(monkeypatch):
+    """The split state's forward loop runs two layers an iteration and keeps the offloaded
+    activations in its two halves (interleaving them into one stack moved every byte through the
+    device and back: 7.7 GB a step on llama:1b); the backward loop walks them two layers an
+    iteration, the next pair fetched one iteration ahead."""
+    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", True)
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=4)
+    batch, seq = 3, 16
+    model = transforms.offload_activations(zoo.build_model(cfg, key=jax.random.key(0)), policy="block_input")
+    params, static = eqx.partition(model, eqx.is_array)
+    tokens = jnp.zeros((batch, seq + 1), jnp.int32)
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=True)
+    state = opt.init(params).streamed
+    assert isinstance(state.stacked[0], LayerSplit)
+    loss_of = lambda p: zoo.lm_loss(eqx.combine(p, static), tokens)
+    step = lambda p, s, q: _deferred.deferred_step(loss_of, opt, p, s, q)
+    jaxpr = jax.make_jaxpr(step)(params, state, _deferred.no_pending(params)).jaxpr
+    (backward,) = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers // 2]
+    check_prefetch(backward, {(batch, seq, cfg.d_model)})
+    in_order = (cfg.n_layers, batch, seq, cfg.d_model)
+    assert not [v for v in all_outvars(jaxpr) if tuple(v.aval.shape) == in_order], "activations stacked in order"

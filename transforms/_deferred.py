@@ -16,11 +16,12 @@ A stack whose weights live in host memory (:func:`transforms.offload_params`) ge
 gradients and state, updates them, writes the weights and the state back in place and runs the
 layer with the new weights; the backward pass reads those and writes its gradients over the
 pending ones (in place, in host memory), summing their squares on the device for the global norm.
-A device-weight stack whose activations are offloaded (state in one buffer per leaf) runs through
-the same loop, its new weights the loop's outputs, and its backward pass likewise writes its
-gradients over the pending ones, in their dtype, on the device: no stack of gradients in the
-weights' dtype (3.9 GB on ``llama:1b``) beside them in the backward pass (with 16-bit pending
-gradients, 0.5 GiB less of the compiled step's temporaries on a v5e).
+A device-weight stack whose activations are offloaded runs through the same loop (two layers an
+iteration with its state split into even and odd layers), its new weights the loop's outputs, and
+its backward pass likewise writes its gradients over the pending ones, in their dtype, on the
+device: no stack of gradients in the weights' dtype (3.9 GB on ``llama:1b``) beside them in the
+backward pass (with 16-bit pending gradients, 0.5 GiB less of the compiled step's temporaries on
+a v5e).
 
 A host leaf outside the stacks read before any of them (the embedding) is read through a zero
 "shadow" on the device (:func:`zoo.nn.param_fetch`), whose cotangent is its gradient: made on the
@@ -183,7 +184,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 return LayerUpdate(
                     args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
                 )
-            if _prefetched(stack, state.stacked[k]) != in_place[k]:  # (params' stack and the run's differ)
+            if _prefetched(stack) != in_place[k]:  # (params' stack and the run's differ)
                 given, run = ("offloads", "without") if in_place[k] else ("does not offload", "with")
                 raise ValueError(
                     f"the deferred update: stack {k} of the parameters given {given} activations, but the loss "
@@ -228,7 +229,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     host = [any_on_host(_view(params, units, k)) for k in range(n)]
     stacks = [x for x in jax.tree.leaves(params, is_leaf=is_stack) if is_stack(x) and jax.tree.leaves(x)]
     # The stacks whose backward pass writes its gradients over the pending ones, in place.
-    in_place = [host[k] or _prefetched(stacks[k], state.stacked[k]) for k in range(n)]
+    in_place = [host[k] or _prefetched(stacks[k]) for k in range(n)]
     probes = tuple(jnp.zeros((), jnp.float32) for _ in range(n))
     pend = tuple(jax.tree.leaves(_view(pending.grads, units, k)) if in_place[k] else [] for k in range(n))
     shadows = tuple(jnp.zeros(x.shape, x.dtype) for x in _rest_leaves(params, units))
@@ -255,13 +256,12 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 
-def _prefetched(stack, state_k) -> bool:
-    """Whether a device-weight ``stack`` (with its optimizer state ``state_k``) runs through the
-    prefetched loop: its activations offloaded and its state in one buffer per leaf. (Not with the
-    state split into even and odd layers: that loop makes each half's activations separately, and
-    stacking them in layer order for the prefetched backward copied them all through the device
-    and back, 7.7 GB a step on ``llama:1b`` on a v5e.)"""
-    return stack.remat is not None and bool(stack.remat.offload) and not _layer_split.is_split(state_k)
+def _prefetched(stack) -> bool:
+    """Whether a device-weight ``stack`` runs through the prefetched loop: its activations
+    offloaded (with its state split into even and odd layers, the loop runs two layers an
+    iteration and keeps the offloaded activations in those halves, which its backward pass reads
+    two layers at a time)."""
+    return stack.remat is not None and bool(stack.remat.offload)
 
 
 def _rest_leaves(params, units) -> list:

@@ -182,7 +182,7 @@ def config_table() -> list[Config]:
             "capacity_defer_bf16_projections_whole",
             "capacity_defer_bf16_projections with each stack's state in one buffer per leaf: the deferred update "
             "then runs the stacks through the prefetched loop, whose backward pass fetches the offloaded "
-            "activations one layer ahead (the split layout's loop does not)",
+            "activations one layer ahead (the split layout's does too since 2026-12-07, two layers an iteration)",
             opt="defer",
             state="bfloat16",
             activations="block_input_and_projections",

@@ -103,6 +103,28 @@ def _placed(carry_and_y, place):
     return carry, place(y)
 
 
+class LayerHalves(NamedTuple):
+    """A stacked host-resident output of a layer loop that runs two layers an iteration, kept as
+    the loop made it: ``even`` holds layers 0, 2, 4, ... and ``odd`` layers 1, 3, 5, ..., each with
+    a leading axis of half the layers. (Interleaving the two into one stack in layer order moves
+    every byte through the device and back.) A :class:`LayerUpdate`'s ``scan`` may return a
+    host-resident output in this form; the backward pass then walks the layers two at a time.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    from zoo import nn
+    layers = jnp.arange(8.0).reshape(4, 2)      # 4 layers of 2 values
+    halves = nn.LayerHalves(layers[0::2], layers[1::2])
+    halves.odd[1]                               # layer 3: [6., 7.]
+    ```
+    """
+
+    even: Any
+    odd: Any
+
+
 def _to_host_like(grads, arrays):
     """Each gradient in the memory of its weight (host for host-resident weights)."""
     return jax.tree.map(lambda g, a: jax.device_put(g, _HOST) if on_host(a) else g, grads, arrays)
@@ -179,13 +201,12 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     # Residuals offloaded to host memory (a `Remat`'s offloaded names) are fetched one layer
     # ahead, like the weights: left as scan inputs, XLA would copy each in the iteration that
     # reads it, and the layer's backward would wait for it.
-    hosted = [on_host(x) for x in saved.leaves]
+    hosted = [isinstance(x, LayerHalves) or on_host(x) for x in saved.leaves]
     res_host = [x for x, h in zip(saved.leaves, hosted, strict=True) if h]
     res_device = [x for x, h in zip(saved.leaves, hosted, strict=True) if not h]
 
-    def body(carry, fetched, xs):
+    def layer(carry, w, here_host, here_device, i):
         dh, dkf, bufs, squares = carry
-        (w, here_host), (here_device, i) = fetched, xs
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
         layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
@@ -206,16 +227,52 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         ]
         return (dh, dkf, written, squares), None
 
+    def body(carry, fetched, xs):
+        (w, here_host), (here_device, i) = fetched, xs
+        return layer(carry, w, here_host, here_device, i)
+
     squares = jnp.zeros((), jnp.float32) if with_squares else None
     init = (g, jax.tree.map(jnp.zeros_like, kf), None if into is None else list(into), squares)
-    xs = (res_device, jnp.arange(n_layers))
-    (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, (arrays, res_host), xs, length=n_layers, reverse=True)
+    if any(isinstance(x, LayerHalves) for x in res_host):
+        (dx, dkf, bufs, squares), dws = _backward_in_pairs(layer, init, arrays, res_host, res_device, n_layers)
+    else:
+        xs = (res_device, jnp.arange(n_layers))
+        (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, (arrays, res_host), xs, length=n_layers, reverse=True)
     if into is not None:
         dws = jax.tree.unflatten(jax.tree.structure(homes), bufs)
     # Integer leaves get the symbolic zero cotangent.
     zeros = lambda tree: jax.tree.map(_zero_cotangent, eqx.filter(tree, eqx.is_inexact_array, inverse=True))
     out = eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))
     return (*out, squares) if with_squares else out
+
+
+def _backward_in_pairs(layer, carry, arrays, halves: list, device: list, n_layers: int):
+    """:func:`_backward`'s loop for residuals kept as :class:`LayerHalves` (made by a forward loop
+    of two layers an iteration): ``n_layers // 2`` iterations, each running layer ``2k + 1`` and
+    then ``2k`` (``layer(carry, w, host_leaves, device_leaves, i) -> (carry, y)``), the next pair's
+    host residuals fetched from the two halves at the start of the iteration before. Weights and
+    device residuals are sliced where they are used. Returns ``(carry, ys)``, ``ys`` in layer order."""
+    if any(not isinstance(x, LayerHalves) for x in halves) or n_layers % 2:  # pragma: no cover - one loop makes both
+        raise ValueError("the prefetched backward needs every host residual in halves, of an even number of layers")
+    half = n_layers // 2
+    evens, odds = [x.even for x in halves], [x.odd for x in halves]
+
+    def pair(k):
+        return fetch_layer(evens, k), fetch_layer(odds, k)
+
+    def step(state, k):
+        carry, (even, odd) = state
+        ahead = pair(jnp.maximum(k - 1, 0))
+        ys = []
+        for i, here in ((2 * k + 1, odd), (2 * k, even)):
+            local = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in device]
+            carry, y = layer(carry, fetch_layer(arrays, i), here, local, i)
+            ys.append(y)
+        return (carry, ahead), (ys[1], ys[0])
+
+    (carry, _), (y_even, y_odd) = jax.lax.scan(step, (carry, pair(half - 1)), jnp.arange(half), reverse=True)
+    interleave = lambda a, b: jnp.stack([a, b], axis=1).reshape(n_layers, *a.shape[1:])
+    return carry, jax.tree.map(interleave, y_even, y_odd)
 
 
 class LayerUpdate(NamedTuple):
@@ -239,7 +296,8 @@ class LayerUpdate(NamedTuple):
       order the update after it).
     - ``scan(body, carry, read, write, length) -> (carry, new_write, ys)``: the loop that
       rewrites ``write`` in place, ``body(carry, read_i, write_i) -> (carry, (new_write_i, y_i))``
-      (``transforms``' in-place layer scan).
+      (``transforms``' in-place layer scan). A loop that runs two layers an iteration may return
+      host-resident ``ys`` as :class:`LayerHalves`.
     - ``done(new_weights, new_write)``: called with the stack's new weights and state.
     - ``grads``: ``None``, or stacked arrays (one per weight, in the order of the stack's leaves,
       in any floating dtype) the backward pass writes the weights' gradients into, in place,
