@@ -212,11 +212,11 @@ def test_the_deferred_step_refuses_what_it_does_not_support():
     state = opt.init(params)
     with pytest.raises(ValueError, match="did not run stack"):
         _deferred.deferred_step(lambda p: jnp.sum(p.embed.weight), opt, params, state, _deferred.no_pending(params))
-    # Activations offloaded inside the loss, not on the model given: named, with the way out.
-    params, static = eqx.partition(model, eqx.is_array)
-    offloaded = lambda p: transforms.offload_activations(eqx.combine(p, static), policy="block_input")
-    loss_of = lambda p: zoo.lm_loss(offloaded(p), jnp.zeros((1, 9), jnp.int32))
-    with pytest.raises(ValueError, match=r"stack 0 of the parameters given does not offload.*not inside the loss"):
+    # A model given with offloaded activations whose loss runs it without: its gradients would be
+    # written where the loss never writes them; named, with the way out.
+    params, static = eqx.partition(transforms.offload_activations(model, policy="block_input"), eqx.is_array)
+    loss_of = lambda p: zoo.lm_loss(zoo.nn.with_remat(eqx.combine(p, static), None), jnp.zeros((1, 9), jnp.int32))
+    with pytest.raises(ValueError, match=r"stack 0 of the parameters given offloads activations.*without offload"):
         jax.eval_shape(lambda: _deferred.deferred_step(loss_of, opt, params, state, _deferred.no_pending(params)))
 
 

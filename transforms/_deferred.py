@@ -184,21 +184,23 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 return LayerUpdate(
                     args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
                 )
-            if _prefetched(stack) != in_place[k]:  # (params' stack and the run's differ)
-                given, run = ("offloads", "without") if in_place[k] else ("does not offload", "with")
+            if in_place[k] and not _prefetched(stack):  # its gradients would be missed: refused
                 raise ValueError(
-                    f"the deferred update: stack {k} of the parameters given {given} activations, but the loss "
-                    f"runs it {run} offload; apply offload_activations to the model passed to the train step, "
-                    "not inside the loss"
+                    f"the deferred update: stack {k} of the parameters given offloads activations, but the loss "
+                    "runs it without offload; offload the model passed to the train step as the loss runs it"
                 )
-            if in_place[k]:
+            if _prefetched(stack):
                 # Device weights with activations offloaded: the same prefetched loop, whose
                 # backward pass fetches each layer's offloaded activations one layer ahead (left
                 # to automatic differentiation, each would be copied in the iteration that reads
-                # it), and writes the gradients over the pending ones, as for host weights.
-                return LayerUpdate(
-                    args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
-                )
+                # it), and writes the gradients over the pending ones, as for host weights (when
+                # the parameters given say so: offloaded inside the loss, it returns them as new
+                # arrays in the weights' dtype instead).
+                if in_place[k]:
+                    return LayerUpdate(
+                        args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
+                    )
+                return LayerUpdate(args, g_leaves, state.stacked[k], fn, _in_place_scan, done)
 
             def run(layer_fn, x_state, policy):
                 if policy is not None:
