@@ -44,9 +44,9 @@ from zoo.nn import LayerUpdate, any_on_host, layer_runner, on_host, param_fetch
 from . import _layer_split
 from ._opt_stream import StreamedOptimizer, _clip, _in_place_scan, _merge, _run
 from ._pending import Pending, no_pending, pending_dtype_of
-from ._tree import is_stack
 from ._tree import stack_units as _units
 from ._tree import stack_view as _view
+from ._tree import stacks_of
 
 
 def _replaced(w, new):
@@ -173,33 +173,25 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 return update(args, h, jax.tree.leaves(w_i), g_i, s_i, as_weights)
 
             args = (pending.g_norm, pending.ready)
-            if host[k]:
-                # Host weights: the stack's prefetched loop updates each layer's weights, writes
-                # them back in place and runs the layer with them (zoo.nn.LayerUpdate).
-                if _layer_split.is_split(state.stacked[k]):  # pragma: no cover - splits() refuses host weights
-                    raise ValueError("the deferred update keeps a host-weight stack's state in one buffer per leaf")
-                # The backward pass writes this step's gradients over the pending ones (in place,
-                # in their dtype), which come back as the cotangent of those buffers; their squares
-                # as the probe's, summed on the device (no pass over host memory for the norm).
-                return LayerUpdate(
-                    args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
-                )
-            if in_place[k] and not _prefetched(stack):  # its gradients would be missed: refused
+            if host[k] and _layer_split.is_split(state.stacked[k]):  # pragma: no cover - splits() refuses
+                raise ValueError("the deferred update keeps a host-weight stack's state in one buffer per leaf")
+            if in_place[k] and not (host[k] or _prefetched(stack)):  # its gradients would be missed: refused
                 raise ValueError(
                     f"the deferred update: stack {k} of the parameters given offloads activations, but the loss "
                     "runs it without offload; offload the model passed to the train step as the loss runs it"
                 )
-            if _prefetched(stack):
-                # Device weights with activations offloaded: the same prefetched loop, whose
-                # backward pass fetches each layer's offloaded activations one layer ahead (left
-                # to automatic differentiation, each would be copied in the iteration that reads
-                # it), and writes the gradients over the pending ones, as for host weights (when
-                # the parameters given say so: offloaded inside the loss, it returns them as new
-                # arrays in the weights' dtype instead).
-                if in_place[k]:
-                    return LayerUpdate(
-                        args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
-                    )
+            # Host weights, or device ones with activations offloaded: the stack's prefetched loop
+            # updates each layer's weights (host ones written back in place) and runs the layer
+            # with them (zoo.nn.LayerUpdate); its backward pass fetches offloaded activations one
+            # layer ahead (left to automatic differentiation, each would be copied in the iteration
+            # that reads it) and writes this step's gradients over the pending ones (in place, in
+            # their dtype), which come back as the cotangent of those buffers; their squares as the
+            # probe's, summed on the device (no pass over host memory for the norm).
+            if in_place[k]:
+                return LayerUpdate(
+                    args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
+                )
+            if _prefetched(stack):  # offloaded inside the loss: the gradients as new arrays, in the weights' dtype
                 return LayerUpdate(args, g_leaves, state.stacked[k], fn, _in_place_scan, done)
 
             def run(layer_fn, x_state, policy):
@@ -229,9 +221,8 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
         return loss, (aux, found)
 
     host = [any_on_host(_view(params, units, k)) for k in range(n)]
-    stacks = [x for x in jax.tree.leaves(params, is_leaf=is_stack) if is_stack(x) and jax.tree.leaves(x)]
     # The stacks whose backward pass writes its gradients over the pending ones, in place.
-    in_place = [host[k] or _prefetched(stacks[k]) for k in range(n)]
+    in_place = [host[k] or _prefetched(stack) for k, stack in enumerate(stacks_of(params))]
     probes = tuple(jnp.zeros((), jnp.float32) for _ in range(n))
     pend = tuple(jax.tree.leaves(_view(pending.grads, units, k)) if in_place[k] else [] for k in range(n))
     shadows = tuple(jnp.zeros(x.shape, x.dtype) for x in _rest_leaves(params, units))

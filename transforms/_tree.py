@@ -46,6 +46,12 @@ def stack_units(tree) -> tuple[Any, int]:
     return units, next(counter)
 
 
+def stacks_of(tree) -> list:
+    """The :class:`zoo.nn.Stack` nodes of ``tree`` that have leaves, outermost only, in the order
+    of :func:`stack_units` (the ``k``-th is unit ``k``)."""
+    return [n for n in jax.tree.leaves(tree, is_leaf=is_stack) if is_stack(n) and jax.tree.leaves(n)]
+
+
 def stack_view(tree, units, k: int):
     """``tree`` with every leaf outside unit ``k`` (see :func:`stack_units`) replaced by ``None``
     (``None`` for ``tree=None``)."""

@@ -248,29 +248,26 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
 
 def _backward_in_pairs(layer, carry, arrays, halves: list, device: list, n_layers: int):
     """:func:`_backward`'s loop for residuals kept as :class:`LayerHalves` (made by a forward loop
-    of two layers an iteration): ``n_layers // 2`` iterations, each running layer ``2k + 1`` and
-    then ``2k`` (``layer(carry, w, host_leaves, device_leaves, i) -> (carry, y)``), the next pair's
-    host residuals fetched from the two halves at the start of the iteration before. Weights and
-    device residuals are sliced where they are used. Returns ``(carry, ys)``, ``ys`` in layer order."""
+    of two layers an iteration): :func:`prefetch_scan` over the ``n_layers // 2`` pairs, each
+    iteration running layer ``2k + 1`` and then ``2k`` (``layer(carry, w, host_leaves,
+    device_leaves, i) -> (carry, y)``) while the next pair's host residuals come from the two
+    halves. Weights and device residuals are sliced where they are used. Returns ``(carry, ys)``,
+    ``ys`` in layer order."""
     if any(not isinstance(x, LayerHalves) for x in halves) or n_layers % 2:  # pragma: no cover - one loop makes both
         raise ValueError("the prefetched backward needs every host residual in halves, of an even number of layers")
-    half = n_layers // 2
-    evens, odds = [x.even for x in halves], [x.odd for x in halves]
 
-    def pair(k):
-        return fetch_layer(evens, k), fetch_layer(odds, k)
-
-    def step(state, k):
-        carry, (even, odd) = state
-        ahead = pair(jnp.maximum(k - 1, 0))
+    def body(carry, pair, k):
+        even, odd = pair
         ys = []
         for i, here in ((2 * k + 1, odd), (2 * k, even)):
             local = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in device]
             carry, y = layer(carry, fetch_layer(arrays, i), here, local, i)
             ys.append(y)
-        return (carry, ahead), (ys[1], ys[0])
+        return carry, (ys[1], ys[0])
 
-    (carry, _), (y_even, y_odd) = jax.lax.scan(step, (carry, pair(half - 1)), jnp.arange(half), reverse=True)
+    half = n_layers // 2
+    pairs = ([x.even for x in halves], [x.odd for x in halves])
+    carry, (y_even, y_odd) = prefetch_scan(body, carry, pairs, jnp.arange(half), length=half, reverse=True)
     interleave = lambda a, b: jnp.stack([a, b], axis=1).reshape(n_layers, *a.shape[1:])
     return carry, jax.tree.map(interleave, y_even, y_odd)
 
