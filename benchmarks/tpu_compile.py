@@ -157,6 +157,19 @@ def whole_stack_copies(hlo: str, n_layers: int) -> int:
     return count
 
 
+def _options(args) -> dict | None:
+    """The compile's XLA options: ``--compiler-options``, where ``auto`` (or not given, for a TPU
+    target) is what a train step that moves host data compiles with on a TPU."""
+    options = getattr(args, "compiler_options", None)
+    if options is None or options == "auto":
+        if getattr(args, "target", "tpu") != "tpu":
+            return None
+        from transforms._xla_options import TPU_HOST_TRANSFER_OPTIONS
+
+        return dict(TPU_HOST_TRANSFER_OPTIONS)
+    return options or None
+
+
 def measure(args, config: str, device) -> dict:
     import zoo
 
@@ -165,7 +178,7 @@ def measure(args, config: str, device) -> dict:
     try:
         model, state, step = build(args.model, config, weights=getattr(args, "weights", "all"))
         lowered = lowered_for(device, model, state, step, args.batch, args.seq)
-        compiled = lowered.compile(compiler_options=getattr(args, "compiler_options", None))
+        compiled = lowered.compile(compiler_options=_options(args))
     except Exception as err:  # the compiler's refusal is the result
         first = next((ln for ln in str(err).splitlines() if ln.strip()), "")
         row.update(compiled=False, error=f"{type(err).__name__}: {first}"[:600])
@@ -283,7 +296,9 @@ def main(argv=None) -> int:
         type=compiler_options,
         default=None,
         metavar="NAME=VALUE,...",
-        help="XLA options of the compile (e.g. xla_tpu_enable_all_experimental_scheduler_features=true)",
+        help="XLA options of the compile (e.g. xla_tpu_enable_snowplow_scheduler=false); auto (the default for "
+        "--target tpu): those a train step that moves host data compiles with on a TPU "
+        "(transforms._xla_options.TPU_HOST_TRANSFER_OPTIONS); none: no option",
     )
     p.add_argument(
         "--weights",
@@ -311,7 +326,7 @@ def main(argv=None) -> int:
     head = (
         f"Train step of {args.model} (fp32 weights, bf16 compute, AdamW after clipping), batch "
         f"{args.batch} x {args.seq}, compiled for {args.topology if args.target == 'tpu' else 'this CPU'}"
-        + (f" with {args.compiler_options}" if args.compiler_options else "")
+        + (f" with {_options(args)}" if _options(args) else "")
         + (" (weights offloaded: the stacks' only)" if args.weights == "stacks" else "")
     )
     text = table(rows, head)

@@ -200,8 +200,11 @@ def test_auto_compiler_options_are_the_tpu_scheduler_option_for_a_step_that_move
     moved = [transforms.offload_params(tiny()), transforms.offload_activations(tiny(), policy="block_input")]
     tpu = _xla_options.TPU_HOST_TRANSFER_OPTIONS
     assert _xla_options.resolve("auto", moved[0], state) is None  # this backend: a CPU
-    assert not _xla_options.accepted(tuple(tpu.items()))  # XLA:CPU does not know the TPU option
+    assert not any(_xla_options.accepted((kv,)) for kv in tpu.items())  # XLA:CPU knows no TPU option
     assert _xla_options.resolve("auto", moved[0], state, platform="tpu") is None
+    first, *rest = tpu  # a compiler that knows only the first option gets only that one
+    monkeypatch.setattr(_xla_options, "accepted", lambda options: dict(options).keys() == {first})
+    assert _xla_options.resolve("auto", moved[0], state, platform="tpu") == {first: tpu[first]} and rest
     monkeypatch.setattr(_xla_options, "accepted", lambda options: True)
     assert [_xla_options.resolve("auto", m, state, platform="tpu") for m in moved] == [tpu, tpu]
     assert _xla_options.resolve("auto", plain, state, platform="tpu") is None

@@ -106,10 +106,12 @@ class TrainStep:
       ``jax.jit(..., compiler_options=...)`` takes them (a backend refuses options it does not
       know when the step compiles), ``None`` for none, or ``"auto"`` (the default): on a TPU, for
       a step that moves data between host and device memory,
-      ``{"xla_tpu_enable_all_experimental_scheduler_features": True}``, which makes XLA:TPU issue
-      host writes as soon as their data exists (measured on a v5e: the split deferred update
-      1.12x -> 1.06x the step without offload, host weights 2.54x -> 2.40x, the step without
-      offload unchanged; ``docs/OFFLOAD_SPEED.md``), if the compiler accepts it; nothing
+      ``xla_tpu_enable_all_experimental_scheduler_features``, which makes XLA:TPU issue host
+      writes as soon as their data exists (measured on a v5e: the split deferred update 1.12x
+      -> 1.06x the step without offload, host weights 2.54x -> 2.40x, the step without offload
+      unchanged; ``docs/OFFLOAD_SPEED.md``), and ``xla_tpu_enable_snowplow_scheduler``
+      (``llama:1b``'s deferred update 2.26 -> 2.13 s a step), each if the compiler accepts it
+      (``transforms._xla_options.TPU_HOST_TRANSFER_OPTIONS``); nothing
       elsewhere. :meth:`compiler_options_for` says what a step compiles with.
 
     **Example:**

@@ -140,7 +140,8 @@ _FLAGS = (
         None,
         "XLA options of every configuration's train step, NAME=VALUE,... "
         "(e.g. xla_tpu_enable_all_experimental_scheduler_features=true); auto (default): the train "
-        "step's own choice (that option on a TPU where a step moves host data); none: no option",
+        "step's own choice (transforms._xla_options.TPU_HOST_TRANSFER_OPTIONS on a TPU where a step moves host "
+        "data); none: no option",
     ),
     ("--capped-ratio", POSITIVE, 2.25, "trainable state / device-memory cap (default 2.25)"),
     ("--pinned-host-gib", WHOLE, 100, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB of the capped run (default 100)"),

@@ -187,6 +187,7 @@ def _options_note(options) -> str:
     if options == "auto":
         return (
             " XLA options: the train step's default (on a TPU, a step that moves host data compiles "
-            "with xla_tpu_enable_all_experimental_scheduler_features; each worker records its own)."
+            "with those of transforms._xla_options.TPU_HOST_TRANSFER_OPTIONS its compiler accepts; each "
+            "worker records its own)."
         )
     return f" Every train step compiled with {options}." if options else ""
