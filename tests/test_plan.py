@@ -425,6 +425,29 @@ def test_apply_with_the_deferred_update_trains_as_the_plain_update():
     assert np.allclose(np.asarray(w), np.asarray(ref), atol=1e-5)
 
 
+def test_the_deferred_plan_keeps_pending_gradients_in_the_compute_dtype_of_float32_weights():
+    """Weights on the device in float32, compute in bfloat16: the plan keeps the pending gradients
+    in bfloat16 (half the device bytes it counts for them) and apply() asks offload_opt_state for
+    that; float32 compute, host weights or no deferred update leave them in the weights' dtype."""
+    bf16 = CFG.replace(compute_dtype="bfloat16")
+    p = transforms.plan(bf16, batch=4, seq=32, device="tpu-v5e", clip_norm=0.5)
+    p.chosen = row(p, opt_state="defer", activations="offload:block_input")
+    assert p.pending_dtype == "bfloat16" and p.to_dict()["pending_dtype"] == "bfloat16"
+    assert "pending gradients in bfloat16" in str(p)
+    _, opt = p.apply(zoo.Llama(bf16, key=jax.random.key(0)), optax.adamw(1e-2))
+    assert opt.defer and opt.pending_dtype == "bfloat16"
+    f32 = transforms.plan(CFG, batch=4, seq=32, device="tpu-v5e")
+    stacks = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(zoo.abstract_model(CFG).stack))
+    pending = lambda plan: plan.predict(opt_state="defer")["phases"]["backward"]["pending gradients"]
+    assert pending(f32) == stacks and pending(p) == stacks // 2
+    f32.chosen = row(f32, opt_state="defer", activations="offload:block_input")
+    assert f32.pending_dtype is None and "pending gradients in" not in str(f32)
+    assert f32.apply(zoo.Llama(CFG, key=jax.random.key(0)), optax.adamw(1e-2))[1].pending_dtype is None
+    for kw in (dict(params=True, opt_state="defer"), dict(opt_state="stream")):
+        p.chosen = row(p, activations="offload:block_input", **kw)
+        assert p.pending_dtype is None, kw
+
+
 def _as_predict(cand):
     return dict(params=cand.params, opt_state=cand.opt_state, activations=cand.activations)
 

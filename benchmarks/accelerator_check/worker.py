@@ -294,6 +294,7 @@ def _capacity_plan(spec: dict, cfg, report: dict, write, state: str | None = Non
     report["plan"].update(predicted={k: shown.get(k) for k in ("device_bytes", "host_bytes", "step_s")})
     report["plan"]["activation_policy"] = plan.activation_policy
     report["plan"]["stream_update"] = plan.stream_update
+    report["plan"]["pending_dtype"] = plan.pending_dtype
     if not plan.fits:
         raise RuntimeError(f"capacity: the planner found no plan that fits {profile.name}: {plan.suggestions[:2]}")
     cand = plan.candidate  # the planner's figures and peak terms are the plan's own

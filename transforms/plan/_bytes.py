@@ -138,7 +138,8 @@ matrix.
   elsewhere; with host weights see below):
   the stacks' streamed update runs in the next step's forward pass, so the update phase keeps only
   the leaves outside the stacks, and the stacks' gradients stay on the device from one step to the
-  next (``pending gradients``, in every phase; the backward writes the new ones there). Its copies
+  next (``pending gradients``, in every phase, in the compute dtype where :func:`pending_dtype`
+  says so; the backward writes the new ones there). Its copies
   sit in the forward's layer loop: per layer ``fetches * O_stack / L`` in and ``O_stack / L`` out,
   hidden as far as the layer's forward compute hides them. On an accelerator its state is kept as
   even and odd layers (:func:`split_layers`), so the layer loops run two layers an iteration and
@@ -554,6 +555,8 @@ class Shares:
     # Trained bytes read only before the stacks (an untied embedding): under the deferred update
     # with host weights their gradient stays on the device (transforms._deferred's shadow).
     T_first: int = 0
+    # The deferred update's pending gradients of the stacks on the device (pending_dtype's bytes).
+    T_pending: int = 0
 
     @property
     def G(self) -> int:
@@ -566,6 +569,24 @@ class Shares:
     @property
     def T_layer(self) -> int:
         return self.T_stack // self.L
+
+
+def pending_dtype(g: Geometry, cand: Candidate) -> str | None:
+    """The dtype ``plan.apply`` keeps the deferred update's pending gradients in
+    (``offload_opt_state(..., pending_dtype=...)``): the compute dtype where the weights stay on
+    the device in float32 and compute in 16 bits, else ``None`` (the weights' dtype).
+
+    The backward pass makes each weight's gradient with a 16-bit matmul, so keeping it in 16 bits
+    between steps rounds it once more (at most 2**-9 relative, clipped with the unrounded norm; an
+    accumulated gradient is summed in float32 first) and halves the device memory it holds: 1.8 GB
+    of ``llama:1b``'s. On a v5e (``llama:1b``, 8 x 2048, the split deferred update) the step took
+    2.2600 s against 2.3158 s with float32 pending gradients, and 2.1277 s against 2.2603 s with the
+    snowplow scheduler (``benchmarks/results/accelerator_check_TPU_v5_lite_20261207T01*``). With
+    the weights in host memory the pending gradients wait there; the planner keeps them in the
+    weights' dtype (its link model of that path predates ``pending_dtype``)."""
+    if cand.defer and not cand.params and g.p == 4 and g.c == 2:
+        return g.compute_dtype
+    return None
 
 
 def shares(
@@ -587,6 +608,7 @@ def shares(
         O_all = opt.stream_state_bytes // fsdp
     O_stack = opt.stream_stack_bytes // fsdp if stream else 0
     host_grads = stream and cand.params and accum_steps == 1
+    T_stack = g.stack_trained_bytes // fsdp
     return Shares(
         fsdp=fsdp,
         accum_steps=accum_steps,
@@ -599,7 +621,8 @@ def shares(
         P_layer=P_stack // L,
         P_out=P - P_stack,
         T=g.trained_bytes // fsdp,
-        T_stack=g.stack_trained_bytes // fsdp,
+        T_stack=T_stack,
+        T_pending=T_stack * g.c // g.p if pending_dtype(g, cand) else T_stack,
         T_first=0 if g.tied_head or g.trained_bytes < g.param_bytes else g.head_elems * g.p // fsdp,
         O_all=O_all,
         O_move=O_move,
@@ -767,7 +790,7 @@ def device_phases(
     O_dev = (sh.O_all - sh.O_move) if cand.opt_state else sh.O_all
     state = {"parameters": 0 if cand.params else sh.P, "optimizer state": O_dev, "batch": sh.tokens}
     if sh.defer and not cand.params:  # the stacks' gradients, pending from one step to the next (the
-        state["pending gradients"] = sh.T_stack  # backward writes its own there); with host weights, in host memory
+        state["pending gradients"] = sh.T_pending  # backward writes its own there); with host weights, in host memory
 
     backward = dict(state)
     backward["gradients"] = (sh.G - (sh.T_stack if sh.defer else 0) if not cand.params else 0) + accum_buf

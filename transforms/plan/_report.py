@@ -118,6 +118,8 @@ def _choice(plan) -> list[str]:
     )
     if plan.activation_policy is not None:
         lines.append(f"  activation policy: {plan.activation_policy or 'recompute everything'}")
+    if plan.pending_dtype is not None:
+        lines.append(f"  pending gradients in {plan.pending_dtype} (offload_opt_state(..., pending_dtype=...))")
     lines.append("")
     return lines
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import optax
 
-from ._bytes import ACTIVATION_OPTIONS, Candidate, Estimate
+from ._bytes import ACTIVATION_OPTIONS, Candidate, Estimate, pending_dtype
 from ._checks import clip_norm_value, global_parts
 from ._devices import DeviceProfile
 from ._model import geometry, resolve_model
@@ -225,6 +225,16 @@ class Plan(Answer):
         return None if self.chosen is None else self.chosen.estimate.candidate
 
     @property
+    def pending_dtype(self) -> str | None:
+        """With the deferred update, the dtype :meth:`apply` keeps the pending gradients in
+        (``offload_opt_state(..., pending_dtype=...)``; ``None``: the weights'); see
+        ``transforms.plan._bytes.pending_dtype`` for when and why it is the compute dtype."""
+        cand = self.candidate
+        if cand is None or self._context is None:
+            return None
+        return pending_dtype(self._context.geometry, cand)
+
+    @property
     def transforms(self) -> tuple[str, ...]:
         """``("offload_params", "offload_activations", "offload_opt_state")`` as chosen (maybe empty)."""
         cand = self.candidate
@@ -333,7 +343,8 @@ class Plan(Answer):
 
         Uses :func:`transforms.offload_params`, :func:`transforms.offload_activations` (with
         :attr:`activation_policy`) and :func:`transforms.offload_opt_state` (with ``stream=True``
-        when :attr:`stream_update`), exactly as chosen; "no offload" returns both unchanged.
+        when :attr:`stream_update`, and :attr:`pending_dtype` with the deferred update), exactly as
+        chosen; "no offload" returns both unchanged.
 
         Global-norm clipping: a streamed update refuses `optax.clip_by_global_norm` inside the
         optimizer (it needs every layer at once), so give the optimizer without it and ask for
@@ -388,7 +399,9 @@ class Plan(Answer):
         if cand.activations is not None:
             model = offload_activations(model, policy=cand.policy)
         if cand.opt_state:
-            optimizer = offload_opt_state(optimizer, stream=cand.stream, clip_norm=clip_norm, defer=cand.defer)
+            optimizer = offload_opt_state(
+                optimizer, stream=cand.stream, clip_norm=clip_norm, defer=cand.defer, pending_dtype=self.pending_dtype
+            )
         elif clip_norm is not None:
             optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
         return model, optimizer
@@ -446,6 +459,7 @@ class Plan(Answer):
             "fits": self.fits,
             "refusal": self.refusal,
             "chosen": None if self.chosen is None else row(self.chosen),
+            "pending_dtype": self.pending_dtype,
             "shown": row(self.shown),
             "candidates": [row(r) for r in self.rows],
             "overhead": self.overhead,
