@@ -102,3 +102,27 @@ def test_other_block_sizes_and_the_fused_backward_kernel_give_the_same_gradients
     monkeypatch.setitem(nn.SPLASH_BLOCKS, "q", 384)
     with pytest.raises(ValueError, match=r"SPLASH_BLOCKS\['q'\] must be a power of two of at least 128, got 384"):
         nn.attend(q, k, v, implementation="splash")
+
+
+def test_keeping_attn_context_keeps_what_the_kernels_backward_reads():
+    """Under a remat policy that keeps ``attn_context``, splash's backward pass reads the kernel's
+    saved output and float32 log-normaliser instead of running the kernel's forward again (XLA:TPU
+    then compiles one forward kernel a layer, not two); the gradients are the same as recomputed."""
+    from zoo._jax_compat import saved_residuals
+
+    cfg = zoo.config_from_name("llama:tiny", n_layers=1, max_seq_len=128, attention="splash")
+    model = zoo.build_model(cfg, key=jax.random.key(0))
+    attn = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, model.stack.layers.attn)
+    x = jax.random.normal(jax.random.key(2), (128, cfg.d_model))
+    heads, dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+
+    def kept(save):
+        f = jax.checkpoint(lambda a, x: jnp.sum(jnp.sin(a(x))), policy=nn.Remat(save=save).policy())
+        shapes = [(r[0].shape, r[0].dtype) for r in saved_residuals(f, attn, x) if "_splash_attention" in r[1]]
+        return shapes, jax.grad(f, argnums=(0, 1))(attn, x)
+
+    (context, grads), (nothing, recomputed) = kept(("attn_context",)), kept(())
+    assert sorted(context, key=lambda r: len(r[0])) == [((heads, 128), jnp.float32), ((heads, 128, dim), x.dtype)]
+    assert nothing == []
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(recomputed), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-7)

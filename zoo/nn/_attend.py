@@ -40,6 +40,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from ._attend_blockwise import blockwise_attend
@@ -249,6 +250,7 @@ def attend(
     implementation: str = "xla",
     block: int = DEFAULT_BLOCK,
     ordered: bool = False,
+    name: str | None = None,
 ) -> Float[Array, "q heads dim"]:
     """Causal grouped-query attention of ``q`` over ``k``, ``v``.
 
@@ -278,6 +280,10 @@ def attend(
       form's forward pass then skips the key blocks after each query block (a `lax.cond` per
       block pair). For inference (a prompt's prefill); under differentiation of a scan over
       layers the branch makes JAX keep a (queries x keys) mask, so training leaves it off.
+    - `name`: a checkpoint name (``jax.ad_checkpoint.checkpoint_name``) for what a remat policy
+      may keep of the attention for its backward pass: the output, or with ``"splash"`` what the
+      kernel's backward reads (its output, heads first, and each query's float32
+      log-normaliser), so that keeping ``name`` spares the backward pass the kernel's forward.
 
     **Returns:** ``(q, heads, dim)`` in the dtype of ``q``.
 
@@ -313,6 +319,14 @@ def attend(
         _check_segments(segment_ids, q.shape[0], k.shape[0])
     dim = q.shape[-1]
     scale = dim**-0.5 if scale is None else scale
+    if implementation == "splash" and q_pos is None:
+        return splash_attend(q, k, v, window=window, softcap=softcap, scale=scale, segment_ids=segment_ids, name=name)
+    out = _attend(q, k, v, q_pos, k_pos, segment_ids, window, softcap, scale, implementation, block, ordered)
+    return out if name is None else checkpoint_name(out, name)
+
+
+def _attend(q, k, v, q_pos, k_pos, segment_ids, window, softcap, scale, implementation, block, ordered):
+    """:func:`attend` by every implementation but ``"splash"`` (arguments checked)."""
     if implementation == "blockwise":
         if q_pos is None:
             q_pos = k_pos = jnp.arange(q.shape[0], dtype=jnp.int32)
@@ -320,8 +334,6 @@ def attend(
             q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale, block=block, segment_ids=segment_ids,
             ordered=ordered,
         )  # fmt: skip
-    if implementation == "splash" and q_pos is None:
-        return splash_attend(q, k, v, window=window, softcap=softcap, scale=scale, segment_ids=segment_ids)
     local = None if window is None else (window - 1, 0)
     # Same segment: a (1, 1, q, k) boolean mask, as jax.nn.dot_product_attention takes one.
     same = None if segment_ids is None else (segment_ids[:, None] == segment_ids[None, :])[None, None]

@@ -262,8 +262,9 @@ class Attention(eqx.Module):
                 )
             if segment_ids is not None:  # packed documents: none sees another's keys
                 per_layer["segment_ids"] = segment_ids
-            ctx = attend(q, k, v, **common, **per_layer)  # (seq, heads, head_dim)
-        ctx = checkpoint_name(ctx.reshape(seq, self.n_heads * self.head_dim), "attn_context")
+            # (seq, heads, head_dim), named "attn_context" (splash: what its backward reads)
+            ctx = attend(q, k, v, **common, **per_layer, name="attn_context")
+        ctx = ctx.reshape(seq, self.n_heads * self.head_dim)
         return checkpoint_name(self.o_proj(ctx), "attn_out"), cache
 
     def __call__(
