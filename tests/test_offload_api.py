@@ -302,6 +302,8 @@ def test_unknown_activation_name_lists_the_valid_ones():
 def test_activation_presets_set_the_documented_remat():
     m = transforms.offload_activations(tiny(), policy="block_input_and_projections")
     assert set(m.stack.remat.offload) == {"block_input", "q_proj", "k_proj", "v_proj", "attn_out"}
+    m = transforms.offload_activations(tiny(), policy="block_input_and_context")
+    assert set(m.stack.remat.offload) == {"block_input", "attn_context"} and not m.stack.remat.save
     m = transforms.offload_activations(tiny(), policy="recompute_all")
     assert m.stack.remat == zoo.nn.Remat()
 

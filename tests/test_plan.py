@@ -117,6 +117,7 @@ def test_saved_activation_model_matches_what_jax_saves(family, compute_dtype):
         Candidate(activations="recompute_all"),
         Candidate(activations="save_projections"),
         Candidate(activations="offload:block_input_and_projections"),
+        Candidate(activations="offload:block_input_and_context"),
     ]
     tokens = jnp.zeros((batch, seq + 1), jnp.int32)
     for cand in candidates:
@@ -446,6 +447,29 @@ def test_the_deferred_plan_keeps_pending_gradients_in_the_compute_dtype_of_float
     for kw in (dict(params=True, opt_state="defer"), dict(opt_state="stream")):
         p.chosen = row(p, activations="offload:block_input", **kw)
         assert p.pending_dtype is None, kw
+
+
+def test_keeping_attn_context_under_splash_counts_the_log_normaliser_and_no_attention_recompute():
+    """With the splash kernel (one TPU, long sequences) keeping ``attn_context`` keeps the kernel's
+    output and float32 log-normaliser, and the backward pass computes neither scores nor context
+    again; with another implementation the scores are recomputed and only the context is kept."""
+    from transforms.plan._bytes import named_bytes, recomputed_matmuls
+    from transforms.plan._model import geometry, resolve_model
+
+    cfg = zoo.LlamaConfig.preset("tiny", attention="auto")
+    S = 4096
+    model = resolve_model(cfg)
+    tpu = geometry(model.spec, model.tree, model.config, device=transforms.DEVICE_PROFILES["tpu-v5e"])
+    gpu = geometry(model.spec, model.tree, model.config, device=transforms.DEVICE_PROFILES["h100"])
+    assert tpu.attention_at(S, kernel=True) == "splash" and tpu.attention_at(S) == "blockwise"
+    assert gpu.attention_at(S, kernel=True) != "splash"
+    policy = ACTIVATION_OPTIONS["offload:block_input_and_context"]
+    assert {"scores", "context"}.isdisjoint(recomputed_matmuls(tpu, policy, S))
+    assert "scores" in recomputed_matmuls(gpu, policy, S) and "context" not in recomputed_matmuls(gpu, policy, S)
+    assert {"q", "k", "v", "o"} <= set(recomputed_matmuls(tpu, policy, S))
+    context = named_bytes(gpu, S, "attn_context")
+    assert context == S * gpu.q * gpu.c
+    assert named_bytes(tpu, S, "attn_context") == context + S * cfg.n_heads * 4
 
 
 def _as_predict(cand):

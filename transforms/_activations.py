@@ -24,6 +24,10 @@ PRESETS: dict[str, dict[str, str]] = {
         "v_proj": "offload",
         "attn_out": "offload",
     },
+    # Offload the block input and the attention's output (with the splash kernel: what its backward
+    # reads), recomputing the cheap projections: fewer bytes than the projections, and no attention
+    # forward again in the backward pass.
+    "block_input_and_context": {"block_input": "offload", "attn_context": "offload"},
     # Keep nothing: full recompute of every block (the smallest footprint, the most compute).
     "recompute_all": {},
 }
@@ -71,7 +75,8 @@ def offload_activations(model, names=None, *, policy=None):
     - `model`: a model containing :class:`zoo.nn.Stack` modules (a zoo family or your own).
     - `names`: names to offload (default ``("block_input",)``).
     - `policy`: instead of `names`, a preset (``"block_input"``, ``"block_input_and_projections"``,
-      ``"recompute_all"``) or a mapping ``{name: "save" | "offload" | "recompute"}``.
+      ``"block_input_and_context"``, ``"recompute_all"``) or a mapping
+      ``{name: "save" | "offload" | "recompute"}``.
 
     Valid names are ``zoo.nn.checkpoint_names(model)`` (``model.checkpoint_names`` for the zoo
     families). An unknown name is a `ValueError` that lists them.

@@ -211,6 +211,19 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_bf16_context_bf16grads",
+            "capacity_defer_bf16_projections_bf16grads with the block inputs and the attention's output offloaded "
+            "(offload_activations(policy='block_input_and_context')) instead of the projections: 136 MB a layer "
+            "written in the forward against 235 (the forward's writes held it to the link's in-program rate), "
+            "the projections recomputed and the splash kernel's forward not run again in the backward",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input_and_context",
+            split=True,
+            pending="bfloat16",
+            capacity=True,
+        ),
+        Config(
             "capacity_defer_f8_projections",
             "capacity_f8's transforms stated rather than planned (the deferred update, block inputs and the "
             "attention's projections offloaded, moments in 8 bits), so that tpu_compile can compile them",

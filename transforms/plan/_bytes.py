@@ -191,7 +191,8 @@ fetching the host gradients of the stacks once more (``(L + 1) / L`` of them).
 (the profile's: 0.35 on a TPU v5e, measured; 1.0 where unmeasured):
 per layer and token ``2*(d*q + 2*d*kv + q*d + n_mlp*d*f) + 4*S*q`` forward (scores and context
 over the full ``S x S`` matrix), backward twice that, plus the matmuls a policy recomputes (the
-scores always, the projections unless saved, the MLP's input matmuls always). Copies overlap
+scores unless the splash kernel's ``attn_context`` is kept, the projections unless saved, the MLP's
+input matmuls always). Copies overlap
 compute only as far as each layer's compute hides them: per layer and pass the exposed time is
 ``max(0, copy_time - compute_time)`` with the two directions of the link running concurrently;
 copies outside the layer loop (head and embedding weights, the update's transfers) are exposed.
@@ -297,6 +298,7 @@ ACTIVATION_OPTIONS: dict[str, dict[str, str]] = {
     "save_projections": {"block_input": "save", **{n: "save" for n in _PROJECTIONS}},
     "offload:block_input": {"block_input": "offload"},
     "offload:block_input_and_projections": {"block_input": "offload", **{n: "offload" for n in _PROJECTIONS}},
+    "offload:block_input_and_context": {"block_input": "offload", "attn_context": "offload"},
 }
 
 
@@ -503,15 +505,22 @@ def cotangent_bytes(g: Geometry, S: int) -> tuple[int, int]:
 
 
 def named_bytes(g: Geometry, S: int, name: str) -> int:
-    """Per-example bytes of the named activation ``name`` (its width from the model's spec)."""
-    return _sd(S, g.width(name), g.c)
+    """Per-example bytes of the named activation ``name`` (its width from the model's spec). Under
+    the splash kernel ``attn_context`` is what its backward reads: its output and a float32
+    log-normaliser per query and head (``zoo.nn.attend``'s ``name``)."""
+    lse = S * g.heads * 4 if name == "attn_context" and g.attention_at(S, kernel=True) == "splash" else 0
+    return _sd(S, g.width(name), g.c) + lse
 
 
-def recomputed_matmuls(g: Geometry, policy: Mapping[str, str]) -> list[str]:
-    """The forward matmuls a remat policy repeats in the backward pass (see the module docstring)."""
+def recomputed_matmuls(g: Geometry, policy: Mapping[str, str], S: int | None = None) -> list[str]:
+    """The forward matmuls a remat policy repeats in the backward pass (see the module docstring).
+    With the splash kernel at sequence ``S``, keeping ``attn_context`` keeps what the kernel's
+    backward reads, so neither the scores nor the context are computed again."""
     kept = {n for n, choice in policy.items() if choice in ("save", "offload")}
     out = [m for m, name in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")) if name not in kept]
-    out.append("scores")  # the probabilities are never named: always recomputed
+    splash_kept = "attn_context" in kept and S is not None and g.attention_at(S, kernel=True) == "splash"
+    if not splash_kept:
+        out.append("scores")  # the probabilities are never named: recomputed
     if "attn_context" not in kept:
         out.append("context")
     if not {"attn_out", "attn_residual"} & kept:
@@ -899,7 +908,7 @@ def step_seconds(
     t_layer_fwd = tokens * layer_fwd / flops_per_s
     recompute = 0.0
     if saved.mode == "names":
-        recompute = sum(flops[m] for m in recomputed_matmuls(g, cand.policy))
+        recompute = sum(flops[m] for m in recomputed_matmuls(g, cand.policy, sh.S))
     t_layer_bwd = tokens * (2 * layer_fwd + recompute) / flops_per_s
     compute = sh.L * 3 * t_layer_fwd + tokens * 3 * g.head_flops / flops_per_s
     recompute_s = sh.L * tokens * recompute / flops_per_s

@@ -260,7 +260,9 @@ class Geometry:
         """MLP hidden elements per token: ``d_ff``, or ``experts_per_token * d_ff`` for experts."""
         return self.f * self.experts_per_token if self.moe else self.f
 
-    def attention_at(self, queries: int, keys: int | None = None, *, positions: bool | None = None) -> str:
+    def attention_at(
+        self, queries: int, keys: int | None = None, *, positions: bool | None = None, kernel: bool = False
+    ) -> str:
         """The implementation the byte model counts for ``queries`` attending to ``keys`` (default:
         the same sequence): the config's, ``"auto"`` resolved by :func:`zoo.nn.resolve_attention`
         for the planned device's :attr:`platform` and :attr:`compute_capability` (the device profile's),
@@ -271,7 +273,8 @@ class Geometry:
         ``"cudnn"`` and ``"splash"`` are counted as ``"blockwise"``: the planner has no model of the
         fused kernels, and like blockwise they write no score matrix (it keeps a float32 log-normaliser per query
         and head for its backward pass); blockwise's one block of scores overstates its workspace
-        slightly, where ``"xla"``'s ``S x S`` scores would overstate it by far."""
+        slightly, where ``"xla"``'s ``S x S`` scores would overstate it by far. ``kernel=True``
+        returns the implementation itself (``"splash"``, ``"cudnn"``) instead."""
         name = resolve_attention(
             self.attention,
             queries=queries,
@@ -284,7 +287,7 @@ class Geometry:
             platform=self.platform,
             compute_capability=self.compute_capability,
         )
-        return "blockwise" if name in ("cudnn", "splash") else name
+        return "blockwise" if name in ("cudnn", "splash") and not kernel else name
 
     def blockwise(self, S: int) -> bool:
         """A sequence of ``S`` tokens attends blockwise (no score matrix; see :meth:`attention_at`)."""

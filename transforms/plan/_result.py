@@ -296,10 +296,10 @@ class Plan(Answer):
         copies beside its matmuls, their gradients pending on the device; weights on the device).
 
         `activations` is ``None`` (no policy), a preset of :func:`transforms.offload_activations`
-        (``"block_input"``, ``"block_input_and_projections"``, ``"recompute_all"``), one of the
-        planner's options (``"save_projections"``, ``"offload:block_input"``, ...) or a mapping
-        ``{name: "save" | "offload" | "recompute"}``. Returns the same fields as one entry of
-        ``to_dict()["candidates"]``.
+        (``"block_input"``, ``"block_input_and_projections"``, ``"block_input_and_context"``,
+        ``"recompute_all"``), one of the planner's options (``"save_projections"``,
+        ``"offload:block_input"``, ...) or a mapping ``{name: "save" | "offload" | "recompute"}``.
+        Returns the same fields as one entry of ``to_dict()["candidates"]``.
 
         **Example:**
 
