@@ -331,6 +331,20 @@ def test_rotary_preserves_norm_and_dtype_in_bf16():
     np.testing.assert_allclose(np.linalg.norm(_f64(out), axis=-1), np.linalg.norm(_f64(x), axis=-1), rtol=2e-2)
 
 
+def test_rotary_rotates_16_bit_vectors_in_their_own_dtype():
+    """As Hugging Face's models do: the angles in float32, the rotation in the vectors' dtype (a
+    float32 rotation made XLA:TPU write and transpose float32 copies of every query and key),
+    within bfloat16's rounding of the float64 reference."""
+    rot = nn.RotaryEmbedding(16, theta=10_000.0)
+    x = _normal(3, (64, 2, 16), jnp.bfloat16)
+    positions = jnp.arange(64, dtype=jnp.int32) * 7
+    jaxpr = jax.make_jaxpr(rot)(x, positions)
+    wide = [v.aval for e in jaxpr.eqns for v in e.outvars if v.aval.shape[-1:] == (16,) and v.aval.dtype != x.dtype]
+    assert wide == []  # no float32 copy of the vectors (nor of their halves' products)
+    ref = _ref_rope(_f64(x), np.asarray(positions), _ref_inv_freq(16, 10_000.0))
+    np.testing.assert_allclose(_f64(rot(x, positions)), ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+
+
 def test_rotary_scores_depend_only_on_relative_position():
     hd = 16
     rot = nn.RotaryEmbedding(hd, theta=10_000.0)

@@ -75,12 +75,13 @@ def rotate(
     ```
     """
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
-    cos = jnp.cos(angles)[:, None, :]  # (seq, 1, head_dim/2)
-    sin = jnp.sin(angles)[:, None, :]
-    h = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    x1, x2 = jnp.split(h, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    # The angles in float32, the rotation in x's dtype (as Hugging Face's models do): a float32
+    # rotation of 16-bit vectors made XLA:TPU write float32 copies of every query and key (and
+    # transpose them) in both passes, ~170 ms of llama:1b's step at 8 x 2048 on a v5e.
+    cos = jnp.cos(angles)[:, None, :].astype(x.dtype)  # (seq, 1, head_dim/2)
+    sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class RotaryEmbedding(eqx.Module):
