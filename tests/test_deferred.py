@@ -334,15 +334,19 @@ def test_a_stack_with_integer_per_layer_arrays_defers_as_it_streams(where):
     assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2)
 
 
-@pytest.mark.parametrize("where", ["device", "host", "device_split"])
+@pytest.mark.parametrize("where", ["device", "host", "device_split", "device_split_splash_context"])
 def test_with_offloaded_activations_the_deferred_steps_equal_the_streamed_steps(where, monkeypatch):
     """Offloaded activations under the deferred update: the stacks run the prefetched loop (device
     weights too), whose backward pass fetches each layer's offloaded activations one layer ahead
-    (with the state split into even and odd layers, two layers an iteration)."""
-    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=4 if where == "device_split" else 2)
-    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", where == "device_split")
+    (with the state split into even and odd layers, two layers an iteration; with splash attention
+    and ``block_input_and_context``, the kernel's output and log-normaliser offloaded)."""
+    split = where.startswith("device_split")
+    cfg = zoo.config_from_name("llama:tiny").replace(n_layers=4 if split else 2)
+    if where.endswith("splash_context"):
+        cfg = cfg.replace(attention="splash")
+    monkeypatch.setattr(_layer_split, "SPLIT_ON_CPU", split)
     tokens = jax.random.randint(jax.random.key(5), (2, 17), 0, cfg.vocab_size, jnp.int32)
-    acts = "block_input_and_projections"
+    acts = "block_input_and_context" if where.endswith("splash_context") else "block_input_and_projections"
     assert_deferred_matches_streamed(cfg, tokens, host=where == "host", steps=2, acts=acts)
 
 
