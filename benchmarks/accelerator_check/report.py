@@ -105,6 +105,7 @@ def markdown(results: dict) -> str:
         "warm-up. Invalid configurations show no speed (see their invalid_reason). GB moved: the compiled "
         "step's copies between host and device, both ways, each loop's times its trips; x bound: the step over "
         "the larger of none's step and the time those bytes need on the link."
+        + _capacity_note(results, args)
         + _options_note(args.get("compiler_options")),
         "",
         "| " + " | ".join(HEADER) + " |",
@@ -180,6 +181,16 @@ def print_summary(results: dict, path: Path) -> None:
     prefix = label(results["platform"])
     for line in ["", *markdown(results).splitlines(), f"wrote {path} and {path.with_suffix('.md')}"]:
         print(prefix + line if line else "")
+
+
+def _capacity_note(results, args) -> str:
+    """The header's sentence on the capacity configurations' own sizes, where any ran."""
+    if not any(c.startswith("capacity") for c in results.get("configs", {})) or not args.get("capacity_model"):
+        return ""
+    return (
+        f" The capacity configurations run {args['capacity_model']} at batch {args.get('capacity_batch')} x seq "
+        f"{args.get('capacity_seq')}, {args.get('capacity_steps')} steps."
+    )
 
 
 def _options_note(options) -> str:
