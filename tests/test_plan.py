@@ -472,6 +472,34 @@ def test_keeping_attn_context_under_splash_counts_the_log_normaliser_and_no_atte
     assert named_bytes(tpu, S, "attn_context") == context + S * cfg.n_heads * 4
 
 
+def test_the_deferred_update_with_only_the_stacks_state_in_host_memory():
+    """``"defer:stacks"``: the state of the leaves outside the stacks stays on the device, where the
+    planner counts it; their update moves nothing over the link (the stacks' copies unchanged), and
+    apply() offloads only the stacks' matrices' state (``transforms.stack_matrix_state``)."""
+    from zoo.nn import on_host
+
+    bf16 = CFG.replace(compute_dtype="bfloat16")
+    p = transforms.plan(bf16, batch=4, seq=32, device="tpu-v5e", clip_norm=0.5)
+    both, stacks = p.predict(opt_state="defer"), p.predict(opt_state="defer:stacks")
+    assert stacks["transforms"] == "offload_opt_state(defer:stacks)"
+    rest = both["host"]["optimizer state"] - stacks["host"]["optimizer state"]
+    device = lambda pred: pred["phases"]["update"]["optimizer state"]  # (step counters stay there anyway)
+    assert rest > 0 and device(stacks) - device(both) == rest
+    for key in ("host_to_device_bytes", "device_to_host_bytes"):
+        assert both[key] - stacks[key] == rest, key  # the outside leaves' state, each way
+    assert stacks["exposed_transfer_s"] < both["exposed_transfer_s"]
+    with pytest.raises(ValueError, match="weights on the device"):
+        Candidate(params=True, opt_state="defer:stacks")
+    p.chosen = row(p, opt_state="defer:stacks", activations="offload:block_input")
+    model, opt = p.apply(zoo.Llama(bf16, key=jax.random.key(0)), optax.adamw(1e-2))
+    assert opt.defer and opt.pending_dtype == "bfloat16"
+    state = jax.tree.leaves(transforms.train_step(zoo.lm_loss, opt).init(model).streamed)  # (not the pending)
+    moments = [x for x in state if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2]
+    assert {on_host(x) for x in moments if x.ndim >= 3} == {True}  # the stacks' matrices
+    embedding = [x for x in moments if x.shape == (bf16.vocab_size, bf16.d_model)]
+    assert embedding and not any(on_host(x) for x in embedding)
+
+
 def _as_predict(cand):
     return dict(params=cand.params, opt_state=cand.opt_state, activations=cand.activations)
 
@@ -505,7 +533,7 @@ def test_stream_candidates_and_their_names():
     p = transforms.plan("llama:tiny", batch=2, seq=32, device="h100")
     assert {r.estimate.candidate.opt_state for r in p.rows} == {False, True, "stream"}  # defer: a TPU's
     v5e = transforms.plan("llama:tiny", batch=2, seq=32, device="tpu-v5e")
-    assert {r.estimate.candidate.opt_state for r in v5e.rows} == {False, True, "stream", "defer"}
+    assert {r.estimate.candidate.opt_state for r in v5e.rows} == {False, True, "stream", "defer", "defer:stacks"}
     assert any(r.estimate.candidate.defer and r.estimate.candidate.params for r in v5e.rows)  # host weights too
     spark = transforms.plan("llama:tiny", batch=2, seq=32, device="dgx-spark")
     assert not any(r.estimate.candidate.stream for r in spark.rows)

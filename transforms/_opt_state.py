@@ -36,6 +36,25 @@ def _default_where(x) -> bool:
 PENDING_DTYPES = ("bfloat16", "float16", "float32")
 
 
+def stack_matrix_state(x) -> bool:
+    """A ``where=`` for :func:`offload_opt_state`: the state leaves of the stacks' matrices (a layer
+    axis and two more; float8 codes too, stored as ``uint32`` words), so that only those live in
+    host memory and the state of the embedding, the head and every norm stays on the device. With
+    the deferred update their update after the backward pass then moves nothing over the link
+    (``llama:1b``'s tied embedding: 2.1 GB a step with 16-bit moments).
+
+    **Example:**
+
+    ```python
+    import optax, transforms
+    opt = transforms.offload_opt_state(
+        optax.adamw(1e-3), stream=True, clip_norm=1.0, defer=True, where=transforms.stack_matrix_state
+    )
+    ```
+    """
+    return getattr(x, "ndim", 0) >= 3 and (jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint32)
+
+
 def offload_opt_state(
     optimizer: optax.GradientTransformation,
     *,

@@ -37,7 +37,7 @@ compute in float32):
   GeGLU). When the scores are written out (soft-capping, or a window selected per layer inside
   the scan: ``layer_kinds > 1``) the boolean mask twice, ``2*H*S*S``, and with soft-capping
   tanh's float32 input and output, ``2*H*S*S*4``; with per-layer kinds and rotary, the cos/sin
-  tables the layer computes, ``8*S*(head_dim/2)*4`` per layer. Per layer, not per example: the
+  tables the layer computes, ``8*S*(head_dim/2)*c`` per layer. Per layer, not per example: the
   compute-dtype copies of the matmul weights when ``param_dtype != compute_dtype``. Once per
   batch: the causal mask and its fill value, ``H*S*S*(1 + 4)`` (written-out scores: two float32
   fills, ``H*S*S*8``).
@@ -219,8 +219,9 @@ NORM_ITEMSIZE = 4  # norms compute in float32 (zoo.nn._norm upcasts)
 #: Values of :attr:`Candidate.opt_state` the search tries: optimizer state on the device, offloaded
 #: (updated leaf by leaf), offloaded with the streamed update (``offload_opt_state(..., stream=True)``),
 #: or with the stacks' streamed update in the next step's forward pass (``..., defer=True``; on a
-#: TPU: ``_search.DEFER_SEARCHED_ON``).
-OPT_STATE_OPTIONS = (False, True, "stream", "defer")
+#: TPU: ``_search.DEFER_SEARCHED_ON``), there with only the stacks' state in host memory
+#: (``"defer:stacks"``: ``..., where=transforms.stack_matrix_state``; weights on the device).
+OPT_STATE_OPTIONS = (False, True, "stream", "defer", "defer:stacks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +233,10 @@ class Candidate:
     (``offload_opt_state(..., stream=True)``: state in host memory, the update streamed layer by
     layer) or ``"defer"`` (and ``defer=True``: the stacks' streamed update in the next step's
     forward pass, their gradients pending in between: on the device, or in host memory with the
-    weights there).
-    ``None`` and ``"offload"`` are accepted for ``False`` and ``True``.
+    weights there), or ``"defer:stacks"`` (the same with only the state of the stacks' matrices in
+    host memory, ``where=transforms.stack_matrix_state``: the embedding's and the head's stay on the
+    device, so their update after the backward pass moves nothing over the link; weights on the
+    device only). ``None`` and ``"offload"`` are accepted for ``False`` and ``True``.
     """
 
     params: bool = False
@@ -246,19 +249,27 @@ class Candidate:
         valid = OPT_STATE_OPTIONS
         if not any(value is v or (isinstance(v, str) and value == v) for v in valid):
             raise ValueError(
-                f"opt_state must be False, True (or 'offload'), 'stream' or 'defer', got {self.opt_state!r}"
+                f"opt_state must be False, True (or 'offload'), 'stream', 'defer' or 'defer:stacks', got "
+                f"{self.opt_state!r}"
             )
+        if value == "defer:stacks" and self.params:
+            raise ValueError("opt_state='defer:stacks' keeps the weights on the device: not with params=True")
         object.__setattr__(self, "opt_state", value)
 
     @property
     def stream(self) -> bool:
         """Whether the optimizer update is streamed layer by layer (after the backward pass, or deferred)."""
-        return self.opt_state in ("stream", "defer")
+        return self.opt_state in ("stream", "defer", "defer:stacks")
 
     @property
     def defer(self) -> bool:
         """Whether the stacks' streamed update runs in the next step's forward pass."""
-        return self.opt_state == "defer"
+        return self.opt_state in ("defer", "defer:stacks")
+
+    @property
+    def stacks_state_only(self) -> bool:
+        """Whether only the state of the stacks' matrices lives in host memory (``"defer:stacks"``)."""
+        return self.opt_state == "defer:stacks"
 
     @property
     def label(self) -> str:
@@ -407,9 +418,10 @@ def full_layer_items(g: Geometry, S: int) -> dict[str, int]:
 
 def rotary_tables(g: Geometry, S: int) -> int:
     """Per-layer bytes of the rotary cos/sin tables a layer computes when its frequencies are
-    selected inside the scan (several attention kinds): float32 ``(S, head_dim / 2)``, kept once
-    per use, four per rotation of the queries and of the keys. Otherwise they are constants."""
-    return 8 * S * (g.head_dim // 2) * 4 if g.rotary and g.layer_kinds > 1 else 0
+    selected inside the scan (several attention kinds): ``(S, head_dim / 2)`` in the compute dtype
+    (``zoo.nn.rotate`` rotates in the vectors' dtype), kept once per use, four per rotation of the
+    queries and of the keys. Otherwise they are constants."""
+    return 8 * S * (g.head_dim // 2) * g.c if g.rotary and g.layer_kinds > 1 else 0
 
 
 def moe_items(g: Geometry, S: int) -> dict[str, int]:
@@ -613,7 +625,8 @@ def shares(
     # micro-batches are accumulated on the device).
     stream = cand.stream
     if stream:
-        O_move = (opt.stream_stack_bytes + opt.stream_rest_bytes) // fsdp
+        rest = 0 if cand.stacks_state_only else opt.stream_rest_bytes  # "defer:stacks": on the device
+        O_move = (opt.stream_stack_bytes + rest) // fsdp
         O_all = opt.stream_state_bytes // fsdp
     O_stack = opt.stream_stack_bytes // fsdp if stream else 0
     host_grads = stream and cand.params and accum_steps == 1
@@ -781,6 +794,8 @@ def _update_phase(g: Geometry, opt: OptimizerInfo, cand: Candidate, sh: Shares, 
         unit = max(g.outside_largest_leaf_bytes // sh.fsdp, 1)
         weights = sh.T_out if cand.params else 0
     rest_work = weights + 2 * unit + int(2 * opt.moments_per_param * unit)
+    if cand.stacks_state_only:  # their state on the device: each leaf updated whole, as the plain update does
+        rest_work = 2 * (g.outside_largest_leaf_bytes // sh.fsdp)
     return {
         # Deferred, the stacks' gradients are the pending ones (counted with the state).
         "gradients": (sh.T_out if sh.host_grads or sh.defer else sh.G) + accum_buf,
@@ -844,6 +859,8 @@ def host_resident(cand: Candidate, sh: Shares, saved: Saved, g: Geometry, opt: O
         blocked = sh.fsdp == 1 and g.outside_whole_largest_bytes is not None
         largest_out = g.outside_whole_largest_bytes if blocked else g.outside_largest_leaf_bytes // sh.fsdp
         host["update outputs"] = int(opt.moments_per_param * largest_out) + (largest_out if cand.params else 0)
+        if cand.stacks_state_only:  # the leaves outside the stacks keep their state on the device
+            host["update outputs"] = 0
     return host
 
 

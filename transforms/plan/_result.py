@@ -293,7 +293,8 @@ class Plan(Answer):
         `opt_state` is ``False``, ``True`` (or ``"offload"``: :func:`transforms.offload_opt_state`),
         ``"stream"`` (``offload_opt_state(..., stream=True)``, the update streamed layer by layer) or
         ``"defer"`` (and ``defer=True``: the stacks' update in the next step's forward pass, their
-        copies beside its matmuls, their gradients pending on the device; weights on the device).
+        copies beside its matmuls, their gradients pending on the device; weights on the device) or
+        ``"defer:stacks"`` (the same with only the stacks' matrices' state in host memory).
 
         `activations` is ``None`` (no policy), a preset of :func:`transforms.offload_activations`
         (``"block_input"``, ``"block_input_and_projections"``, ``"block_input_and_context"``,
@@ -343,8 +344,9 @@ class Plan(Answer):
 
         Uses :func:`transforms.offload_params`, :func:`transforms.offload_activations` (with
         :attr:`activation_policy`) and :func:`transforms.offload_opt_state` (with ``stream=True``
-        when :attr:`stream_update`, and :attr:`pending_dtype` with the deferred update), exactly as
-        chosen; "no offload" returns both unchanged.
+        when :attr:`stream_update`, :attr:`pending_dtype` with the deferred update, and
+        ``where=transforms.stack_matrix_state`` for ``"defer:stacks"``), exactly as chosen; "no
+        offload" returns both unchanged.
 
         Global-norm clipping: a streamed update refuses `optax.clip_by_global_norm` inside the
         optimizer (it needs every layer at once), so give the optimizer without it and ask for
@@ -370,7 +372,7 @@ class Plan(Answer):
         ```
         """
         from .._activations import offload_activations
-        from .._opt_state import offload_opt_state
+        from .._opt_state import offload_opt_state, stack_matrix_state
         from .._params import offload_params, params_offloaded
 
         if not self.fits:
@@ -399,8 +401,14 @@ class Plan(Answer):
         if cand.activations is not None:
             model = offload_activations(model, policy=cand.policy)
         if cand.opt_state:
+            where = {"where": stack_matrix_state} if cand.stacks_state_only else {}
             optimizer = offload_opt_state(
-                optimizer, stream=cand.stream, clip_norm=clip_norm, defer=cand.defer, pending_dtype=self.pending_dtype
+                optimizer,
+                stream=cand.stream,
+                clip_norm=clip_norm,
+                defer=cand.defer,
+                pending_dtype=self.pending_dtype,
+                **where,
             )
         elif clip_norm is not None:
             optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)

@@ -48,7 +48,9 @@ def _all_candidates(unified: bool, names, platform: str) -> list[Candidate]:
     on the platforms of :data:`DEFER_SEARCHED_ON`."""
     out = []
     for acts, params, opt in itertools.product([None, *ACTIVATION_OPTIONS], (False, True), OPT_STATE_OPTIONS):
-        if opt == "defer" and platform not in DEFER_SEARCHED_ON:
+        if opt in ("defer", "defer:stacks") and platform not in DEFER_SEARCHED_ON:
+            continue
+        if opt == "defer:stacks" and params:  # (weights on the device only)
             continue
         cand = Candidate(params=params, opt_state=opt, activations=acts)
         if unified and cand.uses_host:
