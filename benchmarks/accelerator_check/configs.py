@@ -443,6 +443,12 @@ def config_table() -> list[Config]:
             activations="block_input_and_projections",
             parity=projections,
         ),
+        _checked(
+            "act_block_input_and_context",
+            "offload_activations(policy='block_input_and_context') (block inputs and the attention's output "
+            "offloaded: with splash, what its backward reads, so no attention forward is run again)",
+            activations="block_input_and_context",
+        ),
     ]
 
 
