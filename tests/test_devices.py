@@ -109,11 +109,11 @@ def test_the_runtimes_host_share_is_not_planned_for():
     large = transforms.plan(cfg, batch=8, seq=2048, device="tpu-v5e", host_memory_gb=30, clip_norm=1.0)
     assert not small.fits and large.fits
     # The plan measured as capacity_defer on a v5e (2.61 s a step, 14.1 GiB in use): weights on the
-    # device, block inputs offloaded, the deferred update; defer with everything recomputed (about
-    # 16 GiB compiled there) does not fit the budget.
+    # device, block inputs offloaded, the deferred update (now with the embedding's state on the device:
+    # "defer:stacks"). (Defer with everything recomputed compiled to about 16 GiB there with float32
+    # pending gradients; with the 16-bit ones the planner now plans since, it counts 13 GiB: unmeasured.)
     assert large.candidate.defer and large.activation_policy == {"block_input": "offload"}
     assert 13.5 * 2**30 < large.device_bytes <= large.device_budget
-    assert not large.predict(opt_state="defer", activations="recompute_all")["fits"]
     assert any("host memory" in s for s in small.suggestions)
     host = large.to_dict()["shown"]["host_bytes"]
     assert 20 * 2**30 * 0.9 > host > (20 * 2**30 - transforms.DEVICE_PROFILES["tpu-v5e"].host_runtime_bytes) * 0.9

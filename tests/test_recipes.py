@@ -100,14 +100,18 @@ def test_the_streamed_update_trains_as_the_update_on_the_device(tmp_path, straig
     assert run_flags.resume_args(str(out))["offload"] == "opt_state_stream"
 
 
-def test_the_deferred_update_trains_as_the_update_on_the_device_and_ends_flushed(tmp_path, straight, small):
+@pytest.mark.parametrize("flag", ["opt_state_defer", "opt_state_defer_stacks"])
+def test_the_deferred_update_trains_as_the_update_on_the_device_and_ends_flushed(tmp_path, straight, small, flag):
+    """(``opt_state_defer_stacks``: the state of the leaves outside the stacks stays on the device.)"""
     out = tmp_path / "run"
-    deferred = train_lm.main([*small, "--offload", "opt_state_defer", "--stop-after", "3", "--out", str(out)])
+    deferred = train_lm.main([*small, "--offload", flag, "--stop-after", "3", "--out", str(out)])
     state = deferred["opt_state"]
     assert isinstance(state, transforms.DeferredState) and not bool(state.pending.ready)  # flushed at the end
     for step in (1, 2, 3):  # each step ran the weights the plain run's update gave
         assert deferred["losses"][step] == pytest.approx(straight["losses"][step], rel=1e-5), step
-    assert run_flags.resume_args(str(out))["offload"] == "opt_state_defer"
+    assert run_flags.resume_args(str(out))["offload"] == flag
+    rest = [x for x in jax.tree.leaves(state.streamed.rest) if getattr(x, "ndim", 0) == 2]
+    assert rest and {zoo.nn.on_host(x) for x in rest} == {flag == "opt_state_defer"}
 
 
 def test_resume_matches_the_uninterrupted_run_and_a_corrupted_checkpoint_falls_back(tmp_path, straight, small, capsys):

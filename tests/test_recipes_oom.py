@@ -125,8 +125,9 @@ def test_every_planner_candidate_is_said_as_flags_that_parse_back():
         parsed = suggested(f"x; try {spec.flags} (y)") if spec.flags else OffloadSpec()
         assert parsed == spec, row.label
         assert parsed.predict(plan)["device_bytes"] == row.estimate.device_bytes, row.label
-    # save_projections: with each optimizer-state choice (four on a TPU), with and without params
-    assert said >= len(plan.rows) - 8
+    # save_projections: with each optimizer-state choice (five on a TPU), with and without params
+    # (defer:stacks without)
+    assert said >= len(plan.rows) - 9
 
 
 def test_a_step_out_of_host_memory_is_one_line_and_the_run_resumes_from_the_checkpoint_before(

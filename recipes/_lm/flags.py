@@ -157,7 +157,8 @@ def build_parser(
         default="",
         help=f"comma-separated subset of {','.join(OFFLOADABLE)} for pinned_host (opt_state_stream: the optimizer "
         "state offloaded and its update streamed layer by layer; opt_state_defer: that update run in the next "
-        "step's forward pass, beside each layer's matmuls)",
+        "step's forward pass, beside each layer's matmuls; opt_state_defer_stacks: that with only the stacks' "
+        "state offloaded)",
     )
     a(
         "--activations",

@@ -13,6 +13,9 @@ planner what they are.
 - ``opt_state_defer``: as ``opt_state_stream``, each stack's update run in the next step's forward
   pass (``offload_opt_state(stream=True, defer=True)``); the run applies the pending
   update (``TrainStep.flush``) before it validates, samples or exports;
+- ``opt_state_defer_stacks``: as ``opt_state_defer`` with only the state of the stacks' matrices in
+  host memory (``where=transforms.stack_matrix_state``: the embedding's, the head's and the norms'
+  stay on the device, so their update moves nothing over the link); weights on the device;
 - ``activations``: the activations ``--activations`` names (a preset or names) go to host memory.
 
 ``--prefetch`` (with ``params``) copies layer i+1's weights while layer i computes. ``--plan
@@ -28,9 +31,15 @@ import zoo
 from recipes._lm.run_setup import make_optimizer
 
 #: What ``--offload`` may name.
-OFFLOADABLE = ("params", "opt_state", "opt_state_stream", "opt_state_defer", "activations")
-#: ``--offload``'s names for the optimizer state, by :attr:`OffloadSpec.opt_state`.
-OPT_STATE_FLAGS = {"offload": "opt_state", "stream": "opt_state_stream", "defer": "opt_state_defer"}
+OFFLOADABLE = ("params", "opt_state", "opt_state_stream", "opt_state_defer", "opt_state_defer_stacks", "activations")
+#: ``--offload``'s names for the optimizer state, by :attr:`OffloadSpec.opt_state` (the planner's
+#: ``Candidate.opt_state`` values).
+OPT_STATE_FLAGS = {
+    "offload": "opt_state",
+    "stream": "opt_state_stream",
+    "defer": "opt_state_defer",
+    "defer:stacks": "opt_state_defer_stacks",
+}
 #: ``--activations``' default (a preset).
 DEFAULT_ACTIVATIONS = "block_input"
 
@@ -42,8 +51,9 @@ class OffloadSpec:
     **Fields:**
 
     - `params`: weights in host memory.
-    - `opt_state`: ``None`` (on the device), ``"offload"``, ``"stream"`` (the streamed update) or
-      ``"defer"`` (the streamed update in the next step's forward pass).
+    - `opt_state`: ``None`` (on the device), ``"offload"``, ``"stream"`` (the streamed update),
+      ``"defer"`` (the streamed update in the next step's forward pass) or ``"defer:stacks"`` (that
+      with only the stacks' matrices' state in host memory).
     - `activations`: ``None`` (not offloaded), a preset name of ``transforms.offload_activations``,
       or a tuple of activation names.
     - `prefetch`: the weights' copies one layer ahead.
@@ -84,6 +94,11 @@ class OffloadSpec:
             )
         if plan and chosen:
             raise SystemExit(f"--plan {plan} chooses the offload transforms itself: give either --plan or --offload")
+        if "opt_state_defer_stacks" in chosen and "params" in chosen:
+            raise SystemExit(
+                f"--offload {offload}: opt_state_defer_stacks keeps the weights on the device; with params give "
+                "opt_state_defer"
+            )
         if prefetch and not plan and "params" not in chosen:
             raise SystemExit("--prefetch needs --offload params (it schedules the copies of host-resident weights)")
         warnings = []
@@ -133,7 +148,9 @@ class OffloadSpec:
                 acts = tuple(policy)
             else:
                 return None
-        opt = {"stream": "stream", "defer": "defer", True: "offload"}.get(candidate.opt_state)
+        opt = {"stream": "stream", "defer": "defer", "defer:stacks": "defer:stacks", True: "offload"}.get(
+            candidate.opt_state
+        )
         return cls(params=bool(candidate.params), opt_state=opt, activations=acts)
 
     @property
@@ -167,7 +184,11 @@ class OffloadSpec:
         if self.params:
             parts.append("params" + (" (prefetch)" if self.prefetch else ""))
         if self.opt_state:
-            how = {"stream": " (streamed update)", "defer": " (deferred update)"}.get(self.opt_state, "")
+            how = {
+                "stream": " (streamed update)",
+                "defer": " (deferred update)",
+                "defer:stacks": " (deferred update, the stacks' state)",
+            }.get(self.opt_state, "")
             parts.append("opt_state" + how)
         if self.activations:
             acts = self.activations if isinstance(self.activations, str) else ",".join(self.activations)
@@ -210,9 +231,14 @@ class OffloadSpec:
                 model = transforms.offload_activations(model, policy=self.activations)
             elif self.activations:
                 model = transforms.offload_activations(model, names=self.activations)
-            if self.opt_state in ("stream", "defer"):
+            if self.opt_state in ("stream", "defer", "defer:stacks"):
+                where = {"where": transforms.stack_matrix_state} if self.opt_state == "defer:stacks" else {}
                 optimizer = transforms.offload_opt_state(
-                    make_optimizer(**hyper, clip=None), stream=True, clip_norm=clip, defer=self.opt_state == "defer"
+                    make_optimizer(**hyper, clip=None),
+                    stream=True,
+                    clip_norm=clip,
+                    defer=self.opt_state != "stream",
+                    **where,
                 )
             else:
                 optimizer = make_optimizer(**hyper, clip=clip)
@@ -231,5 +257,7 @@ class OffloadSpec:
         acts = self.activations
         if isinstance(acts, tuple):
             acts = {n: "offload" for n in acts}
-        opt = {"stream": "stream", "defer": "defer", "offload": True}.get(self.opt_state, False)
+        opt = {"stream": "stream", "defer": "defer", "defer:stacks": "defer:stacks", "offload": True}.get(
+            self.opt_state, False
+        )
         return plan.predict(params=self.params, opt_state=opt, activations=acts)
