@@ -72,13 +72,15 @@ def _device(target: str, topology: str):
     return topo.devices[0]
 
 
-def build(model_name: str, config: str, *, lr: float = 1e-3, weights: str = "all"):
+def build(model_name: str, config: str, *, lr: float = 1e-3, weights: str = "all", attention: str | None = None):
     """The configuration's model, optimizer state and train step, built on this machine (the
     check's transforms and optimizer: AdamW after global-norm clipping at 1.0). With ``weights=
     "stacks"`` a configuration that offloads weights offloads only the stacks' (the embedding, head
     and final norm stay on the device): this libtpu refuses programs whose host-resident embedding
     the streamed optimizer updates (a layout mismatch of its host buffer; the chip compiles them),
-    so the stacks' part of such a program can be studied here."""
+    so the stacks' part of such a program can be studied here. ``attention``: the config's
+    attention implementation instead of its own (``measure`` gives ``"splash"`` where ``"auto"``
+    would choose it on the TPU)."""
     import equinox as eqx
     import jax
 
@@ -89,6 +91,7 @@ def build(model_name: str, config: str, *, lr: float = 1e-3, weights: str = "all
     _layer_split.SPLIT_ON_CPU = True  # the state is built here for a TPU: laid out as there
     conf = {c.name: c for c in config_table()}[config]
     cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
+    cfg = cfg if attention is None else cfg.replace(attention=attention)
     if weights == "stacks" and conf.params:
         model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), dataclasses.replace(conf, params=False))
         host_stack = transforms.offload_params(model.stack, prefetch=conf.prefetch)
@@ -170,13 +173,42 @@ def _options(args) -> dict | None:
     return options or None
 
 
+def _tpu_attention(args) -> str | None:
+    """``"splash"`` where the model's ``"auto"`` attention would choose it on the TPU compiled for
+    (the chip's train step runs the Pallas kernel, which this CPU's backend would otherwise resolve
+    away), with the kernel built for the TPU rather than Pallas's interpreter; else ``None``."""
+    import jax.numpy as jnp
+
+    import zoo
+
+    if getattr(args, "target", "tpu") != "tpu":
+        return None
+    cfg = zoo.config_from_name(args.model, compute_dtype="bfloat16", param_dtype="float32")
+    chosen = zoo.nn.resolve_attention(
+        cfg.attention,
+        queries=args.seq,
+        keys=args.seq,
+        heads=cfg.n_heads,
+        head_dim=cfg.head_dim or cfg.d_model // cfg.n_heads,
+        dtype=jnp.bfloat16,
+        platform="tpu",
+        devices=1,
+    )
+    if chosen != "splash":
+        return None
+    zoo.nn.SPLASH_SETTINGS["interpret"] = False
+    return "splash"
+
+
 def measure(args, config: str, device) -> dict:
     import zoo
 
     row = {"config": config}
     t = time.perf_counter()
     try:
-        model, state, step = build(args.model, config, weights=getattr(args, "weights", "all"))
+        model, state, step = build(
+            args.model, config, weights=getattr(args, "weights", "all"), attention=_tpu_attention(args)
+        )
         lowered = lowered_for(device, model, state, step, args.batch, args.seq)
         compiled = lowered.compile(compiler_options=_options(args))
     except Exception as err:  # the compiler's refusal is the result

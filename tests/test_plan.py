@@ -133,10 +133,9 @@ def test_saved_activation_model_matches_what_jax_saves(family, compute_dtype):
             if "output of scan" in desc and aval.shape[:1] == (cfg.n_layers,):
                 where = "host" if aval.memory_space == jax.memory.Space.Host else "device"
                 stacked[where] += math.prod(aval.shape) * aval.dtype.itemsize
-        est = next(r for r in p.rows if r.estimate.candidate == cand).estimate
+        acts = p.predict(params=cand.params, opt_state=cand.opt_state, activations=cand.policy)["activations"]
         model_bytes = {
-            w: cfg.n_layers * sum(a["per_layer"] for a in est.activations.values() if a["where"] == w)
-            for w in ("device", "host")
+            w: cfg.n_layers * sum(a["per_layer"] for a in acts.values() if a["where"] == w) for w in ("device", "host")
         }
         assert model_bytes == stacked, cand.label
 
@@ -534,6 +533,10 @@ def test_stream_candidates_and_their_names():
     assert {r.estimate.candidate.opt_state for r in p.rows} == {False, True, "stream"}  # defer: a TPU's
     v5e = transforms.plan("llama:tiny", batch=2, seq=32, device="tpu-v5e")
     assert {r.estimate.candidate.opt_state for r in v5e.rows} == {False, True, "stream", "defer", "defer:stacks"}
+    from transforms.plan._search import UNSEARCHED_ACTIVATIONS  # predicted on request only, until measured
+
+    assert not {r.estimate.candidate.activations for r in v5e.rows} & set(UNSEARCHED_ACTIVATIONS)
+    assert v5e.predict(opt_state="defer", activations=UNSEARCHED_ACTIVATIONS[0])["fits"] is not None
     assert any(r.estimate.candidate.defer and r.estimate.candidate.params for r in v5e.rows)  # host weights too
     spark = transforms.plan("llama:tiny", batch=2, seq=32, device="dgx-spark")
     assert not any(r.estimate.candidate.stream for r in spark.rows)

@@ -237,6 +237,18 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_bf16_projections_bf16grads_stacks",
+            "capacity_defer_bf16_projections_bf16grads with only the stacks' moments in host memory "
+            "(where='stacks'): the embedding's update after the backward moves nothing over the link",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input_and_projections",
+            split=True,
+            pending="bfloat16",
+            where="stacks",
+            capacity=True,
+        ),
+        Config(
             "capacity_defer_f8_projections",
             "capacity_f8's transforms stated rather than planned (the deferred update, block inputs and the "
             "attention's projections offloaded, moments in 8 bits), so that tpu_compile can compile them",

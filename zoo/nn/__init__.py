@@ -11,6 +11,7 @@ from ._attend import local_compute_capability as local_compute_capability
 from ._attend import resolve_attention as resolve_attention
 from ._attend import segment_positions as segment_positions
 from ._attend_splash import BLOCKS as SPLASH_BLOCKS
+from ._attend_splash import SETTINGS as SPLASH_SETTINGS
 from ._attention import Attention as Attention
 from ._attention import AttentionKind as AttentionKind
 from ._attention import LayerKind as LayerKind

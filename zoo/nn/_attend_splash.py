@@ -36,6 +36,12 @@ SPLASH_ALIGN = 128
 #: (``benchmarks/results/attention_speed_TPU_v5_lite_blocks.md``).
 BLOCKS = {"q": 1024, "kv": 1024, "fused_backward": True}
 
+#: Settings of the kernel (``zoo.nn.SPLASH_SETTINGS``). ``"interpret"``: whether it runs in Pallas's
+#: interpreter; ``None`` (the default) wherever the default backend is not a TPU. ``False`` builds
+#: the kernel itself on any backend, for a program compiled for a TPU from elsewhere
+#: (``benchmarks/tpu_compile.py`` compiles on a CPU with libtpu). Read when a function is traced.
+SETTINGS: dict = {"interpret": None}
+
 
 def _block(seq: int, largest: int) -> int:
     """The largest power of two up to ``largest`` (at least 128) dividing ``seq`` (a multiple of 128)."""
@@ -105,7 +111,12 @@ def splash_attend(q, k, v, *, window, softcap, scale, segment_ids=None, name=Non
     seq, heads, _ = q.shape
     pad = -seq % SPLASH_ALIGN
     kernel = _kernel(
-        seq + pad, heads, window, None if softcap is None else float(softcap), jax.default_backend() != "tpu", name
+        seq + pad,
+        heads,
+        window,
+        None if softcap is None else float(softcap),
+        jax.default_backend() != "tpu" if SETTINGS.get("interpret") is None else bool(SETTINGS["interpret"]),
+        name,
     )
 
     def heads_first(x):  # (seq, h, dim) -> (h, seq + pad, dim)
