@@ -85,3 +85,23 @@ def test_capacity_configurations_with_stated_transforms_compile_and_planned_ones
     assert set(stated) <= set(tpu_compile.CONFIGS)
     assert not set(planned) & set(tpu_compile.CONFIGS)
     assert not any(table[n].capped for n in tpu_compile.CONFIGS)
+
+
+def test_a_tpu_target_compiles_the_splash_kernel_where_the_chip_would_run_it(monkeypatch):
+    """The chip's train step runs the Pallas kernel for long sequences; compiled here for a TPU, the
+    model takes it too (not the CPU backend's choice), built for the TPU rather than interpreted;
+    the CPU target and short sequences keep the model's own attention, and the options default to
+    the train step's for a TPU."""
+    import argparse
+
+    import zoo
+    from transforms._xla_options import TPU_HOST_TRANSFER_OPTIONS
+
+    monkeypatch.setitem(zoo.nn.SPLASH_SETTINGS, "interpret", None)
+    args = lambda **kw: argparse.Namespace(**{"target": "tpu", "model": "llama:1b", "seq": 2048, **kw})
+    assert tpu_compile._tpu_attention(args(target="cpu")) is None and zoo.nn.SPLASH_SETTINGS["interpret"] is None
+    assert tpu_compile._tpu_attention(args(seq=64)) is None
+    assert tpu_compile._tpu_attention(args()) == "splash" and zoo.nn.SPLASH_SETTINGS["interpret"] is False
+    assert tpu_compile._options(args(compiler_options=None)) == TPU_HOST_TRANSFER_OPTIONS
+    assert tpu_compile._options(args(compiler_options={})) is None  # --compiler-options none
+    assert tpu_compile._options(args(target="cpu", compiler_options="auto")) is None
