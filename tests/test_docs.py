@@ -115,6 +115,7 @@ PUBLIC = [
     zoo.nn.add_lora,
     transforms.OffloadedOptimizer,
     zoo.nn.prefetch_scan,
+    transforms.stack_matrix_state,
 ]
 
 
