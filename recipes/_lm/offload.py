@@ -148,9 +148,7 @@ class OffloadSpec:
                 acts = tuple(policy)
             else:
                 return None
-        opt = {"stream": "stream", "defer": "defer", "defer:stacks": "defer:stacks", True: "offload"}.get(
-            candidate.opt_state
-        )
+        opt = "offload" if candidate.opt_state is True else (candidate.opt_state or None)  # else the same names
         return cls(params=bool(candidate.params), opt_state=opt, activations=acts)
 
     @property
@@ -257,7 +255,5 @@ class OffloadSpec:
         acts = self.activations
         if isinstance(acts, tuple):
             acts = {n: "offload" for n in acts}
-        opt = {"stream": "stream", "defer": "defer", "defer:stacks": "defer:stacks", "offload": True}.get(
-            self.opt_state, False
-        )
+        opt = True if self.opt_state == "offload" else (self.opt_state or False)
         return plan.predict(params=self.params, opt_state=opt, activations=acts)
