@@ -1292,6 +1292,7 @@ def _synthetic_trace(path):
         op("fusion.9", 100, 4000, "convolution fusion", 1e12),
         {"ph": "X", "pid": 3, "tid": 1, "name": "jit_step(1)", "ts": 100_000, "dur": 10_000},
         op("while.1", 100_000, 9000, "while"),
+        op("while.2", 101_000, 1000, "while"),  # nested: not a phase of its own
         op("fusion.1", 100_000, 4000, "convolution fusion", 8e9),
         op("add_fusion.2", 103_000, 3000, "loop fusion"),
         op("copy-done.3", 107_000, 2000, "async-done"),
@@ -1315,6 +1316,10 @@ def test_a_trace_summary_says_where_the_steps_device_time_went(tmp_path):
     assert s["top_ops"][0]["count"] == 1 and s["top_ops"][0]["hlo"].startswith("%fusion.1 =")
     line = trace.describe(s)
     assert "10.0 ms" in line and "convolution fusion 40% at 2 TFLOP/s" in line and "copies 2.0 ms" in line
+    # The step cut at its outermost loop: the loop (9 ms, its 2 ms wait) and the 1 ms after it.
+    phases = [(p["name"], p["start_ms"], p["ms"], p["busy_ms"], p["waits_ms"]) for p in s["phases"]]
+    assert phases == [("while.1", 0.0, 9.0, 8.0, 2.0), ("between", 9.0, 1.0, 0.0, 0.0)]
+    assert "while.1 9.0 ms (waiting 2.0); outside loops 1.0 ms" in line
     # The worker reads the trace it finds beside the profile, and says why where it cannot.
     assert worker._trace_summary(tmp_path)["step_ms"] == 10.0
     (tmp_path / "run.trace.json.gz").write_bytes(b"not gzip")

@@ -50,7 +50,7 @@ def summarize(path: Path | str, *, top: int = 8) -> dict:
     some op ran), ``by_category`` (``{category: {"ms", "share", "tflops"}}``, largest first),
     ``waits_ms`` and the ``top`` HLO instructions by total time (``name``, category, ``count``: its
     runs in the step, a loop's trips; ``ms``, ``share``, ``tflops`` where XLA counts FLOPs, and its
-    HLO text).
+    HLO text); ``phases``: the step cut at its outermost loops (:func:`_phases`).
     A `ValueError` when the file holds no device step."""
     events = _load(Path(path))
     meta = [e for e in events if e.get("ph") == "M" and "name" in (e.get("args") or {})]
@@ -66,13 +66,9 @@ def summarize(path: Path | str, *, top: int = 8) -> dict:
         raise ValueError(f"{path}: no XLA module ran on {processes[pid]}")
     step = max(steps, key=lambda e: e["ts"])
     t0, t1 = step["ts"], step["ts"] + step["dur"]
-    ops = [
-        e
-        for e in spans
-        if e.get("tid") == threads["XLA Ops"]
-        and t0 <= e["ts"] <= t1
-        and (e.get("args") or {}).get("hlo_category") not in CONTAINERS
-    ]
+    in_step = [e for e in spans if e.get("tid") == threads["XLA Ops"] and t0 <= e["ts"] <= t1]
+    ops = [e for e in in_step if (e.get("args") or {}).get("hlo_category") not in CONTAINERS]
+    loops = [e for e in in_step if (e.get("args") or {}).get("hlo_category") == "while"]
     by_cat = collections.defaultdict(lambda: [0.0, 0.0])
     by_op = collections.defaultdict(lambda: [0.0, 0.0, 0, "", ""])
     for e in ops:
@@ -99,7 +95,35 @@ def summarize(path: Path | str, *, top: int = 8) -> dict:
             for c, (us, f) in sorted(by_cat.items(), key=lambda kv: -kv[1][0])
         },
         "top_ops": [_op(n, v, step_us) for n, v in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
+        "phases": _phases(t0, t1, ops, loops),
     }
+
+
+def _phases(t0: float, t1: float, ops: list[dict], loops: list[dict]) -> list[dict]:
+    """The step cut at its outermost loops (a layer stack's forward and backward scans): each
+    loop, and each stretch between them, with its length, the time some op ran and the time spent
+    waiting on copies. A forward that waits on its writes, or an update after the backward, shows
+    here where the totals by category hide it."""
+    outer = [e for e in loops if not any(o is not e and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
+                                         and o["dur"] > e["dur"] for o in loops)]  # fmt: skip
+    cuts, at = [], t0
+    for loop in sorted(outer, key=lambda e: e["ts"]):
+        if loop["ts"] > at:
+            cuts.append(("between", at, loop["ts"]))
+        cuts.append((loop["name"], loop["ts"], loop["ts"] + loop["dur"]))
+        at = max(at, loop["ts"] + loop["dur"])
+    if t1 > at:
+        cuts.append(("between", at, t1))
+    phases = []
+    for name, a, b in cuts:
+        clipped = [
+            (e, max(e["ts"], a), min(e["ts"] + e["dur"], b)) for e in ops if e["ts"] < b and e["ts"] + e["dur"] > a
+        ]
+        waits = [(x, y) for e, x, y in clipped if (e.get("args") or {}).get("hlo_category") in WAITS]
+        phases.append({"name": name, "start_ms": round((a - t0) / 1e3, 3), "ms": round((b - a) / 1e3, 3),
+                       "busy_ms": round(_union_us([(x, y) for _, x, y in clipped]) / 1e3, 3),
+                       "waits_ms": round(_union_us(waits) / 1e3, 3)})  # fmt: skip
+    return phases
 
 
 def _rate(us: float, flops: float) -> float | None:
@@ -124,4 +148,9 @@ def describe(summary: dict, *, categories: int = 4) -> str:
         f"device time per step (trace) {summary['step_ms']:.1f} ms, ops running {summary['busy_ms']:.1f} ms: "
         + ", ".join(parts)
         + f"; waiting on copies {summary['waits_ms']:.1f} ms"
+        + "".join(
+            f"; {'outside loops' if p['name'] == 'between' else p['name']} {p['ms']:.1f} ms"
+            f" (waiting {p['waits_ms']:.1f})"
+            for p in summary.get("phases", [])
+        )
     )
