@@ -249,6 +249,31 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_bf16_block_input_bf16grads_stacks",
+            "the plan (capacity_defer_bf16_projections_bf16grads_stacks) with only the block inputs offloaded: the "
+            "forward writes 67 MB a layer of activations against 235 (it was bound by its writes, at the link's "
+            "in-program rate), the backward recomputes the attention's projections and the kernel's forward",
+            opt="defer",
+            state="bfloat16",
+            activations="block_input",
+            split=True,
+            pending="bfloat16",
+            where="stacks",
+            capacity=True,
+        ),
+        Config(
+            "capacity_defer_bf16_recompute_bf16grads_stacks",
+            "the plan with no activation offloaded (offload_activations(policy='recompute_all')): the forward "
+            "writes only the moments it updates, the backward recomputes each layer from its input kept on the device",
+            opt="defer",
+            state="bfloat16",
+            activations="recompute_all",
+            split=True,
+            pending="bfloat16",
+            where="stacks",
+            capacity=True,
+        ),
+        Config(
             "capacity_defer_f8_projections",
             "capacity_f8's transforms stated rather than planned (the deferred update, block inputs and the "
             "attention's projections offloaded, moments in 8 bits), so that tpu_compile can compile them",
