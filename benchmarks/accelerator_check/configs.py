@@ -108,7 +108,8 @@ def config_table() -> list[Config]:
         Config(
             "capacity_bf16",
             "capacity with the moments in 16 bits: the planner's plan for compact_state(adamw, 'bfloat16'), "
-            "which moves half the state's bytes (the planner offloads the attention's projections too)",
+            "which moves half the state's bytes (for llama:1b on a v5e since 2026-12-07: defer:stacks, the block "
+            "inputs offloaded, 16-bit pending gradients)",
             state="bfloat16",
             capacity=True,
         ),
@@ -250,9 +251,9 @@ def config_table() -> list[Config]:
         ),
         Config(
             "capacity_defer_bf16_block_input_bf16grads_stacks",
-            "the plan (capacity_defer_bf16_projections_bf16grads_stacks) with only the block inputs offloaded: the "
-            "forward writes 67 MB a layer of activations against 235 (it was bound by its writes, at the link's "
-            "in-program rate), the backward recomputes the attention's projections and the kernel's forward",
+            "capacity_defer_bf16_projections_bf16grads_stacks with only the block inputs offloaded (the plan since "
+            "2026-12-07): the forward writes 67 MB a layer of activations against 235 (it was bound by its copies), "
+            "the backward recomputes the attention's projections and the kernel's forward",
             opt="defer",
             state="bfloat16",
             activations="block_input",

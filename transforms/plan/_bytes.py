@@ -188,13 +188,15 @@ an optimizer containing ``optax.clip_by_global_norm``) a first pass computes the
 fetching the host gradients of the stacks once more (``(L + 1) / L`` of them).
 
 **Step time.** Matmul FLOPs over the device's peak dense rate, scaled by ``compute_efficiency``
-(the profile's: 0.35 on a TPU v5e, measured; 1.0 where unmeasured):
+(the profile's: ``TPU_V5E_COMPUTE_EFFICIENCY`` on a TPU v5e, measured; 1.0 where unmeasured):
 per layer and token ``2*(d*q + 2*d*kv + q*d + n_mlp*d*f) + 4*S*q`` forward (scores and context
 over the full ``S x S`` matrix), backward twice that, plus the matmuls a policy recomputes (the
 scores unless the splash kernel's ``attn_context`` is kept, the projections unless saved, the MLP's
 input matmuls always). Copies overlap
 compute only as far as each layer's compute hides them: per layer and pass the exposed time is
-``max(0, copy_time - compute_time)`` with the two directions of the link running concurrently;
+``max(0, copy_time - compute_time)`` with the two directions of the link running concurrently
+(except the split deferred update's forward, whose state copies and activation writes share the
+link, as measured);
 copies outside the layer loop (head and embedding weights, the update's transfers) are exposed.
 The streamed update's copies are exposed too (both directions concurrently, the clip pass before
 them, host -> device only): its per-layer math is elementwise, with no matmul time to hide them.
@@ -817,7 +819,13 @@ def device_phases(
         state["pending gradients"] = sh.T_pending  # backward writes its own there); with host weights, in host memory
 
     backward = dict(state)
-    backward["gradients"] = (sh.G - (sh.T_stack if sh.defer else 0) if not cand.params else 0) + accum_buf
+    # Deferred, a stack's backward writes its gradients over the pending ones where it runs through
+    # the prefetched loop (host weights, or activations offloaded: transforms._deferred._prefetched);
+    # otherwise automatic differentiation makes a stack of them in the weights' dtype beside the
+    # pending ones (llama:1b on a v5e, nothing offloaded: 16.35 GiB of compiled temporaries against
+    # 7.87 with the block inputs offloaded).
+    written_over = sh.defer and (cand.params or saved.host_per_example > 0)
+    backward["gradients"] = (sh.G - (sh.T_stack if written_over else 0) if not cand.params else 0) + accum_buf
     backward["saved activations"] = saved_dev
     backward["other residuals"] = other_bwd
     backward["working buffers"] = layer_backward_bytes(g, cand, sh, saved)
@@ -946,8 +954,15 @@ def step_seconds(
             grads_in = sh.fetches * sh.T_stack / sh.L if sh.host_grads else 0
             w_in = w_layer * sh.fetches
             fwd_copy = max(w_in + grads_in + state_in / sh.L, act_layer + sh.T_stack / sh.L + state_out / sh.L) / bw
-        elif split_layers(g, sh):  # a layer's state in and out beside its forward matmuls (both directions at once)
-            fwd_copy = max(w_layer + state_in / sh.L, act_layer + state_out / sh.L) / bw
+        elif split_layers(g, sh):
+            # A layer's state in, and its state and offloaded activations out, beside its forward
+            # matmuls: the two directions share the link (in a v5e's layer loops they did not add,
+            # ninth session). On a v5e, llama:1b at 8 x 2048 with 16-bit moments, the forward moved
+            # 11.6 GB in 0.71 s with the projections offloaded and 8.9 GB in 0.61 s with the block
+            # inputs only, each waiting 0.20-0.25 s on its copies; the block inputs alone were the
+            # faster step (1.865 s against 1.916) though they recompute more, which counting the
+            # directions as concurrent ranked the other way.
+            fwd_copy = (w_layer + state_in / sh.L + act_layer + state_out / sh.L) / bw
         else:  # one buffer per leaf: XLA kept these copies apart from the matmuls (on a v5e none spanned one)
             whole = max(state_in, state_out) / bw
     bwd_copy = max(w_layer + act_layer, w_layer if cand.params else 0) / bw
