@@ -959,6 +959,27 @@ def test_capacity_goal_needs_the_state_over_the_cap_and_training():
     assert goals.capacity_goal({"status": "skipped: time budget"})["pass"] is None
 
 
+def test_capacity_mfu_goal_counts_only_runs_on_the_plan():
+    model = {"spec": "llama:1b", "batch": 8, "seq": 2048}
+    plan = lambda applied: {"transforms": ["offload_opt_state"], **({} if applied is None else {"applied": applied})}
+    run = lambda mfu, applied=None, valid=True: {
+        "status": "ok", "valid": valid, "capacity": True, "mfu": mfu, "worker": {"model": model, "plan": plan(applied)},
+    }  # fmt: skip
+    entries = {
+        "capacity_bf16": run(0.367),
+        "capacity": run(0.307),
+        "capacity_defer_bf16_block_input_bf16grads_stacks": run(0.40, applied=False),  # its own transforms
+        "capacity_f8": run(None, valid=False),
+        "none": {"status": "ok", "valid": True, "mfu": 0.47, "worker": {}},
+    }
+    found = {g["config"]: g for g in goals.capacity_mfu_goals(entries)}
+    assert set(found) == {"capacity_bf16", "capacity", "capacity_f8"}
+    assert found["capacity_bf16"]["pass"] is True and found["capacity_bf16"]["measured"] == "36.7%"
+    assert found["capacity"]["pass"] is False and found["capacity_f8"]["pass"] is None
+    assert "(llama:1b at 8 x 2048)" in found["capacity"]["goal"]
+    assert found["capacity"] in goals.evaluate_goals(entries)
+
+
 def test_a_parity_case_that_kills_its_process_fails_and_the_rest_run_in_a_new_one(monkeypatch, tmp_path):
     selected = ["params", "opt_state", "all_three"]
     calls = []

@@ -19,6 +19,7 @@ GOALS = {
     "params_step_ratio": 1.5,  # weights in host memory (either schedule): step time <= 1.5x no offload
     "all_three_step_ratio": 2.0,  # weights, activations and optimizer state offloaded: <= 2.0x
     "bound_ratio": 1.25,  # every offloading configuration: step time <= 1.25x its bound (see bound_goals)
+    "capacity_mfu": 0.35,  # a capacity run on the planner's plan (llama:1b at 8 x 2048 on a v5e): >= 35% MFU
 }
 
 
@@ -281,9 +282,30 @@ def capacity_plan_goal(entry: dict | None) -> dict:
     return _goal(title, "capacity", measured, target, passed, ratio, f"plan: {plan}; status {entry.get('status')}")
 
 
+def capacity_mfu_goals(configs: dict) -> list[dict]:
+    """Each capacity run trained on the planner's plan (not on transforms of its own): its model
+    FLOPs utilisation at least ``capacity_mfu``, with the model, batch and sequence it ran."""
+    target = f">= {GOALS['capacity_mfu']:.0%}"
+    out = []
+    for name, entry in configs.items():
+        worker = (entry or {}).get("worker") or {}
+        if not (entry or {}).get("capacity") or (worker.get("plan") or {}).get("applied") is False:
+            continue
+        model = worker.get("model") or {}
+        shape = f"{model.get('spec', '?')} at {model.get('batch', '?')} x {model.get('seq', '?')}"
+        title = f"capacity: MFU on the planner's plan {target} ({shape})"
+        mfu = entry.get("mfu")
+        if not entry.get("valid") or mfu is None:
+            out.append(_goal(title, name, None, target, None, note=f"no MFU ({_status(entry)})"))
+            continue
+        plan = ", ".join((worker.get("plan") or {}).get("transforms") or []) or "-"
+        out.append(_goal(title, name, f"{mfu:.1%}", target, mfu >= GOALS["capacity_mfu"], mfu, f"plan: {plan}"))
+    return out
+
+
 def evaluate_goals(configs: dict) -> list[dict]:
     goals = [*activation_goals(configs), *optimizer_goals(configs), params_goal(configs), prefetch_goal(configs)]
     goals += [*offload_speed_goals(configs), *bound_goals(configs)]
     if "capped" in configs:
         goals.append(capacity_goal(configs.get("capped")))
-    return [*goals, capacity_plan_goal(configs.get("capacity"))]
+    return [*goals, capacity_plan_goal(configs.get("capacity")), *capacity_mfu_goals(configs)]
