@@ -265,7 +265,8 @@ def config_table() -> list[Config]:
         Config(
             "capacity_defer_bf16_recompute_bf16grads_stacks",
             "the plan with no activation offloaded (offload_activations(policy='recompute_all')): the forward "
-            "writes only the moments it updates, the backward recomputes each layer from its input kept on the device",
+            "writes only the moments it updates; compiled for a v5e it needs 16.35 GiB of temporaries (with nothing "
+            "offloaded the stacks' backward is automatic differentiation, a float32 gradient stack beside the pending)",
             opt="defer",
             state="bfloat16",
             activations="recompute_all",
