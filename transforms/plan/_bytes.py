@@ -195,8 +195,8 @@ scores unless the splash kernel's ``attn_context`` is kept, the projections unle
 input matmuls always). Copies overlap
 compute only as far as each layer's compute hides them: per layer and pass the exposed time is
 ``max(0, copy_time - compute_time)`` with the two directions of the link running concurrently
-(except the split deferred update's forward, whose state copies and activation writes share the
-link, as measured);
+(except the split deferred update's forward on a TPU, whose state copies and activation writes
+share the link, as measured there);
 copies outside the layer loop (head and embedding weights, the update's transfers) are exposed.
 The streamed update's copies are exposed too (both directions concurrently, the clip pass before
 them, host -> device only): its per-layer math is elementwise, with no matmul time to hide them.
@@ -956,13 +956,15 @@ def step_seconds(
             fwd_copy = max(w_in + grads_in + state_in / sh.L, act_layer + sh.T_stack / sh.L + state_out / sh.L) / bw
         elif split_layers(g, sh):
             # A layer's state in, and its state and offloaded activations out, beside its forward
-            # matmuls: the two directions share the link (in a v5e's layer loops they did not add,
-            # ninth session). On a v5e, llama:1b at 8 x 2048 with 16-bit moments, the forward moved
+            # matmuls. On a TPU the two directions share the link (in a v5e's layer loops they did
+            # not add, ninth session): llama:1b at 8 x 2048 with 16-bit moments, the forward moved
             # 11.6 GB in 0.71 s with the projections offloaded and 8.9 GB in 0.61 s with the block
             # inputs only, each waiting 0.20-0.25 s on its copies; the block inputs alone were the
             # faster step (1.865 s against 1.916) though they recompute more, which counting the
-            # directions as concurrent ranked the other way.
-            fwd_copy = (w_layer + state_in / sh.L + act_layer + state_out / sh.L) / bw
+            # directions as concurrent ranked the other way. Elsewhere (a GPU's copy engines, one
+            # a direction; not measured for this loop) the directions run concurrently.
+            reads, writes = w_layer + state_in / sh.L, act_layer + state_out / sh.L
+            fwd_copy = (reads + writes if g.platform == "tpu" else max(reads, writes)) / bw
         else:  # one buffer per leaf: XLA kept these copies apart from the matmuls (on a v5e none spanned one)
             whole = max(state_in, state_out) / bw
     bwd_copy = max(w_layer + act_layer, w_layer if cand.params else 0) / bw
