@@ -1,5 +1,5 @@
 """Depth stays one scan in every new family: the forward and backward pass of a 32-layer model
-compiles in about the time of a 2-layer one (within 1.2x), local/global layer patterns and
+compiles in about the time of a 2-layer one (within 1.2x and half a CPU second), local/global layer patterns and
 mixtures of experts included.
 
 Times are CPU seconds of this process (less sensitive to other processes than wall time), with
@@ -20,6 +20,11 @@ import zoo
 from zoo.nn._placement import is_arraylike
 
 FAMILIES = ("qwen3", "qwen3-moe", "mixtral", "gemma2", "gemma3")
+
+#: CPU seconds of noise allowed on top of the 1.2x: with the suite's compiler flags a compile takes
+#: 0.06-0.7 s, and the same program's times spread by 0.2 s on a busy machine (a 0.08 s against
+#: 0.06 s compile failed the bare ratio), while 32 unrolled layers take 9 s against 0.5 s scanned.
+SLACK_S = 0.5
 
 
 @pytest.fixture(autouse=True)
@@ -55,8 +60,9 @@ def _compile(name: str, n_layers: int) -> tuple[float, int]:
 def test_compile_time_does_not_grow_with_depth(name):
     (shallow, shallow_size), (deep, deep_size) = _compile(name, 2), _compile(name, 32)
     assert deep_size == shallow_size, f"{name}: {deep_size} HLO instructions at 32 layers, {shallow_size} at 2"
+    within = lambda: deep <= 1.2 * shallow + SLACK_S
     for _ in range(4):
-        if deep <= 1.2 * shallow:
+        if within():
             break
         shallow, deep = min(shallow, _compile(name, 2)[0]), min(deep, _compile(name, 32)[0])
-    assert deep <= 1.2 * shallow, f"{name}: 32 layers compile in {deep:.2f}s, 2 layers in {shallow:.2f}s"
+    assert within(), f"{name}: 32 layers compile in {deep:.2f}s, 2 layers in {shallow:.2f}s"
