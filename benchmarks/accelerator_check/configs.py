@@ -67,6 +67,15 @@ def _checked(name: str, description: str, **kw) -> Config:
     return Config(name, description, parity=(name,), **kw)
 
 
+def _deferred_split_bf16(name: str, description: str, activations: str, **kw) -> Config:
+    """A capacity configuration on the deferred update with 16-bit moments and pending gradients,
+    the state in even and odd layers: they differ in what they offload (``activations``, ``where``)."""
+    return Config(
+        name, description, opt="defer", state="bfloat16", activations=activations, split=True, pending="bfloat16",
+        capacity=True, **kw,
+    )  # fmt: skip
+
+
 def config_table() -> list[Config]:
     """Every configuration, in the default plan's order (priority: what is skipped at the deadline
     is the end of the list), then the opt-in ones (``bandwidth``, ``capped``, the other presets)."""
@@ -189,16 +198,11 @@ def config_table() -> list[Config]:
             activations="block_input_and_projections",
             capacity=True,
         ),
-        Config(
+        _deferred_split_bf16(
             "capacity_defer_bf16_projections_bf16grads",
             "capacity_bf16's transforms (capacity_defer_bf16_projections) with the pending gradients in 16 bits "
-            "(pending_dtype='bfloat16'), which the planner does not yet choose",
-            opt="defer",
-            state="bfloat16",
-            activations="block_input_and_projections",
-            split=True,
-            pending="bfloat16",
-            capacity=True,
+            "(pending_dtype='bfloat16', which the planner chooses since 2026-12-07) and all the moments in host memory",
+            "block_input_and_projections",
         ),
         Config(
             "capacity_defer_bf16_projections_whole_bf16grads",
@@ -211,69 +215,44 @@ def config_table() -> list[Config]:
             pending="bfloat16",
             capacity=True,
         ),
-        Config(
+        _deferred_split_bf16(
             "capacity_defer_bf16_context_bf16grads",
             "capacity_defer_bf16_projections_bf16grads with the block inputs and the attention's output offloaded "
             "(offload_activations(policy='block_input_and_context')) instead of the projections: 136 MB a layer "
             "written in the forward against 235 (the forward's writes held it to the link's in-program rate), "
             "the projections recomputed and the splash kernel's forward not run again in the backward",
-            opt="defer",
-            state="bfloat16",
-            activations="block_input_and_context",
-            split=True,
-            pending="bfloat16",
-            capacity=True,
+            "block_input_and_context",
         ),
-        Config(
+        _deferred_split_bf16(
             "capacity_defer_bf16_context_bf16grads_stacks",
             "capacity_defer_bf16_context_bf16grads with only the stacks' moments in host memory (where='stacks'): "
             "the embedding's stay on the device, so its update after the backward moves nothing over the link "
             "(2.1 GB a step, 168 ms of llama:1b's step with 104 ms waiting)",
-            opt="defer",
-            state="bfloat16",
-            activations="block_input_and_context",
-            split=True,
-            pending="bfloat16",
+            "block_input_and_context",
             where="stacks",
-            capacity=True,
         ),
-        Config(
+        _deferred_split_bf16(
             "capacity_defer_bf16_projections_bf16grads_stacks",
             "capacity_defer_bf16_projections_bf16grads with only the stacks' moments in host memory "
             "(where='stacks'): the embedding's update after the backward moves nothing over the link",
-            opt="defer",
-            state="bfloat16",
-            activations="block_input_and_projections",
-            split=True,
-            pending="bfloat16",
+            "block_input_and_projections",
             where="stacks",
-            capacity=True,
         ),
-        Config(
+        _deferred_split_bf16(
             "capacity_defer_bf16_block_input_bf16grads_stacks",
             "capacity_defer_bf16_projections_bf16grads_stacks with only the block inputs offloaded (the plan since "
             "2026-12-07): the forward writes 67 MB a layer of activations against 235 (it was bound by its copies), "
             "the backward recomputes the attention's projections and the kernel's forward",
-            opt="defer",
-            state="bfloat16",
-            activations="block_input",
-            split=True,
-            pending="bfloat16",
+            "block_input",
             where="stacks",
-            capacity=True,
         ),
-        Config(
+        _deferred_split_bf16(
             "capacity_defer_bf16_recompute_bf16grads_stacks",
             "the plan with no activation offloaded (offload_activations(policy='recompute_all')): the forward "
             "writes only the moments it updates; compiled for a v5e it needs 16.35 GiB of temporaries (with nothing "
             "offloaded the stacks' backward is automatic differentiation, a float32 gradient stack beside the pending)",
-            opt="defer",
-            state="bfloat16",
-            activations="recompute_all",
-            split=True,
-            pending="bfloat16",
+            "recompute_all",
             where="stacks",
-            capacity=True,
         ),
         Config(
             "capacity_defer_f8_projections",

@@ -46,7 +46,8 @@ DEFER_SEARCHED_ON = ("tpu",)
 #: ``llama:1b``'s deferred plan with ``block_input_and_context`` needed 16.1 GiB of the chip's 15.75
 #: (9.7 GiB of temporaries against 9.3 with the projections offloaded), where the planner counts
 #: 12.1: its count of the backward's working set does not see the projections recomputed beside the
-#: prefetched activations.
+#: prefetched activations. On the chip (2026-12-07) it was slower than the block inputs alone on
+#: ``llama:small`` (1.74x no offload against 1.16x).
 UNSEARCHED_ACTIVATIONS = ("offload:block_input_and_context",)
 
 
