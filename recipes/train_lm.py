@@ -9,6 +9,7 @@ through `sysconfig`: no download), in about two minutes on 2 CPU cores:
     python -m recipes.train_lm --offload params,opt_state_stream          # the update streamed per layer
     python -m recipes.train_lm --offload opt_state_defer                  # ... in the next forward pass
     python -m recipes.train_lm --plan h100                                # the planner chooses
+    python -m recipes.train_lm --moments bfloat16 --plan auto             # 16-bit AdamW moments
     python -m recipes.train_lm --mesh data=2,fsdp=4                       # 8 devices
     python -m recipes.train_lm --resume runs/llama-tiny-20261202-120000   # continue a run
     python -m recipes.train_lm --resume runs/llama-tiny-20261202-120000 --steps 600 --lr 1e-3
@@ -25,9 +26,9 @@ locked while the run uses it (``run.lock``): a second run there is refused, nami
 
 ``--resume DIR`` takes every flag from the run's checkpoint; flags given with it change what may
 change mid-run (the schedule, clipping, checkpoints, evaluation, logging), each change printed
-(``--lr: 0.003 -> 0.001``); the others (the model, the data, the batch, the mesh, the offload set)
-are refused, saying why. The learning rate of every step is the schedule of the current flags at
-that step: a longer ``--steps`` re-stretches the decay over the new length.
+(``--lr: 0.003 -> 0.001``); the others (the model, the data, the batch, the mesh, the offload set,
+``--moments``) are refused, saying why. The learning rate of every step is the schedule of the
+current flags at that step: a longer ``--steps`` re-stretches the decay over the new length.
 
 A mistake on the command line is one line on stderr and a nonzero exit, before anything runs. The
 pieces live in ``recipes._lm``: ``flags`` (the flags and their checks), ``offload`` (the offload

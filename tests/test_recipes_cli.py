@@ -78,6 +78,7 @@ def cases(p):
         (["--lr", "nan"], "--lr nan: must be a finite number above 0"),
         (["--warmup", "-1"], "--warmup -1: must be at least 0"),
         (["--clip", "0"], "--clip 0.0: must be a finite number above 0"),
+        (["--moments", "float16"], "argument --moments: invalid choice: 'float16' (choose from 'float32', 'bfloat16'"),
         (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be at least 0"),
         (["--compute-dtype", "float7"], "--compute-dtype float7: choose one of float32, bfloat16, float16"),
         (["--param-dtype", "int8"], "--param-dtype int8: choose one of"),
@@ -120,6 +121,10 @@ def cases(p):
             "--offload params: a resumed run keeps its --offload (none): where its state",
         ),
         (["--resume", run, "--mesh", "fsdp=8"], "--mesh fsdp=8: a resumed run keeps its --mesh (none)"),
+        (
+            ["--resume", run, "--moments", "float8"],
+            "--moments float8: a resumed run keeps its --moments (float32): the checkpoint holds the optimizer's",
+        ),
         (["--resume", run, "--steps", "3"], "--steps 3: the run in"),
         (["--resume", run, "--out", nowhere], "it writes to its own directory"),
         (["--resume", run, "--lr", "-1"], "--lr -1.0: must be a finite number above 0"),

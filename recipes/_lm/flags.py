@@ -4,8 +4,8 @@ resumed run keeps from its checkpoint or may change.
 ``--resume DIR`` takes every flag from the run's checkpoint; flags given with it change what may
 change mid-run (`CHANGEABLE`: the schedule, clipping, checkpoints, evaluation, logging), each change
 printed (``--lr: 0.003 -> 0.001``); the others (`KEPT`: the model, the data, the batch, the mesh,
-the offload set) are refused, saying why. :func:`parse_run` does all of it and parses the offload
-flags once (:class:`recipes._lm.offload.OffloadSpec`).
+the offload set, the moments' dtype) are refused, saying why. :func:`parse_run` does all of it and
+parses the offload flags once (:class:`recipes._lm.offload.OffloadSpec`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import zoo
 from recipes._lm import cli, files, trackers
 from recipes._lm.data import TOKEN_DTYPES, TRAIN_ON
 from recipes._lm.offload import OFFLOADABLE, OffloadSpec
-from recipes._lm.run_setup import init_distributed, is_hf_dir, lr_schedule_warning
+from recipes._lm.run_setup import MOMENTS, init_distributed, is_hf_dir, lr_schedule_warning
 
 #: Flags that control one invocation, not the run: a resumed run takes them from the command line.
 RUN_CONTROL = ("resume", "stop_after", "coordinator", "num_processes", "process_id", "quiet_samples")
@@ -70,6 +70,9 @@ KEPT = {
         "seq",
     ),
     "the run's arrays are laid out over its mesh": ("mesh",),
+    "the checkpoint holds the optimizer's moments in that dtype (another is a state of other types or shapes)": (
+        "moments",
+    ),
     "where its state lives (the offload set) is part of the run": ("offload", "activations", "prefetch", "plan"),
     "it writes to its own directory": ("out",),
 }
@@ -142,6 +145,15 @@ def build_parser(
     )
     a("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     a("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    a(
+        "--moments",
+        default="float32",
+        choices=MOMENTS,
+        help="dtype AdamW's moments are stored in between steps (default float32; the others through "
+        "transforms.compact_state, the update itself in float32): bfloat16 halves the optimizer state (and what "
+        "crosses the host link when it is offloaded), float8 stores it as 8-bit blockwise codes (about a quarter); "
+        "--plan and the memory checks count it so",
+    )
     a("--param-dtype", default="float32", help="dtype of the trained weights (a checkpoint's too, unless --lora-rank)")
     a("--base-dtype", default=None, help="with --lora-rank: dtype of the frozen base (default: the checkpoint's own)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base (0: train all)")
@@ -194,8 +206,8 @@ def build_parser(
         default=None,
         metavar="DIR",
         help="continue the run in DIR from its last intact checkpoint, with its flags; flags given with it "
-        "change the schedule, clipping, checkpoints, evaluation or logging (not the model, data, batch, mesh "
-        "or offload set)",
+        "change the schedule, clipping, checkpoints, evaluation or logging (not the model, data, batch, mesh, "
+        "offload set or --moments)",
     )
     a("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this many steps in this invocation")
     a("--prompt", default="def main(", help="prompt for the samples printed at the end")

@@ -19,6 +19,7 @@ import jax
 
 import transforms
 from recipes._lm.offload import OffloadSpec
+from recipes._lm.run_setup import planned_optimizer
 
 
 def machine_memory() -> tuple[int | None, int]:
@@ -77,6 +78,7 @@ def check_memory(
             batch=args.batch // data,
             seq=args.seq,
             device=_estimating_device(),
+            optimizer=planned_optimizer(args),  # --moments: the state as the run stores it
             fsdp=fsdp,
             accum_steps=args.accum,
             quantize=getattr(args, "quantize", None),

@@ -39,7 +39,7 @@ from recipes._lm.data import ByteTokenizer
 from recipes._lm.loading import source_config
 from recipes._lm.memory import machine_memory, memory_need
 from recipes._lm.offload import OffloadSpec
-from recipes._lm.run_setup import hf_config, is_hf_dir, make_config
+from recipes._lm.run_setup import hf_config, is_hf_dir, make_config, planned_optimizer
 from transforms.oom import allocation, oom_sizes, out_of_memory, which_memory
 from transforms.plan import plan_generate
 
@@ -188,11 +188,13 @@ class TrainAdvice:
         config = _train_config(a)
         data, fsdp = _batch_axes(a.mesh)
         quantize = getattr(a, "quantize", None)
+        optimizer = planned_optimizer(a)  # --moments: the state as the run stores it
         plan = transforms.plan(
             config,
             batch=a.batch // data,
             seq=a.seq,
             device=target.profile,
+            optimizer=optimizer,
             fsdp=fsdp,
             accum_steps=a.accum,
             clip_norm=a.clip,
@@ -201,7 +203,13 @@ class TrainAdvice:
         spec = self.offload if self.offload is not None else OffloadSpec.of(a)
         if spec.plan:  # the candidate the run's own --plan chose (as the run plans it)
             chosen = transforms.plan(
-                config, batch=a.batch, seq=a.seq, device=spec.plan, clip_norm=a.clip, quantize=quantize
+                config,
+                batch=a.batch,
+                seq=a.seq,
+                device=spec.plan,
+                optimizer=optimizer,
+                clip_norm=a.clip,
+                quantize=quantize,
             ).candidate
             ran = plan.predict(params=chosen.params, opt_state=chosen.opt_state, activations=chosen.policy)
         else:

@@ -33,6 +33,7 @@ from recipes._lm.run_setup import (
     lr_schedule,
     make_config,
     parse_mesh,
+    planned_optimizer,
     process_rows,
     put_batch,
 )
@@ -174,6 +175,7 @@ class Run:
                     fsdp=shape.get("fsdp", 1),
                     accum_steps=args.accum,
                     device=self.offload.plan,
+                    optimizer=planned_optimizer(args),  # --moments: the state's bytes as the run stores them
                     clip_norm=args.clip,
                     quantize=quantize,
                     # this machine's runtime, as measured; a named profile is another machine's
@@ -213,6 +215,7 @@ class Run:
         schedule = {"lr": args.lr, "warmup": args.warmup, "steps": args.steps, "kind": args.schedule}
         self.schedule = lr_schedule(**schedule)
         hyper = {**schedule, "weight_decay": args.weight_decay, "mask": decay_mask(self.model)}  # matrices only
+        hyper["moments"] = getattr(args, "moments", "float32")
         self.model, optimizer, notes = self.offload.apply(
             self.model, hyper, clip=args.clip, plan=self.plan, built_on_host=self.built_on_host
         )
@@ -351,7 +354,12 @@ class Run:
     def _prediction(self) -> dict:
         a = self.args
         plan = self.plan or transforms.plan(
-            self.config, batch=a.batch, seq=a.seq, device="h100", quantize=getattr(a, "quantize", None)
+            self.config,
+            batch=a.batch,
+            seq=a.seq,
+            device="h100",
+            optimizer=planned_optimizer(a),
+            quantize=getattr(a, "quantize", None),
         )
         return self.offload.predict(plan)
 

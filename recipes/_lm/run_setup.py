@@ -207,6 +207,11 @@ def decay_mask(model):
     return mask
 
 
+#: ``--moments``: the dtype AdamW's moments are stored in between steps (float32: as optax keeps
+#: them; the others through :func:`transforms.compact_state`).
+MOMENTS = ("float32", *transforms.STATE_DTYPES)
+
+
 def make_optimizer(
     *,
     lr: float,
@@ -216,13 +221,41 @@ def make_optimizer(
     clip: float | None,
     mask=None,
     kind: str = "cosine",
+    moments: str = "float32",
 ) -> optax.GradientTransformation:
     """AdamW with warmup and decay (:func:`lr_schedule` of ``kind``), after a global-norm clip
     (``clip=None``: no clip, for callers that clip elsewhere, e.g. a streamed update's
-    ``clip_norm``); weight decay only where ``mask`` says (:func:`decay_mask`; ``None``: all)."""
+    ``clip_norm``); weight decay only where ``mask`` says (:func:`decay_mask`; ``None``: all).
+    ``moments`` (one of `MOMENTS`): ``"bfloat16"`` or ``"float8"`` store AdamW's moments in that
+    format between steps (``transforms.compact_state``: the update itself runs in float32; the clip
+    holds no state, so it stays outside)."""
+    if moments not in MOMENTS:
+        raise ValueError(f"make_optimizer: unknown moments {moments!r}; choose one of {', '.join(MOMENTS)}")
     schedule = lr_schedule(lr=lr, warmup=warmup, steps=steps, kind=kind)
     adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=mask)
+    if moments != "float32":
+        adamw = transforms.compact_state(adamw, moments)
     return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)
+
+
+def planned_optimizer(args):
+    """The optimizer the planner sizes the state of for a run of ``args`` (``transforms.plan``'s
+    ``optimizer=``): its name ``"adamw"`` with float32 moments (the planner's own AdamW, as before
+    ``--moments``), else the run's AdamW with its moments stored as ``--moments``, unclipped (the
+    planner counts ``--clip`` from its ``clip_norm``) and without the decay mask (which adds no
+    state)."""
+    moments = getattr(args, "moments", "float32")
+    if moments == "float32":
+        return "adamw"
+    return make_optimizer(
+        lr=args.lr,
+        warmup=args.warmup,
+        steps=args.steps,
+        weight_decay=args.weight_decay,
+        clip=None,
+        kind=getattr(args, "schedule", "cosine"),
+        moments=moments,
+    )
 
 
 def put_batch(tokens: np.ndarray, mesh, global_shape):
