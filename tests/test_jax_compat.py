@@ -80,3 +80,17 @@ def test_saved_residuals_lists_what_the_backward_pass_keeps():
     shapes = sorted(tuple(aval.shape) for aval, _ in residuals)
     assert (3, 5) in shapes  # tanh's output (or its input) is kept for the derivative
     assert all(hasattr(aval, "dtype") for aval, _ in residuals)
+
+
+def test_is_batched_tells_a_vmapped_value_from_a_closed_over_one():
+    seen = []
+    w = jnp.ones(3)
+
+    def probe(x, w):
+        seen.append((compat.is_batched(x), compat.is_batched(w)))
+        return x * w
+
+    jax.vmap(probe, in_axes=(0, None))(jnp.ones((2, 3)), w)
+    jax.vmap(lambda x: probe(x, w))(jnp.ones((2, 3)))
+    probe(jnp.ones(3), w)
+    assert seen == [(True, False), (True, False), (False, False)]

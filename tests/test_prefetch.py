@@ -234,3 +234,36 @@ def test_offloaded_activations_come_back_one_layer_ahead_in_the_backward_scan():
     # No host-resident residual is left a scanned input (copied in the iteration that reads it).
     body, (n_consts, n_carry) = backward.params["jaxpr"].jaxpr, scan_counts(backward)
     assert not [v for v in body.invars[n_consts + n_carry :] if v.aval.memory_space == H]
+
+
+def test_device_weights_offloaded_activations_come_back_one_layer_ahead():
+    """Weights on the device, block inputs offloaded: the backward scan fetches the previous layer's
+    block input while this one differentiates (a plain scan copies it in the iteration that reads
+    it), and no scan carries a copy of a layer's weights (they are sliced where they are read)."""
+    m = transforms.offload_activations(build(CFG), policy="block_input")
+    per_layer = {tuple(x.shape[1:]) for x in jax.tree.leaves(eqx.filter(m.stack, eqx.is_array))}
+    layered = [e for e in scans(grad_jaxpr(m)) if e.params["length"] == CFG.n_layers]
+    (backward,) = [e for e in layered if e.params["reverse"]]
+    check_prefetch(backward, {(B, S, CFG.d_model)})
+    body, (n_consts, n_carry) = backward.params["jaxpr"].jaxpr, scan_counts(backward)
+    assert not [v for v in body.invars[n_consts + n_carry :] if v.aval.memory_space == H]
+    for eqn in layered:
+        carried = {tuple(v.aval.shape) for v in eqn.params["jaxpr"].jaxpr.invars[slice(*_carry_slice(eqn))]}
+        assert not carried & per_layer, carried & per_layer
+
+
+def _carry_slice(eqn):
+    n_consts, n_carry = scan_counts(eqn)
+    return n_consts, n_consts + n_carry
+
+
+def test_device_weights_offloaded_activations_gradients_equal_the_plain_ones_ensembles_too():
+    xs = jax.random.normal(jax.random.key(1), (4, 5, 8))
+    offload = lambda s: nn.with_remat(s, nn.Remat(offload=("block_input",)))
+    batch_loss = lambda s, xs: jnp.mean(jax.vmap(sq_loss, (None, 0, None))(s, xs, 0.5))
+    grad = eqx.filter_jit(eqx.filter_grad(batch_loss))
+    assert_same(grad(offload(stack(False)), xs), grad(stack(False), xs))
+    # An ensemble of stacks (vmapped over its weights) runs the plain scan: same gradients.
+    ensemble = eqx.filter_vmap(lambda k: stack(False, k))(jax.random.split(jax.random.key(2), 2))
+    grad = eqx.filter_jit(eqx.filter_grad(lambda e, xs: eqx.filter_vmap(lambda s: batch_loss(s, xs))(e).sum()))
+    assert_same(grad(offload(ensemble), xs), grad(ensemble, xs))

@@ -356,12 +356,16 @@ def transfer_report(fn: Callable, *args, **kwargs) -> TransferReport:
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     report = TransferReport(0, 0, [])
 
-    def walk(jaxpr, times: int, where: str):
+    def walk(jaxpr, times: int, where: str, spaces: dict):
+        # ``spaces``: the memory space each input of this jaxpr actually has where it is called
+        # (a sub-jaxpr keeps the types it was traced with: a residual traced in host memory and
+        # passed in already fetched to the device is moved by nothing).
+        space = lambda v: spaces.get(v, var_memory_space(v)) if isinstance(v, jax.extend.core.Var) else None
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name == "device_put":
                 for src, dst in zip(eqn.invars, eqn.outvars, strict=False):
-                    a, b = var_memory_space(src), var_memory_space(dst)
+                    a, b = space(src), var_memory_space(dst)
                     if a == b or a is None or b is None:
                         continue
                     size = math.prod(dst.aval.shape) * np.dtype(dst.aval.dtype).itemsize * times
@@ -379,7 +383,10 @@ def transfer_report(fn: Callable, *args, **kwargs) -> TransferReport:
                 report.unknown_loops += 1
                 inner_where = f"{where}/while"
             for sub in _sub_jaxprs(eqn):
-                walk(sub, inner_times, inner_where)
+                inner = {}
+                if len(sub.invars) == len(eqn.invars):  # a call, a checkpoint, a scan: inputs one to one
+                    inner = {v: space(x) for v, x in zip(sub.invars, eqn.invars, strict=True) if space(x) is not None}
+                walk(sub, inner_times, inner_where, inner)
 
-    walk(closed.jaxpr, 1, "top")
+    walk(closed.jaxpr, 1, "top", {})
     return report

@@ -65,6 +65,20 @@ def innermost_transform_is_vmap() -> bool:
     return isinstance(trace, BatchTrace)
 
 
+def is_batched(x) -> bool:
+    """True if ``x`` is batched by an enclosing `jax.vmap` (a value ``vmap`` maps over, not one it
+    closes over or broadcasts with ``in_axes=None``). Reads JAX's private batching tracer type;
+    where this JAX has moved it, raises `RuntimeError` naming what is missing."""
+    try:
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError as err:
+        raise RuntimeError(
+            "zoo needs JAX's private jax._src.interpreters.batching.BatchTracer to tell a vmapped value, and "
+            f"jax {jax.__version__} does not have it ({err}); update zoo/_jax_compat.is_batched for this JAX"
+        ) from err
+    return isinstance(x, BatchTracer)
+
+
 def saved_residuals(fn, *args):
     """The residuals JAX saves for the backward pass of ``fn(*args)``: a list of ``(aval, source)``
     (private ``jax._src.ad_checkpoint.saved_residuals``; ``jax.ad_checkpoint.print_saved_residuals``

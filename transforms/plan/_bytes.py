@@ -892,7 +892,10 @@ def bytes_moved(cand: Candidate, sh: Shares, saved: Saved) -> Moved:
     if cand.params and not sh.stream:
         h2d += acc * (2 * P_stack + P_out + G) + T
         d2h += acc * G + T
-    h2d += saved_host
+    # Offloaded activations come back one layer ahead through the prefetched loop (device weights,
+    # or the deferred update's loop), whose last iteration fetches its own layer again; behind
+    # host weights without the deferred update, each is copied in the iteration that reads it.
+    h2d += round(saved_host * (sh.fetches if not cand.params or sh.defer else 1.0))
     d2h += saved_host
     if cand.opt_state and not sh.stream:
         h2d += sh.O_move

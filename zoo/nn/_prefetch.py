@@ -135,9 +135,10 @@ class _Saved:
     """What the forward pass keeps of one layer (stacked over layers by the scan): the residuals
     of its vector-Jacobian product except the values shared by every layer's product and held
     elsewhere: the weight copies, which the backward pass fetches again, and the keyword
-    arguments, kept once. ``treedef`` and ``shared_at`` (for each residual, its index among the
-    shared values, or -1) are static, so they travel with the residuals through the scan and
-    the `custom_vjp`."""
+    arguments, kept once, and constants of the layer's trace. ``treedef`` (with those constants)
+    and ``shared_at`` (for each residual, its index among the shared values; -1 for one kept
+    here; ``-2 - j`` for constant ``j``) are static, so they travel with the residuals through
+    the scan and the `custom_vjp`."""
 
     def __init__(self, leaves, treedef, shared_at):
         self.leaves, self.treedef, self.shared_at = list(leaves), treedef, shared_at
@@ -153,13 +154,33 @@ class _Saved:
     def of(cls, vjp, shared) -> _Saved:
         leaves, treedef = jax.tree.flatten(vjp)
         values = jax.tree.leaves(shared)
-        shared_at = tuple(next((k for k, v in enumerate(values) if v is leaf), -1) for leaf in leaves)
-        kept = [leaf for leaf, k in zip(leaves, shared_at, strict=True) if k < 0]
-        return cls(kept, treedef, shared_at)
+        # Constants of the layer's trace (a per-head scale folded to an array) are the same for
+        # every layer: kept once, with the static parts, rather than stacked over the layers.
+        constants = _Constants(leaf for leaf in leaves if not isinstance(leaf, jax.core.Tracer))
+        shared_at = []
+        for leaf in leaves:
+            k = next((k for k, v in enumerate(values) if v is leaf), -1)
+            if k < 0 and not isinstance(leaf, jax.core.Tracer):
+                k = -2 - next(j for j, c in enumerate(constants.values) if c is leaf)
+            shared_at.append(k)
+        kept = [leaf for leaf, k in zip(leaves, shared_at, strict=True) if k == -1]
+        return cls(kept, (treedef, constants), tuple(shared_at))
 
     def vjp(self, shared):
-        values, kept = jax.tree.leaves(shared), iter(self.leaves)
-        return jax.tree.unflatten(self.treedef, [values[k] if k >= 0 else next(kept) for k in self.shared_at])
+        (treedef, constants), values, kept = self.treedef, jax.tree.leaves(shared), iter(self.leaves)
+
+        def leaf(k):
+            return values[k] if k >= 0 else next(kept) if k == -1 else constants.values[-2 - k]
+
+        return jax.tree.unflatten(treedef, [leaf(k) for k in self.shared_at])
+
+
+class _Constants:
+    """A layer's residuals that are constants of its trace; static (compared by identity, as the
+    one trace of the loop body made them)."""
+
+    def __init__(self, values):
+        self.values = tuple(values)
 
 
 def _floating(tree):
@@ -179,15 +200,33 @@ def _layer_vjp(apply, policy, w, h, kw):
     return y, _Saved.of(vjp, (wf, kw))
 
 
+def _by_home(arrays):
+    """``(host, device, join)``: the leaves of ``arrays`` in host memory and those on the device
+    (two lists, ``None`` where the other holds the leaf), and ``join(host, device)``, which
+    rebuilds the tree from (layers of) the two. The host ones are prefetched; the device ones
+    are sliced in the iteration that reads them, as any scan input (carrying a copy of the next
+    layer's would only spend device memory)."""
+    leaves, treedef = jax.tree.flatten(arrays)
+    host = [a if on_host(a) else None for a in leaves]
+    device = [None if on_host(a) else a for a in leaves]
+
+    def join(host, device):
+        return jax.tree.unflatten(treedef, [d if h is None else h for h, d in zip(host, device, strict=True)])
+
+    return host, device, join
+
+
 def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
     """The layers over ``x``; with a ``policy``, also what the backward pass needs of each."""
+    host, device, join = _by_home(arrays)
 
-    def body(h, w, _):
+    def body(h, w_host, w_device):
+        w = join(w_host, w_device)
         if policy is None:
             return apply(w, h, kw), None
         return _layer_vjp(apply, policy, w, h, kw)
 
-    return prefetch_scan(body, x, arrays, length=n_layers)
+    return prefetch_scan(body, x, host, device, length=n_layers)
 
 
 def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squares: bool = False):
@@ -227,17 +266,19 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         ]
         return (dh, dkf, written, squares), None
 
+    w_host, w_device, join = _by_home(arrays)
+
     def body(carry, fetched, xs):
-        (w, here_host), (here_device, i) = fetched, xs
-        return layer(carry, w, here_host, here_device, i)
+        (w_host_i, here_host), (w_device_i, here_device, i) = fetched, xs
+        return layer(carry, join(w_host_i, w_device_i), here_host, here_device, i)
 
     squares = jnp.zeros((), jnp.float32) if with_squares else None
     init = (g, jax.tree.map(jnp.zeros_like, kf), None if into is None else list(into), squares)
     if any(isinstance(x, LayerHalves) for x in res_host):
         (dx, dkf, bufs, squares), dws = _backward_in_pairs(layer, init, arrays, res_host, res_device, n_layers)
     else:
-        xs = (res_device, jnp.arange(n_layers))
-        (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, (arrays, res_host), xs, length=n_layers, reverse=True)
+        xs = (w_device, res_device, jnp.arange(n_layers))
+        (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, (w_host, res_host), xs, length=n_layers, reverse=True)
     if into is not None:
         dws = jax.tree.unflatten(jax.tree.structure(homes), bufs)
     # Integer leaves get the symbolic zero cotangent.

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._jax_compat import is_batched
 from ._axes import AxisNamed, logical_axes
 from ._kv_cache import CacheLayer, KVCache, LayeredCacheLayer, LayeredKVCache, to_host
 from ._placement import any_on_host, is_arraylike, on_host
@@ -100,7 +101,10 @@ class Stack(AxisNamed):
     - `prefetch`: with host-resident weights (and `scan`, depth > 1), copy layer ``i + 1``'s
       weights to the device while layer ``i`` computes, in the forward and the backward pass,
       instead of moving each weight at its point of use; see :func:`transforms.offload_params`.
-      Ignored while every weight is on the device.
+      Ignored while every weight is on the device. (With every weight on the device and a
+      `remat` that offloads names, a scanned stack of depth > 1 runs that schedule's loop anyway:
+      its backward pass fetches layer ``i - 1``'s offloaded activations while layer ``i``
+      differentiates, where a plain scan copies each in the iteration that reads it.)
     - `key`: a `jax.random` key; split into one key per layer.
     - `layers`: instead of `make_layer` and `key`, layers already stacked (every array with a
       leading axis of ``n_layers``), e.g. weights loaded from a checkpoint; ``n_layers`` is
@@ -248,7 +252,14 @@ class Stack(AxisNamed):
             return out
         if run is not None:
             return run(lambda s, layer_arrays: apply(eqx.combine(layer_arrays, static), s, kwargs), state, policy)
-        if self.prefetch and self.scan and self.n_layers > 1 and any_on_host(arrays):
+        host_weights = any_on_host(arrays)
+        # (Not for an ensemble of stacks, vmapped over its weights: the loop's host residuals,
+        # batched too, would be indexed by a gather in host memory.)
+        offloads = self.remat is not None and bool(self.remat.offload) and not _vmapped(arrays)
+        if self.scan and self.n_layers > 1 and ((self.prefetch and host_weights) or (offloads and not host_weights)):
+            # Host weights with prefetch, or device weights whose activations are offloaded: the
+            # backward pass fetches each layer's offloaded activations one layer ahead (left to
+            # the scan, each is copied in the iteration that reads it, and the layer waits).
             return prefetched_scan(apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy)
 
         def body(state, layer_arrays):
@@ -390,6 +401,11 @@ def _decode_layered(stack: Stack, x, cache: LayeredKVCache, kwargs):
 
     (x, (windowed, full)), _ = jax.lax.scan(body, (x, (cache.windowed, cache.full)), (arrays, flags, index))
     return x, LayeredKVCache(windowed, full, cache.is_windowed)
+
+
+def _vmapped(arrays) -> bool:
+    """Whether some of ``arrays`` are batched by an enclosing `jax.vmap` (an ensemble of stacks)."""
+    return any(is_batched(a) for a in jax.tree.leaves(arrays))
 
 
 def _memory_space(kind: str):
