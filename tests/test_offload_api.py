@@ -327,6 +327,15 @@ def test_offload_params_with_a_filter_moves_only_what_it_selects():
     assert m.stack.layers.attn_norm.weight.sharding.memory_kind == "device"
 
 
+def test_offload_params_stacks_only_keeps_the_embedding_norm_and_head_on_the_device():
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, tiny())
+    m = transforms.offload_params(half, where="stacks")
+    kind = lambda x: x.sharding.memory_kind
+    assert kind(m.stack.layers.mlp.up.weight) == kind(m.stack.layers.attn.q_proj.weight) == "pinned_host"
+    assert kind(m.embed.weight) == kind(m.norm.weight) == kind(m.lm_head.weight) == "device"
+    assert kind(m.stack.layers.attn_norm.weight) == "device"  # the default's exclusions still apply
+
+
 def test_offload_params_keeps_a_stacks_16_bit_vectors_on_the_device_by_default():
     """XLA:TPU cannot fetch one layer's row of a packed (layers, d) 16-bit array from host memory
     (it refused llama:1b's bf16 norm scales); float32 ones, matrices and the final norm move."""

@@ -13,20 +13,25 @@ from ._memory import HOST, is_arraylike, is_floating, memory_kind, packed_layer_
 from ._tree import stack_units
 
 
-def _selected(model, where: Callable | None):
+def _selected(model, where: Callable | str | None):
     """Boolean pytree (over array leaves) of what ``where`` selects; default: floating leaves
     except LoRA adapters (small, trained every step: they stay on the device) and the packed
-    per-layer vectors of a stack (see :func:`packed_layer_vector`)."""
-    if where is None:
+    per-layer vectors of a stack (see :func:`packed_layer_vector`); ``"stacks"``: the default's
+    leaves inside a :class:`zoo.nn.Stack`."""
+    if where is None or (isinstance(where, str) and where == "stacks"):
         adapters, codes = adapter_mask(model), _quantized_mask(model)
         units, _ = stack_units(model)
+        stacks_only = where == "stacks"
 
         def chosen(x, a, c, u):
+            if stacks_only and u < 0:
+                return False
             return is_arraylike(x) and (is_floating(x) or c) and not a and not packed_layer_vector(x, u >= 0)
 
         return jax.tree.map(chosen, model, adapters, codes, units)
     if not callable(where):
-        raise TypeError(f"where must be a callable filter (leaf -> bool) or None, got {type(where).__name__}")
+        got = repr(where) if isinstance(where, str) else type(where).__name__
+        raise TypeError(f"where must be a callable filter (leaf -> bool), 'stacks' or None, got {got}")
     return jax.tree.map(lambda x: bool(is_arraylike(x) and where(x)), model)
 
 
@@ -37,7 +42,7 @@ def _quantized_mask(model):
     return jax.tree.map(lambda n: jax.tree.map(lambda _: is_q(n), n) if is_q(n) else False, model, is_leaf=is_q)
 
 
-def offload_params(model, *, where: Callable | None = None, prefetch: bool = False):
+def offload_params(model, *, where: Callable | str | None = None, prefetch: bool = False):
     """Place the model's floating-point weights (and quantized weights' codes) in host memory
     (``pinned_host``).
 
@@ -69,7 +74,11 @@ def offload_params(model, *, where: Callable | None = None, prefetch: bool = Fal
       device (a `where` that selects them offloads them as well), and, in a stack, per-layer
       vectors (norm scales, biases) in a 16-bit or narrower dtype, which XLA:TPU cannot fetch
       one layer at a time from host memory (they are tiny; a `where` that selects them on a TPU
-      fails to compile).
+      fails to compile). ``"stacks"``: what the default selects inside the model's
+      :class:`zoo.nn.Stack` modules only; the embedding, final norm and head stay on the device
+      (where they fit, the step does not move them every step: on ``llama:small`` they are 37%
+      of the weights, and their copies before the forward and after the update cannot hide
+      behind any matmul).
     - `prefetch`: use the explicit one-layer-ahead schedule described above.
 
     **Returns:** the model with the selected leaves in ``pinned_host``.

@@ -20,6 +20,7 @@ class Config:
     kind: str = "train"  # "train" or "bandwidth"
     params: bool = False
     prefetch: bool = False  # offload_params(prefetch=True): the explicit one-layer-ahead schedule
+    params_where: str | None = None  # offload_params(where=...): "stacks" keeps the embedding and head on the device
     activations: str | None = None  # a preset of transforms.offload_activations, or one name to offload
     remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
     opt: str = "device"  # "device", "offload" (offload_opt_state), "stream" (stream=True) or "defer" (and defer=True)
@@ -40,6 +41,8 @@ class Config:
             out["remat"] = "full"
         if self.prefetch:
             out["prefetch"] = True
+        if self.params_where:
+            out["offload_params_where"] = self.params_where
         if self.state:
             out["state_dtype"] = self.state
         if self.where:
@@ -380,6 +383,18 @@ def config_table() -> list[Config]:
             pending="bfloat16",
         ),
         _checked(
+            "params_stacks_defer_device_state_bf16grads",
+            "params_defer_device_state_bf16grads with the stacks' weights only in host memory "
+            "(offload_params(where='stacks')): the embedding and head (37% of llama:small's weights) stay on the "
+            "device, whose copies before the forward and after the update no matmul can hide",
+            params=True,
+            params_where="stacks",
+            prefetch=True,
+            opt="defer",
+            where="none",
+            pending="bfloat16",
+        ),
+        _checked(
             "params_defer_bf16",
             "params_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16')): a quarter fewer bytes "
             "cross the link in the forward pass",
@@ -422,6 +437,19 @@ def config_table() -> list[Config]:
             "all_three_defer_bf16 with only the stacks' moments in host memory (the embedding's and the head's on "
             "the device: their update after the backward then moves their weights and gradients only)",
             params=True,
+            prefetch=True,
+            activations="block_input",
+            opt="defer",
+            state="bfloat16",
+            where="stacks",
+            pending="bfloat16",
+        ),
+        _checked(
+            "all_three_stacks_defer_bf16_stacks",
+            "all_three_defer_bf16_stacks with the stacks' weights only in host memory (offload_params(where="
+            "'stacks')): the embedding and head on the device with their moments",
+            params=True,
+            params_where="stacks",
             prefetch=True,
             activations="block_input",
             opt="defer",
@@ -557,7 +585,7 @@ def apply_transforms(model, conf: Config):
     from zoo.nn import Remat, with_remat
 
     if conf.params:
-        model = transforms.offload_params(model, prefetch=conf.prefetch)
+        model = transforms.offload_params(model, where=conf.params_where, prefetch=conf.prefetch)
     if conf.activations:
         presets = transforms.ACTIVATION_PRESETS
         kw = {"policy": conf.activations} if conf.activations in presets else {"names": (conf.activations,)}

@@ -526,11 +526,16 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
         report["planner"] = {k: predicted.get(k) for k in PLANNER_KEYS}
         report["planner"].update(peak_phase=predicted.get("peak_phase"), peak_terms=peak_terms(predicted))
         report["planner"].update(device=spec["plan_device"], device_budget_bytes=plan.device_budget)
+        notes = []
         if conf.where:  # the planner knows the default selection only
-            report["planner"]["note"] = (
+            notes.append(
                 f"counted with the default where= (all the state in host memory); this configuration keeps "
                 f"{'the stacks' + chr(39) + ' moments only' if conf.where == 'stacks' else 'none'} there"
             )
+        if conf.params_where:
+            notes.append(f"counted with every weight in host memory; this configuration offloads {conf.params_where}")
+        if notes:
+            report["planner"]["note"] = "; ".join(notes)
     except Exception as err:
         report["planner"] = {"error": f"{type(err).__name__}: {err}"}
 
