@@ -334,6 +334,8 @@ def test_offload_params_stacks_only_keeps_the_embedding_norm_and_head_on_the_dev
     assert kind(m.stack.layers.mlp.up.weight) == kind(m.stack.layers.attn.q_proj.weight) == "pinned_host"
     assert kind(m.embed.weight) == kind(m.norm.weight) == kind(m.lm_head.weight) == "device"
     assert kind(m.stack.layers.attn_norm.weight) == "device"  # the default's exclusions still apply
+    built = transforms.init_offloaded(lambda k: zoo.Llama(LLAMA, key=k), key=jax.random.key(0), where="stacks")
+    assert kind(built.stack.layers.mlp.up.weight) == "pinned_host" and kind(built.lm_head.weight) == "device"
 
 
 def test_offload_params_keeps_a_stacks_16_bit_vectors_on_the_device_by_default():

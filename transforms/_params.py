@@ -125,7 +125,7 @@ def params_offloaded(model, *, where: Callable | None = None) -> bool:
     return bool(chosen) and all(memory_kind(x) == HOST for x in chosen)
 
 
-def init_offloaded(make: Callable, *, key, where: Callable | None = None, prefetch: bool = False, mesh=None):
+def init_offloaded(make: Callable, *, key, where: Callable | str | None = None, prefetch: bool = False, mesh=None):
     """``offload_params(make(key), where=where, prefetch=prefetch)``, built straight into host memory.
 
     Building a model on the device and then offloading it needs the device to hold every weight
