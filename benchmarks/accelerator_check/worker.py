@@ -250,7 +250,9 @@ def _build_model(spec: dict, cfg, conf: Config, report: dict):
 
     if conf.params:  # the device never holds every weight at once: the peak is the training's own
         try:
-            model = jax.block_until_ready(transforms.init_offloaded(build, key=key, where=conf.params_where, prefetch=conf.prefetch))
+            model = jax.block_until_ready(
+                transforms.init_offloaded(build, key=key, where=conf.params_where, prefetch=conf.prefetch)
+            )
             report["init"] = "weights built in pinned_host (transforms.init_offloaded)"
             report["timings"]["init_model_s"] = time.perf_counter() - t
             return model, dataclasses.replace(conf, params=False, prefetch=False)
