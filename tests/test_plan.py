@@ -968,6 +968,11 @@ def test_models_can_be_named_configs_or_models():
     assert sgd.phases["update"]["optimizer state"] == 0
     custom = transforms.plan("llama:tiny", batch=2, seq=32, optimizer=optax.adam(1e-3))
     assert custom.optimizer == "custom optax transform"
+    assert not [n for n in custom.notes if "clip" in n]  # no clip in it, none said
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    compact = transforms.plan("llama:tiny", batch=2, seq=32, optimizer=transforms.compact_state(clipped))
+    assert compact.optimizer == "custom optax transform, its state stored as bfloat16 (transforms.compact_state)"
+    assert [n for n in compact.notes if "clip_by_global_norm" in n]
 
 
 @pytest.mark.parametrize(

@@ -113,6 +113,20 @@ def _stored(x) -> bool:
     return is_floating(x) and x.ndim > 0
 
 
+class CompactState(optax.GradientTransformationExtraArgs):
+    """What :func:`compact_state` returns: an `optax.GradientTransformationExtraArgs` that also
+    names the optimizer it wraps (``inner``) and its storage dtype (``dtype``), so that the planner
+    can say what it sizes."""
+
+    inner: optax.GradientTransformation
+    dtype: str
+
+    def __new__(cls, init, update, inner: optax.GradientTransformation, dtype: str):
+        self = super().__new__(cls, init, update)
+        self.inner, self.dtype = inner, dtype
+        return self
+
+
 def compact_state(
     optimizer: optax.GradientTransformation, dtype: str = "bfloat16", *, block_size: int = 256
 ) -> optax.GradientTransformation:
@@ -161,4 +175,4 @@ def compact_state(
         new_updates, new_state = optimizer.update(updates, expand(state, like), params, **extra)
         return new_updates, store(new_state)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return CompactState(init, update, optimizer, dtype)

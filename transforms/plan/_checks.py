@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import optax
 
+from .._compact_state import CompactState
 from .._optimizer import OffloadedOptimizer
 
 #: Optimizers known by name (built with a placeholder learning rate: only the state's shape matters).
@@ -29,14 +30,20 @@ def resolve_optimizer(optimizer) -> tuple[optax.GradientTransformation, str, lis
             )
         return OPTIMIZERS[key](), key, []
     if isinstance(optimizer, optax.GradientTransformation):
-        notes = [
-            "custom optimizer: the update is assumed to run leaf by leaf; a global-norm clip "
-            "(optax.clip_by_global_norm) materialises a second model-sized copy of the gradients"
-        ]
+        notes = []
         if isinstance(optimizer, OffloadedOptimizer):
             notes.append("the optimizer given is already wrapped by offload_opt_state; the plan decides that itself")
             optimizer = optimizer.inner
-        return optimizer, "custom optax transform", notes
+        note = "custom optimizer: the update is assumed to run leaf by leaf"
+        if "clip_by_global_norm" in global_parts(optimizer):
+            note += (
+                "; its global-norm clip (optax.clip_by_global_norm) materialises a second model-sized copy "
+                "of the gradients"
+            )
+        name = "custom optax transform"
+        if isinstance(optimizer, CompactState):
+            name += f", its state stored as {optimizer.dtype} (transforms.compact_state)"
+        return optimizer, name, [note, *notes]
     raise TypeError(f"optimizer must be a name {sorted(OPTIMIZERS)} or an optax.GradientTransformation")
 
 
