@@ -152,6 +152,7 @@ OFFLOAD_SPEED += tuple(
         "all_three_defer_bf16",
         "all_three_defer_bf16_stacks",
         "all_three_stacks_defer_bf16_stacks",
+        "all_three_stacks_defer_f8_stacks",
         "all_three_defer_f8_stacks",
     )
 )
