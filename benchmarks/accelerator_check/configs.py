@@ -79,6 +79,13 @@ def _deferred_split_bf16(name: str, description: str, activations: str, **kw) ->
     )  # fmt: skip
 
 
+def _all_three_defer(name: str, description: str, **kw) -> Config:
+    """An ``all_three`` configuration on the deferred update (host weights prefetched, block inputs
+    offloaded, the update in the forward pass; its own parity case): they differ in the state's
+    and the pending gradients' dtypes and in what of the weights and state stays on the device."""
+    return _checked(name, description, params=True, prefetch=True, activations="block_input", opt="defer", **kw)
+
+
 def config_table() -> list[Config]:
     """Every configuration, in the default plan's order (priority: what is skipped at the deadline
     is the end of the list), then the opt-in ones (``bandwidth``, ``capped``, the other presets)."""
@@ -412,73 +419,49 @@ def config_table() -> list[Config]:
             opt="defer",
             pending="bfloat16",
         ),
-        _checked(
+        _all_three_defer(
             "all_three_defer",
             "all_three with the deferred update: offload_params(prefetch=True) + offload_activations(block_input) + "
             "offload_opt_state(stream=True, defer=True)",
-            params=True,
-            prefetch=True,
-            activations="block_input",
-            opt="defer",
         ),
-        _checked(
+        _all_three_defer(
             "all_three_defer_bf16",
             "all_three_defer with 16-bit moments and pending gradients (compact_state(adamw, 'bfloat16'), "
             "pending_dtype='bfloat16'): the fewest bytes of the three offloaded",
-            params=True,
-            prefetch=True,
-            activations="block_input",
-            opt="defer",
             state="bfloat16",
             pending="bfloat16",
         ),
-        _checked(
+        _all_three_defer(
             "all_three_defer_bf16_stacks",
             "all_three_defer_bf16 with only the stacks' moments in host memory (the embedding's and the head's on "
             "the device: their update after the backward then moves their weights and gradients only)",
-            params=True,
-            prefetch=True,
-            activations="block_input",
-            opt="defer",
             state="bfloat16",
             where="stacks",
             pending="bfloat16",
         ),
-        _checked(
+        _all_three_defer(
             "all_three_stacks_defer_bf16_stacks",
             "all_three_defer_bf16_stacks with the stacks' weights only in host memory (offload_params(where="
             "'stacks')): the embedding and head on the device with their moments",
-            params=True,
             params_where="stacks",
-            prefetch=True,
-            activations="block_input",
-            opt="defer",
             state="bfloat16",
             where="stacks",
             pending="bfloat16",
         ),
-        _checked(
+        _all_three_defer(
             "all_three_stacks_defer_f8_stacks",
             "all_three_stacks_defer_bf16_stacks with the moments in 8 bits: of the 139 MB a llama:small layer moves "
             "in the forward (the float32 weights in and out, the moments, the pending gradients, the block input), "
             "28 MB fewer",
-            params=True,
             params_where="stacks",
-            prefetch=True,
-            activations="block_input",
-            opt="defer",
             state="float8",
             where="stacks",
             pending="bfloat16",
         ),
-        _checked(
+        _all_three_defer(
             "all_three_defer_f8_stacks",
             "all_three_defer_bf16_stacks with the moments in 8 bits (compact_state(adamw, 'float8')): the forward "
             "loop moves 50 MB each way a llama:small layer instead of 62.5",
-            params=True,
-            prefetch=True,
-            activations="block_input",
-            opt="defer",
             state="float8",
             where="stacks",
             pending="bfloat16",
