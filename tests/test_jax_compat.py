@@ -94,3 +94,17 @@ def test_is_batched_tells_a_vmapped_value_from_a_closed_over_one():
     jax.vmap(lambda x: probe(x, w))(jnp.ones((2, 3)))
     probe(jnp.ones(3), w)
     assert seen == [(True, False), (True, False), (False, False)]
+
+
+def test_vmap_encloses_another_transform_only_outside_differentiation():
+    seen = []
+
+    def probe(x):
+        seen.append(compat.vmap_encloses_another_transform())
+        return jnp.sum(x**2)
+
+    jax.vmap(jax.grad(probe))(jnp.ones((2, 3)))  # per-example gradients
+    jax.grad(lambda x: jnp.sum(jax.vmap(probe)(x)))(jnp.ones((2, 3)))  # a per-example model in a loss
+    jax.vmap(probe)(jnp.ones((2, 3)))
+    jax.grad(probe)(jnp.ones(3))
+    assert seen == [True, False, False, False]

@@ -257,12 +257,15 @@ def _carry_slice(eqn):
     return n_consts, n_consts + n_carry
 
 
-def test_device_weights_offloaded_activations_gradients_equal_the_plain_ones_ensembles_too():
+def test_device_weights_offloaded_activations_gradients_equal_the_plain_ones_per_example_and_ensembles_too():
     xs = jax.random.normal(jax.random.key(1), (4, 5, 8))
     offload = lambda s: nn.with_remat(s, nn.Remat(offload=("block_input",)))
     batch_loss = lambda s, xs: jnp.mean(jax.vmap(sq_loss, (None, 0, None))(s, xs, 0.5))
     grad = eqx.filter_jit(eqx.filter_grad(batch_loss))
     assert_same(grad(offload(stack(False)), xs), grad(stack(False), xs))
+    # Per-example gradients (vmap outside grad) run the plain scan: same gradients.
+    per_example = eqx.filter_jit(eqx.filter_vmap(eqx.filter_grad(sq_loss), in_axes=(None, 0, None)))
+    assert_same(per_example(offload(stack(False)), xs, 0.5), per_example(stack(False), xs, 0.5))
     # An ensemble of stacks (vmapped over its weights) runs the plain scan: same gradients.
     ensemble = eqx.filter_vmap(lambda k: stack(False, k))(jax.random.split(jax.random.key(2), 2))
     grad = eqx.filter_jit(eqx.filter_grad(lambda e, xs: eqx.filter_vmap(lambda s: batch_loss(s, xs))(e).sum()))

@@ -81,6 +81,12 @@ def offload_activations(model, names=None, *, policy=None):
     Valid names are ``zoo.nn.checkpoint_names(model)`` (``model.checkpoint_names`` for the zoo
     families). An unknown name is a `ValueError` that lists them.
 
+    A scanned stack of depth > 1 that offloads a name runs the one-layer-ahead loop of
+    ``offload_params(prefetch=True)``: its backward pass fetches layer ``i - 1``'s offloaded
+    activations while layer ``i`` differentiates (a plain scan would copy each in the iteration
+    that reads it, and wait). Like that loop's, this backward pass cannot itself be
+    differentiated (no second-order gradients through the stack).
+
     **Example:**
 
     ```python

@@ -65,6 +65,31 @@ def innermost_transform_is_vmap() -> bool:
     return isinstance(trace, BatchTrace)
 
 
+def vmap_encloses_another_transform() -> bool:
+    """True if a `jax.vmap` being traced right now encloses some other transformation (as in
+    ``vmap(grad(f))``: per-example gradients), not only sits innermost (``grad(vmap(model))``).
+    Reads JAX's private trace context, as :func:`innermost_transform_is_vmap` does."""
+    try:
+        from jax._src.core import trace_ctx
+        from jax._src.interpreters.batching import BatchTrace
+
+        trace = trace_ctx.trace
+    except (ImportError, AttributeError) as err:
+        raise RuntimeError(
+            "zoo needs JAX's private trace context (jax._src.core.trace_ctx.trace and "
+            "jax._src.interpreters.batching.BatchTrace) to tell where a vmap sits, and "
+            f"jax {jax.__version__} does not have it ({type(err).__name__}: {err}); update "
+            "zoo/_jax_compat.vmap_encloses_another_transform for this JAX"
+        ) from err
+    while isinstance(trace, BatchTrace):  # the innermost vmaps
+        trace = getattr(trace, "parent_trace", None)
+    while trace is not None:
+        if isinstance(trace, BatchTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def is_batched(x) -> bool:
     """True if ``x`` is batched by an enclosing `jax.vmap` (a value ``vmap`` maps over, not one it
     closes over or broadcasts with ``in_axes=None``). Reads JAX's private batching tracer type;

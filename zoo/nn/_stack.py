@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._jax_compat import is_batched
+from .._jax_compat import is_batched, vmap_encloses_another_transform
 from ._axes import AxisNamed, logical_axes
 from ._kv_cache import CacheLayer, KVCache, LayeredCacheLayer, LayeredKVCache, to_host
 from ._placement import any_on_host, is_arraylike, on_host
@@ -253,10 +253,13 @@ class Stack(AxisNamed):
         if run is not None:
             return run(lambda s, layer_arrays: apply(eqx.combine(layer_arrays, static), s, kwargs), state, policy)
         host_weights = any_on_host(arrays)
-        # (Not for an ensemble of stacks, vmapped over its weights: the loop's host residuals,
-        # batched too, would be indexed by a gather in host memory.)
-        offloads = self.remat is not None and bool(self.remat.offload) and not _vmapped(arrays)
-        if self.scan and self.n_layers > 1 and ((self.prefetch and host_weights) or (offloads and not host_weights)):
+        offloads = self.remat is not None and bool(self.remat.offload)
+        # Offloaded activations that a vmap batches (an ensemble of stacks vmapped over its
+        # weights; vmap outside grad, for per-example gradients) cannot be fetched a layer at a
+        # time by the prefetched loop (a gather in host memory): the plain scan slices them.
+        batched = offloads and (_vmapped(arrays) or vmap_encloses_another_transform())
+        prefetched = (self.prefetch and host_weights) or (offloads and not host_weights)
+        if self.scan and self.n_layers > 1 and prefetched and not batched:
             # Host weights with prefetch, or device weights whose activations are offloaded: the
             # backward pass fetches each layer's offloaded activations one layer ahead (left to
             # the scan, each is copied in the iteration that reads it, and the layer waits).
