@@ -18,7 +18,7 @@ def _selected(model, where: Callable | str | None):
     except LoRA adapters (small, trained every step: they stay on the device) and the packed
     per-layer vectors of a stack (see :func:`packed_layer_vector`); ``"stacks"``: the default's
     leaves inside a :class:`zoo.nn.Stack`."""
-    if where is None or (isinstance(where, str) and where == "stacks"):
+    if where is None or where == "stacks":
         adapters, codes = adapter_mask(model), _quantized_mask(model)
         units, _ = stack_units(model)
         stacks_only = where == "stacks"

@@ -42,49 +42,44 @@ def var_memory_space(var):
     return getattr(getattr(var, "aval", None), "memory_space", None)
 
 
-def innermost_transform_is_vmap() -> bool:
-    """True if the innermost transformation being traced right now is `jax.vmap`.
-
-    (As in ``grad(vmap(model))`` for a per-example model, not in ``vmap(grad(...))``.) Reads
-    JAX's private trace context: there is no public way to ask. Where this JAX has moved it,
-    raises `RuntimeError` naming what is missing (a silent guess would change which program
-    the callers build).
-    """
+def _trace_context(caller: str):
+    """``(trace, BatchTrace)``: the trace being traced right now and JAX's batching trace type, from
+    JAX's private trace context (there is no public way to ask). Where this JAX has moved them,
+    raises `RuntimeError` naming what is missing and the function (``caller``) to update: a
+    silent guess would change which program the callers build."""
     try:
         from jax._src.core import trace_ctx
         from jax._src.interpreters.batching import BatchTrace
 
-        trace = trace_ctx.trace
+        return trace_ctx.trace, BatchTrace
     except (ImportError, AttributeError) as err:
         raise RuntimeError(
             "zoo needs JAX's private trace context (jax._src.core.trace_ctx.trace and "
             "jax._src.interpreters.batching.BatchTrace) to tell a vmap from other transforms, and "
             f"jax {jax.__version__} does not have it ({type(err).__name__}: {err}); update "
-            "zoo/_jax_compat.innermost_transform_is_vmap for this JAX"
+            f"zoo/_jax_compat.{caller} for this JAX"
         ) from err
-    return isinstance(trace, BatchTrace)
+
+
+def innermost_transform_is_vmap() -> bool:
+    """True if the innermost transformation being traced right now is `jax.vmap`.
+
+    (As in ``grad(vmap(model))`` for a per-example model, not in ``vmap(grad(...))``.) Reads
+    JAX's private trace context (:func:`_trace_context`).
+    """
+    trace, batch_trace = _trace_context("innermost_transform_is_vmap")
+    return isinstance(trace, batch_trace)
 
 
 def vmap_encloses_another_transform() -> bool:
     """True if a `jax.vmap` being traced right now encloses some other transformation (as in
     ``vmap(grad(f))``: per-example gradients), not only sits innermost (``grad(vmap(model))``).
-    Reads JAX's private trace context, as :func:`innermost_transform_is_vmap` does."""
-    try:
-        from jax._src.core import trace_ctx
-        from jax._src.interpreters.batching import BatchTrace
-
-        trace = trace_ctx.trace
-    except (ImportError, AttributeError) as err:
-        raise RuntimeError(
-            "zoo needs JAX's private trace context (jax._src.core.trace_ctx.trace and "
-            "jax._src.interpreters.batching.BatchTrace) to tell where a vmap sits, and "
-            f"jax {jax.__version__} does not have it ({type(err).__name__}: {err}); update "
-            "zoo/_jax_compat.vmap_encloses_another_transform for this JAX"
-        ) from err
-    while isinstance(trace, BatchTrace):  # the innermost vmaps
+    Reads JAX's private trace context (:func:`_trace_context`)."""
+    trace, batch_trace = _trace_context("vmap_encloses_another_transform")
+    while isinstance(trace, batch_trace):  # the innermost vmaps
         trace = getattr(trace, "parent_trace", None)
     while trace is not None:
-        if isinstance(trace, BatchTrace):
+        if isinstance(trace, batch_trace):
             return True
         trace = getattr(trace, "parent_trace", None)
     return False

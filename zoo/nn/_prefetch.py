@@ -156,15 +156,15 @@ class _Saved:
         values = jax.tree.leaves(shared)
         # Constants of the layer's trace (a per-head scale folded to an array) are the same for
         # every layer: kept once, with the static parts, rather than stacked over the layers.
-        constants = _Constants(leaf for leaf in leaves if not isinstance(leaf, jax.core.Tracer))
-        shared_at = []
+        constants, shared_at = [], []
         for leaf in leaves:
             k = next((k for k, v in enumerate(values) if v is leaf), -1)
             if k < 0 and not isinstance(leaf, jax.core.Tracer):
-                k = -2 - next(j for j, c in enumerate(constants.values) if c is leaf)
+                constants.append(leaf)
+                k = -1 - len(constants)  # constant j at -2 - j
             shared_at.append(k)
         kept = [leaf for leaf, k in zip(leaves, shared_at, strict=True) if k == -1]
-        return cls(kept, (treedef, constants), tuple(shared_at))
+        return cls(kept, (treedef, _Constants(constants)), tuple(shared_at))
 
     def vjp(self, shared):
         (treedef, constants), values, kept = self.treedef, jax.tree.leaves(shared), iter(self.leaves)
