@@ -152,7 +152,9 @@ matrix.
   split's 2.61 s on that chip. With the weights in host memory (:class:`zoo.nn.LayerUpdate`) the
   forward's loop fetches each layer's weights, pending gradient and state and writes its new
   weights and state back (one buffer per leaf), beside the layer's matmuls; the backward fetches
-  the new weights and writes its gradients over the pending ones in host memory (no pending
+  the new weights and writes its gradients over the pending ones in host memory, one layer behind
+  (a layer's gradients leave while the next layer differentiates; the first iteration writes a
+  layer of zeros that the second overwrites) (no pending
   gradients on the device, no clip pass: the backward sums their squares); the update phase keeps
   the leaves outside the stacks, whose gradients cross to host memory and back except an untied
   embedding's (read before the stacks: its gradient is made on the device, ``T_first``).
@@ -906,9 +908,10 @@ def bytes_moved(cand: Candidate, sh: Shares, saved: Saved) -> Moved:
     if cand.params and sh.defer:
         # Each stack layer's weights fetched (one ahead) in the forward, updated and written back
         # there, fetched again in the backward; the outside weights for the forward and their update.
-        # The embedding's gradient (first micro-batch) stays on the device.
+        # The embedding's gradient (first micro-batch) stays on the device. The backward writes
+        # the stacks' gradients one layer behind, its first iteration a layer of zeros (fetches).
         h2d += acc * (2 * sh.fetches * P_stack + P_out) + (acc * G if acc > 1 else 0)
-        d2h += acc * G - sh.T_first
+        d2h += acc * (G + (sh.fetches - 1) * T_stack) - sh.T_first
         upd_h2d += T_out - sh.T_first
         upd_d2h += T
     elif cand.params:  # forward, recomputation and the outside weights; gradients out

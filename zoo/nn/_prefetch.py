@@ -233,8 +233,11 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     """Gradients of the weights (each in its weight's memory), the input and the keyword arguments
     (summed over the layers, which all read them). With ``into`` (stacked arrays, one per floating
     weight, in the order of its leaves) each layer's weight gradients are written into those
-    buffers in place (where they live) instead of new stacked outputs. With ``with_squares``, also
-    the sum of squares of the weight gradients (a fourth result)."""
+    buffers in place (where they live) instead of new stacked outputs, one layer behind: layer
+    ``i``'s gradients, made at the end of its iteration, are written while layer ``i - 1``
+    differentiates (written in their own iteration, the copy of the last ones made could only
+    start when the layer's work was done, and the loop would wait for it). With
+    ``with_squares``, also the sum of squares of the weight gradients (a fourth result)."""
     kf = _floating(kw)[0]
     homes = _floating(arrays)[0]
     # Residuals offloaded to host memory (a `Remat`'s offloaded names) are fetched one layer
@@ -243,9 +246,18 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     hosted = [isinstance(x, LayerHalves) or on_host(x) for x in saved.leaves]
     res_host = [x for x, h in zip(saved.leaves, hosted, strict=True) if h]
     res_device = [x for x, h in zip(saved.leaves, hosted, strict=True) if not h]
+    home_leaves = jax.tree.leaves(homes)
+
+    def write(bufs, grads, i):
+        """``grads`` (one layer's, on the device, in the buffers' dtypes) written into ``bufs`` at
+        layer ``i``, sent where each buffer lives."""
+        return [
+            jax.lax.dynamic_update_index_in_dim(b, jax.device_put(d, _HOST) if on_host(h) else d, i, 0)
+            for b, d, h in zip(bufs, grads, home_leaves, strict=True)
+        ]
 
     def layer(carry, w, here_host, here_device, i):
-        dh, dkf, bufs, squares = carry
+        dh, dkf, bufs, squares, behind = carry
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
         layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
@@ -254,17 +266,14 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         if squares is not None:  # on the device, before the gradients leave for host memory
             squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
         if bufs is None:
-            return (dh, dkf, None, squares), _to_host_like(dw, homes)
-        # Cast to the buffers' dtype on the device, then sent where the buffers live.
-        dw = jax.tree.unflatten(
-            jax.tree.structure(dw),
-            [row_major(d.astype(b.dtype)) for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)],
-        )
-        dw = _to_host_like(dw, homes)
-        written = [
-            jax.lax.dynamic_update_index_in_dim(b, d, i, 0) for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)
-        ]
-        return (dh, dkf, written, squares), None
+            return (dh, dkf, None, squares, None), _to_host_like(dw, homes)
+        # Layer i + 1's gradients (carried from the previous iteration) go out while this layer
+        # differentiates. The first iteration has none and writes zeros into the last layer,
+        # which the second iteration then overwrites.
+        bufs = write(bufs, behind, jnp.minimum(i + 1, n_layers - 1))
+        # Cast to the buffers' dtype on the device; carried to the next iteration.
+        behind = [row_major(d.astype(b.dtype)) for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)]
+        return (dh, dkf, bufs, squares, behind), None
 
     w_host, w_device, join = _by_home(arrays)
 
@@ -273,14 +282,18 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         return layer(carry, join(w_host_i, w_device_i), here_host, here_device, i)
 
     squares = jnp.zeros((), jnp.float32) if with_squares else None
-    init = (g, jax.tree.map(jnp.zeros_like, kf), None if into is None else list(into), squares)
+    bufs = None if into is None else list(into)
+    behind = None if into is None else [jnp.zeros(b.shape[1:], b.dtype) for b in bufs]
+    init = (g, jax.tree.map(jnp.zeros_like, kf), bufs, squares, behind)
     if any(isinstance(x, LayerHalves) for x in res_host):
-        (dx, dkf, bufs, squares), dws = _backward_in_pairs(layer, init, arrays, res_host, res_device, n_layers)
+        (dx, dkf, bufs, squares, behind), dws = _backward_in_pairs(layer, init, arrays, res_host, res_device, n_layers)
     else:
         xs = (w_device, res_device, jnp.arange(n_layers))
-        (dx, dkf, bufs, squares), dws = prefetch_scan(body, init, (w_host, res_host), xs, length=n_layers, reverse=True)
-    if into is not None:
-        dws = jax.tree.unflatten(jax.tree.structure(homes), bufs)
+        (dx, dkf, bufs, squares, behind), dws = prefetch_scan(
+            body, init, (w_host, res_host), xs, length=n_layers, reverse=True
+        )
+    if into is not None:  # the first layer's gradients, made in the last iteration
+        dws = jax.tree.unflatten(jax.tree.structure(homes), write(bufs, behind, 0))
     # Integer leaves get the symbolic zero cotangent.
     zeros = lambda tree: jax.tree.map(_zero_cotangent, eqx.filter(tree, eqx.is_inexact_array, inverse=True))
     out = eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))
