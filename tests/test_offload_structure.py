@@ -87,6 +87,16 @@ def test_each_offloaded_activation_name_is_copied_to_host_in_the_forward_scan(na
     assert back == shapes
 
 
+@pytest.mark.parametrize(("names", "constrained"), [(("block_input",), True), (("k_proj",), False), ((), False)])
+def test_an_offloaded_block_input_keeps_the_residual_stream_row_major(names, constrained):
+    """The host buffer of offloaded block inputs is row-major; the stream entering each layer is
+    constrained to it, so XLA does not lay each layer's copy out again (a TPU otherwise keeps the
+    stream sequence-minor). Other offloads leave the layout free."""
+    m = transforms.offload_activations(model(), names=names) if names else model()
+    text = str(jax.make_jaxpr(loss_and_grad)(m, tokens()))
+    assert ("layout_constraint" in text) == constrained
+
+
 def test_no_offload_means_no_transfers():
     moves = list(device_puts(jax.make_jaxpr(loss_and_grad)(model(), tokens()).jaxpr))
     assert moves == []
