@@ -87,7 +87,12 @@ def _pack(codes: jax.Array) -> jax.Array:
     ``i + n/4``, ``i + n/2`` and ``i + 3n/4`` (four contiguous quarters, one byte each: a
     ``(n/4, 4)`` shape would pad 4 to 128 lanes on a TPU). Rows of 128 words where ``n / 4``
     divides by 128."""
-    quarters = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(4, -1).astype(jnp.uint32)
+    u8 = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    quarter = u8.size // 4
+    # The quarters as rows of 128 where they divide: a (4, n/4) array is tiled as 8 x 128 on a
+    # TPU, half of it padding, and each quarter read out of it is a (1, n/4) row laid out again.
+    shape = (4, quarter // _LANES, _LANES) if quarter % _LANES == 0 else (4, quarter)
+    quarters = u8.reshape(shape).astype(jnp.uint32)
     return _rows(quarters[0] | quarters[1] << 8 | quarters[2] << 16 | quarters[3] << 24)
 
 
