@@ -251,10 +251,8 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     def write(bufs, grads, i):
         """``grads`` (one layer's, on the device, in the buffers' dtypes) written into ``bufs`` at
         layer ``i``, sent where each buffer lives."""
-        return [
-            jax.lax.dynamic_update_index_in_dim(b, jax.device_put(d, _HOST) if on_host(h) else d, i, 0)
-            for b, d, h in zip(bufs, grads, home_leaves, strict=True)
-        ]
+        sent = _to_host_like(grads, home_leaves)
+        return [jax.lax.dynamic_update_index_in_dim(b, d, i, 0) for b, d in zip(bufs, sent, strict=True)]
 
     def layer(carry, w, here_host, here_device, i):
         dh, dkf, bufs, squares, behind = carry
