@@ -15,6 +15,7 @@ import pytest
 
 import recipes
 import transforms
+import zoo
 from recipes._lm import data, files
 from recipes._lm.monitor import MetricsLog, read_jsonl
 from recipes._lm.offload import OffloadSpec
@@ -185,3 +186,22 @@ def test_the_offload_flags_are_parsed_once_and_opt_state_stream_streams_the_upda
     assert (spec.params, spec.prefetch, spec.activations) == (True, True, ("q_proj", "k_proj"))
     assert spec.predict(plan)["activation_policy"] is not None
     assert OffloadSpec.parse("activations", "block_input")[0].activations == "block_input"  # a preset
+
+
+def test_the_deferred_update_keeps_pending_gradients_in_the_dtype_the_planner_counts():
+    """``--offload opt_state_defer`` keeps the pending gradients as ``plan.apply`` would: in the
+    compute dtype where float32 weights stay on the device and compute in 16 bits."""
+    hyper = {"lr": 1e-3, "warmup": 1, "steps": 10, "weight_decay": 0.0}
+    config = zoo.config_from_name("llama:tiny")
+    mixed = transforms.plan(config.replace(compute_dtype="bfloat16"), batch=2, seq=16)
+    spec = OffloadSpec.parse("opt_state_defer")[0]
+    assert spec.predict(mixed)["pending_dtype"] == "bfloat16"
+    assert OffloadSpec.parse("opt_state_defer_stacks")[0].predict(mixed)["pending_dtype"] == "bfloat16"
+    assert OffloadSpec.parse("params,opt_state_defer")[0].predict(mixed)["pending_dtype"] is None  # host weights
+    assert spec.predict(transforms.plan(config, batch=2, seq=16))["pending_dtype"] is None  # float32 compute
+    _, optimizer, _ = spec.apply(None, hyper, clip=1.0, pending_dtype="bfloat16")
+    assert optimizer.pending_dtype == "bfloat16"
+    assert spec.apply(None, hyper, clip=1.0)[1].pending_dtype is None
+    # Only the deferred update has pending gradients.
+    stream = OffloadSpec.parse("opt_state_stream")[0].apply(None, hyper, clip=1.0, pending_dtype="bfloat16")[1]
+    assert stream.pending_dtype is None

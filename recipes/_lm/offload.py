@@ -206,11 +206,13 @@ class OffloadSpec:
                 f"of {', '.join(valid)}"
             )
 
-    def apply(self, model, hyper: dict, *, clip: float, plan=None, built_on_host: bool = False):
+    def apply(self, model, hyper: dict, *, clip: float, plan=None, built_on_host: bool = False, pending_dtype=None):
         """``(model, optimizer, warnings)``: AdamW of ``hyper`` (see ``make_optimizer``) clipped to
         the global norm ``clip``, and the model, with the transforms applied (``plan``: the
         planner's result for ``--plan``; ``built_on_host``: the model was built by
-        ``transforms.init_offloaded``). Refusals of the transforms are one line."""
+        ``transforms.init_offloaded``; ``pending_dtype``: the deferred update's pending gradients'
+        dtype, as the planner keeps them: ``plan.predict(...)["pending_dtype"]``). Refusals of the
+        transforms are one line."""
         warnings = []
         try:
             if plan is not None:  # the plan clips itself (a streamed update needs clip_norm, not a chained clip)
@@ -231,12 +233,11 @@ class OffloadSpec:
                 model = transforms.offload_activations(model, names=self.activations)
             if self.opt_state in ("stream", "defer", "defer:stacks"):
                 where = {"where": transforms.stack_matrix_state} if self.opt_state == "defer:stacks" else {}
+                defer = self.opt_state != "stream"
+                if defer and pending_dtype is not None:
+                    where["pending_dtype"] = pending_dtype
                 optimizer = transforms.offload_opt_state(
-                    make_optimizer(**hyper, clip=None),
-                    stream=True,
-                    clip_norm=clip,
-                    defer=self.opt_state != "stream",
-                    **where,
+                    make_optimizer(**hyper, clip=None), stream=True, clip_norm=clip, defer=defer, **where
                 )
             else:
                 optimizer = make_optimizer(**hyper, clip=clip)

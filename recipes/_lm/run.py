@@ -216,8 +216,16 @@ class Run:
         self.schedule = lr_schedule(**schedule)
         hyper = {**schedule, "weight_decay": args.weight_decay, "mask": decay_mask(self.model)}  # matrices only
         hyper["moments"] = getattr(args, "moments", "float32")
+        # The deferred update's pending gradients in the dtype the planner counts them in (16 bits
+        # where the weights stay on the device in float32 and compute in 16 bits).
+        defer = self.plan is None and self.offload.opt_state in ("defer", "defer:stacks")
         self.model, optimizer, notes = self.offload.apply(
-            self.model, hyper, clip=args.clip, plan=self.plan, built_on_host=self.built_on_host
+            self.model,
+            hyper,
+            clip=args.clip,
+            plan=self.plan,
+            built_on_host=self.built_on_host,
+            pending_dtype=self.prediction().get("pending_dtype") if defer else None,
         )
         self.warnings += notes
         # The loss and its parts (the cross-entropy; a mixture of experts' router losses), logged each step.

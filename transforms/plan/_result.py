@@ -300,7 +300,9 @@ class Plan(Answer):
         (``"block_input"``, ``"block_input_and_projections"``, ``"block_input_and_context"``,
         ``"recompute_all"``), one of the planner's options (``"save_projections"``,
         ``"offload:block_input"``, ...) or a mapping ``{name: "save" | "offload" | "recompute"}``.
-        Returns the same fields as one entry of ``to_dict()["candidates"]``.
+        Returns the same fields as one entry of ``to_dict()["candidates"]``, and ``pending_dtype``:
+        with the deferred update, the dtype :meth:`apply` would keep its pending gradients in
+        (``None``: the weights'), for a run that applies these transforms itself.
 
         **Example:**
 
@@ -336,7 +338,7 @@ class Plan(Answer):
                 cand = Candidate(params=params, opt_state=opt_state, activations="custom", custom=custom)
         ctx = self._context
         rows = dataclasses.replace(ctx, candidates=[cand]).rows(self.batch, self.seq)
-        return row_dict(rows[0])
+        return {**row_dict(rows[0]), "pending_dtype": pending_dtype(ctx.geometry, cand)}
 
     # --- apply ----------------------------------------------------------------------------------
     def apply(self, model, optimizer, *, clip_norm: float | int | None = None):
