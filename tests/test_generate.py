@@ -56,6 +56,13 @@ def test_greedy_tokens_equal_transformers(variant, tmp_path):
         assert top[0] == top[1], f"token {i}: ours {ours[i]}, transformers {expected[i]}, logits {top}"
 
 
+#: A model's full forward pass and one cached decoding call, compiled (run eagerly, each of the
+#: model's operations was dispatched and compiled on its own: seconds a test).
+forward = eqx.filter_jit(lambda m, t: m(t))
+batch_forward = eqx.filter_jit(lambda m, t: jax.vmap(m)(t))
+decode = eqx.filter_jit(lambda m, t, p, c: m.decode(t, p, c))
+
+
 @pytest.fixture(scope="module")
 def llama():
     return zoo.Llama(zoo.config_from_name("llama:tiny"), key=jax.random.key(0))
@@ -98,14 +105,14 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(window, pad):
     if pad == "left":
         pieces, places = pieces[::-1], places[::-1]
     prompt, positions = jnp.concatenate(pieces), jnp.concatenate(places).astype(jnp.int32)
-    logits, cache = model.decode(prompt, positions, cache)
+    logits, cache = decode(model, prompt, positions, cache)
     steps = [logits[3:] if pad == "left" else logits[:7]]
-    logits, cache = model.decode(tokens[7:10], jnp.arange(7, 10, dtype=jnp.int32), cache)  # a second chunk
+    logits, cache = decode(model, tokens[7:10], jnp.arange(7, 10, dtype=jnp.int32), cache)  # a second chunk
     steps.append(logits)
     for i in range(10, 14):
-        logits, cache = model.decode(tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
+        logits, cache = decode(model, tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
         steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(jnp.concatenate(steps), forward(model, tokens), atol=1e-5, rtol=0)
 
 
 def test_local_layers_keep_a_ring_of_their_window_and_global_ones_every_position():
@@ -118,13 +125,12 @@ def test_local_layers_keep_a_ring_of_their_window_and_global_ones_every_position
     assert cache.windowed.pos.shape == (sum(local), cfg.sliding_window)
     assert cache.full.pos.shape == (cfg.n_layers - sum(local), 64)
     tokens = jax.random.randint(jax.random.key(5), (30,), 0, cfg.vocab_size)  # past the window (8)
-    decode = eqx.filter_jit(lambda m, t, p, c: m.decode(t, p, c))
     logits, cache = decode(model, tokens[:20], jnp.arange(20, dtype=jnp.int32), cache)
     steps = [logits]
     for i in range(20, 30):
         logits, cache = decode(model, tokens[i : i + 1], jnp.array([i], jnp.int32), cache)
         steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps), model(tokens), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(jnp.concatenate(steps), forward(model, tokens), atol=1e-5, rtol=0)
     offloaded = transforms.offload_params(model)
     host = zoo.generate(offloaded, tokens[:20], max_new_tokens=6, cache_memory_kind="pinned_host")
     np.testing.assert_array_equal(host, zoo.generate(model, tokens[:20], max_new_tokens=6))
@@ -318,4 +324,4 @@ def test_a_decoding_step_writes_one_slot_in_place_and_never_copies_the_cache(fam
     _, cache, _, _ = args
     for t in range(9):
         logits, cache = step(model, cache, tokens[:, t : t + 1], jnp.full((3, 1), t, jnp.int32))
-    np.testing.assert_allclose(logits[:, 0], jax.vmap(model)(tokens)[:, -1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[:, 0], batch_forward(model, tokens)[:, -1], atol=1e-5, rtol=0)

@@ -49,8 +49,9 @@ def test_blockwise_gradients_with_segments_equal_xla():
     def loss(q, k, v, implementation):
         return jnp.sum(attend(q, k, v, segment_ids=SEGMENTS, window=3, implementation=implementation, block=3) ** 2)
 
-    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "xla")
-    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "blockwise")
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)  # one program each, not op by op
+    want = grad(q, k, v, "xla")
+    got = grad(q, k, v, "blockwise")
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -66,6 +67,7 @@ def test_attend_refuses_bad_segment_ids():
 #: ``zoo.lm_loss`` compiled once per shape (eagerly, each of the model's operations is dispatched
 #: on its own, which made these tests several times slower); ``chunk`` is static.
 lm_loss = eqx.filter_jit(zoo.lm_loss)
+forward = eqx.filter_jit(lambda model, tokens, **kw: model(tokens, **kw))  # the logits, compiled likewise
 
 
 def _docs(rng, lengths, vocab):
@@ -97,15 +99,15 @@ def test_packed_loss_equals_documents_one_by_one(name):
     np.testing.assert_allclose(float(packed), nll_sum / n_targets, rtol=1e-5)
     np.testing.assert_allclose(float(chunked), float(packed), rtol=1e-5)
     # And the logits of each document, position by position.
-    logits = model(tokens[1], segment_ids=segments[1])
-    np.testing.assert_allclose(logits[9:], model(tokens[1, 9:]), atol=1e-4)
+    logits = forward(model, tokens[1], segment_ids=segments[1])
+    np.testing.assert_allclose(logits[9:], forward(model, tokens[1, 9:]), atol=1e-4)
 
 
 def test_one_segment_is_the_unpacked_sequence():
     model = zoo.build_model(zoo.LlamaConfig.preset("tiny", n_layers=1), key=jax.random.key(0))
     tokens = jnp.arange(12, dtype=jnp.int32)[None] % 256
-    plain = zoo.lm_loss(model, tokens, chunk=0)
-    one = zoo.lm_loss(model, tokens, segment_ids=jnp.ones_like(tokens), chunk=0)
+    plain = lm_loss(model, tokens, chunk=0)
+    one = lm_loss(model, tokens, segment_ids=jnp.ones_like(tokens), chunk=0)
     np.testing.assert_allclose(float(one), float(plain), rtol=1e-6)
 
 
