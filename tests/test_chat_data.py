@@ -216,7 +216,8 @@ def test_masked_positions_receive_no_gradient_and_a_chat_finetune_trains(
     assert np.any(targets[on] == eot) and not np.any(targets[on] == header) and np.any(targets[~on] == header)
     # The last target of each row feeds no later position: changing it changes no gradient when
     # the mask leaves it out, and changes them when the mask covers it.
-    grad = eqx.filter_grad(lambda m, b: batch_loss(zoo.lm_loss_and_metrics)(m, b)[0])
+    # (compiled once: run eagerly, each of the model's operations was dispatched on its own)
+    grad = eqx.filter_jit(eqx.filter_grad(lambda m, b: batch_loss(zoo.lm_loss_and_metrics)(m, b)[0]))
     model, changed = run.model, np.asarray(tokens).copy()
     changed[:, -1] = (changed[:, -1] + 7) % 300
     for covered in (False, True):
@@ -227,7 +228,7 @@ def test_masked_positions_receive_no_gradient_and_a_chat_finetune_trains(
         equal = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(other), strict=True)]
         assert all(equal) if not covered else not all(equal)
     # ... and the gradient of the loss with respect to each position's logits is zero where masked.
-    logits = jax.vmap(model)(tokens[:, :-1])
+    logits = eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, tokens[:, :-1])
     dlogits = jax.grad(lambda x: zoo.cross_entropy(x, tokens[:, 1:], mask))(logits)
     per_position = np.abs(np.asarray(dlogits)).sum(-1)
     assert np.all(per_position[~np.asarray(mask)] == 0) and np.all(per_position[np.asarray(mask)] > 0)

@@ -10,6 +10,11 @@ import transforms
 import zoo
 from transforms._compact_state import _decode_f8, _encode_f8, _unpack
 
+#: Compiled, as the optimizer runs them (run eagerly, each of their operations was dispatched and
+#: compiled on its own: the round trips of six shapes took seconds).
+encode_f8 = jax.jit(_encode_f8, static_argnums=1)
+decode_f8 = jax.jit(_decode_f8, static_argnums=(1, 2))
+
 
 def test_float8_blocks_keep_small_values_apart_from_zero():
     """A second moment spans orders of magnitude within a block: over 7 decades each value comes
@@ -17,22 +22,22 @@ def test_float8_blocks_keep_small_values_apart_from_zero():
     rng = np.random.default_rng(0)
     for decades, bound in ((7, 0.14), (10, 0.5)):
         x = jnp.asarray(10.0 ** rng.uniform(-decades, 0, size=(3, 512)), jnp.float32)
-        y = np.asarray(_decode_f8(_encode_f8(x, 256), jnp.float32, x.shape))
+        y = np.asarray(decode_f8(encode_f8(x, 256), jnp.float32, x.shape))
         assert np.abs(y / np.asarray(x) - 1).max() < bound and np.all(y > 0), decades
     signed = jnp.asarray(rng.standard_normal((4, 100)), jnp.float32)  # 100 does not split into 256: per row
-    q = _encode_f8(signed, 256)
+    q = encode_f8(signed, 256)
     # Flat, four codes to a 32-bit word (a TPU tiles narrow arrays by their last two axes).
     assert q.codes.dtype == jnp.uint32 and q.codes.shape == (100,) and q.scales.shape == (4,)
-    back = np.asarray(_decode_f8(q, jnp.float32, signed.shape))
-    odd = _encode_f8(signed[:, :3], 256)  # 12 codes: 3 words; 3 x 3 = 9 would stay float8
-    assert odd.codes.shape == (3,) and _encode_f8(signed[:3, :3], 256).codes.dtype == jnp.float8_e4m3fn
+    back = np.asarray(decode_f8(q, jnp.float32, signed.shape))
+    odd = encode_f8(signed[:, :3], 256)  # 12 codes: 3 words; 3 x 3 = 9 would stay float8
+    assert odd.codes.shape == (3,) and encode_f8(signed[:3, :3], 256).codes.dtype == jnp.float8_e4m3fn
     # Rows of 128 words where the words divide by 128, and of 128 scales where those do (a TPU
     # then copies one layer of a stack out of host memory in one piece, in the tiles it uses).
     wide = jnp.asarray(rng.standard_normal((128, 512)), jnp.float32)
-    rows = _encode_f8(wide, 256)
+    rows = encode_f8(wide, 256)
     assert rows.codes.shape == (128, 128) and rows.scales.shape == (2, 128)
-    assert np.allclose(np.asarray(_decode_f8(rows, jnp.float32, wide.shape)), wide, rtol=0.14, atol=1e-6)
-    odd_back = np.asarray(_decode_f8(odd, jnp.float32, (4, 3)))
+    assert np.allclose(np.asarray(decode_f8(rows, jnp.float32, wide.shape)), wide, rtol=0.14, atol=1e-6)
+    odd_back = np.asarray(decode_f8(odd, jnp.float32, (4, 3)))
     assert np.allclose(odd_back, signed[:, :3], rtol=0.14) and np.all(np.sign(odd_back) == np.sign(signed[:, :3]))
     assert np.all(np.sign(back) == np.sign(np.asarray(signed))) and np.allclose(back, signed, rtol=0.14)
 
