@@ -23,6 +23,10 @@ from zoo.nn._quant import NF4_VALUES
 
 CFG = zoo.LlamaConfig.preset("tiny", n_layers=2)
 
+#: A model's logits, compiled (run eagerly, each of the model's operations, dequantization
+#: included, was dispatched and compiled on its own).
+forward = eqx.filter_jit(lambda m, t: m(t))
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -84,6 +88,7 @@ def _tokens(batch=2, seq=16):
     return jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (batch, seq + 1)), jnp.int32)
 
 
+@eqx.filter_jit  # one program, not op by op
 def _trainable_grads(m, tokens):
     params, rest = eqx.partition(m, transforms.trainable_mask(m))
     return jax.grad(lambda p: zoo.lm_loss(eqx.combine(p, rest), tokens))(params)
@@ -172,7 +177,9 @@ def test_a_quantized_model_is_saved_dense_and_its_adapters_as_peft(model, tmp_pa
     dense_base = transforms.dequantize(transforms.quantize(model, "nf4"))
     back = zoo.hf.load_peft_adapter(dense_base, tmp_path / "adapter")
     tokens = jnp.arange(10)
-    np.testing.assert_allclose(np.asarray(back(tokens)), np.asarray(transforms.dequantize(q)(tokens)), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(forward(back, tokens)), np.asarray(forward(transforms.dequantize(q), tokens)), atol=1e-5
+    )
 
 
 def test_load_hf_quantizes_weight_by_weight_into_host_memory(model, tmp_path):
@@ -195,7 +202,9 @@ def test_a_quantized_model_shards_its_codes_over_a_mesh_and_computes_the_same(mo
     codes = sharded.stack.layers.attn.q_proj.weight.codes
     assert codes.sharding.spec[:2] == (None, "tensor")  # layers, then the output rows like the weight's
     tokens = jnp.arange(12)
-    np.testing.assert_allclose(np.asarray(sharded(tokens)), np.asarray(q(tokens)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(forward(sharded, tokens)), np.asarray(forward(q, tokens)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_the_benchmark_reads_a_streamed_layer_at_about_a_quarter_of_bfloat16_for_nf4():
@@ -270,8 +279,8 @@ def test_a_qlora_adapter_loads_in_peft_on_the_dense_base_and_matches_the_merged_
     dense_base = transforms.dequantize(transforms.quantize(zoo.load_hf(hf_llama), "nf4", block_size=32))
     zoo.save_hf(dense_base, tmp_path / "dense")
     ids = jnp.asarray(np.arange(12) % 96)
-    ours = np.asarray(transforms.merge_lora(qlora)(ids))
-    assert np.abs(ours - np.asarray(transforms.dequantize(qlora)(ids))).max() < 1e-4
+    ours = np.asarray(forward(transforms.merge_lora(qlora), ids))
+    assert np.abs(ours - np.asarray(forward(transforms.dequantize(qlora), ids))).max() < 1e-4
 
     def peft_logits(base_dir):
         base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
@@ -280,7 +289,7 @@ def test_a_qlora_adapter_loads_in_peft_on_the_dense_base_and_matches_the_merged_
             return model(torch.tensor(np.asarray(ids)[None])).logits[0].numpy()
 
     np.testing.assert_allclose(peft_logits(tmp_path / "dense"), ours, atol=1e-4, rtol=0)
-    assert np.abs(ours - np.asarray(dense_base(ids))).max() > 1e-3  # the trained adapters matter
+    assert np.abs(ours - np.asarray(forward(dense_base, ids))).max() > 1e-3  # the trained adapters matter
     original = peft_logits(hf_llama)  # the full-precision checkpoint: NF4's rounding apart
     assert np.abs(original - ours).max() < 0.1 * np.abs(ours).max()
 

@@ -1,6 +1,7 @@
 """train_step(..., has_aux=True): the loss function's own metrics (a mixture of experts' router
 losses) are reported with every step, averaged over micro-batches like the loss."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +24,11 @@ def _model():
 def test_router_losses_are_reported_and_averaged_over_micro_batches():
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 9)), jnp.int32)
     model = _model()
-    # The reference: the metrics of each half of the batch, computed directly.
-    halves = [lm_loss_and_metrics(model, tokens[i : i + 2])[1] for i in (0, 2)]
-    _, whole = lm_loss_and_metrics(model, tokens)
+    # The reference: the metrics of each half of the batch, computed directly (compiled: run
+    # eagerly, each of the mixture's operations was dispatched and compiled on its own).
+    direct = eqx.filter_jit(lm_loss_and_metrics)
+    halves = [direct(model, tokens[i : i + 2])[1] for i in (0, 2)]
+    _, whole = direct(model, tokens)
     for accum in (1, 2):
         step = transforms.train_step(lm_loss_and_metrics, optax.sgd(0.0), accum_steps=accum, has_aux=True)
         _, _, metrics = step(_model(), step.init(_model()), tokens)
