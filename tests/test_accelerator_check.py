@@ -1198,6 +1198,25 @@ def test_compact_moment_configurations_are_checked_against_the_same_storage_on_t
     everyday = parity.selected_cases({"mode": "all", "needed": []})
     assert "opt_state_stream" in everyday and not {"opt_state_stream_bf16", "opt_state_stream_f8"} & set(everyday)
     assert "opt_state_stream_f8" in parity.selected_cases({"mode": "all", "needed": ["opt_state_stream_f8"]})
+    # Moments compact in the stacks only (compact_rest=False): the reference stores those alone in
+    # 8 bits, the embedding's, head's and norm's in float32 (the same arithmetic on the device).
+    host = table["all_three_stacks_defer_f8_host"]
+    assert not host.compact_rest and host.transforms()["state_dtype_outside_stacks"] == "float32"
+    plain = parity.reference_of(host)
+    assert (plain.opt, plain.state, plain.compact_rest) == ("device", "float8", False)
+    import equinox as eqx
+    import jax
+
+    import zoo
+    from transforms._compact_state import Float8Block
+
+    params = eqx.filter(zoo.abstract_model(zoo.config_from_name("llama:tiny")), lambda x: hasattr(x, "dtype"))
+    state = jax.eval_shape(configs.optimizer_for(plain, 1e-3).init, params)
+    f8 = lambda n: isinstance(n, Float8Block)
+    named = jax.tree_util.tree_flatten_with_path(state, is_leaf=f8)[0]
+    compact = {jax.tree_util.keystr(p).split(".", 1)[-1] for p, x in named if f8(x)}
+    assert compact and all(".stack." in p or p.startswith("stack.") for p in compact), compact
+    assert any("embed" in jax.tree_util.keystr(p) and not f8(x) and x.ndim == 2 for p, x in named)
     report = {}
     parity.worker_parity({"dtype": "float32", "mode": "needed", "needed": ["opt_state_stream_f8"]}, report, print)
     assert report["selected"] == ["opt_state_stream_f8"]

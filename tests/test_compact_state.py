@@ -1,5 +1,6 @@
 """compact_state: optimizer state stored in bfloat16 or blockwise float8, the math in float32."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 import transforms
 import zoo
-from transforms._compact_state import _decode_f8, _encode_f8, _unpack
+from transforms._compact_state import Float8Block, _decode_f8, _encode_f8, _unpack
 
 #: Compiled, as the optimizer runs them (run eagerly, each of their operations was dispatched and
 #: compiled on its own: the round trips of six shapes took seconds).
@@ -109,3 +110,46 @@ def test_float8_words_hold_four_contiguous_quarters_of_the_codes(shape):
     assert q.codes.dtype == jnp.uint32
     np.testing.assert_array_equal(np.asarray(q.codes).reshape(-1), want)
     np.testing.assert_array_equal(np.asarray(_unpack(q.codes)).view(np.uint8), u8.astype(np.uint8))
+
+
+def test_compact_rest_false_keeps_the_state_outside_the_stacks_in_float32():
+    """``offload_opt_state(compact_state(...), stream=True, compact_rest=False)``: the stacks'
+    moments in 8 bits, the embedding's, head's and final norm's in float32. The first step's
+    updates come from fresh moments (the same in any storage), so the second step's gradients are
+    the same in every run: its update of the leaves outside the stacks must then equal the float32
+    optimizer's, while the stacks' differs (stored in 8 bits). Deferred, the same."""
+    cfg = zoo.config_from_name("llama:tiny")
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    where = transforms.stack_matrix_state
+
+    def run(optimizer, **kw):
+        model = zoo.build_model(cfg, key=jax.random.key(0))
+        opt = transforms.offload_opt_state(optimizer, stream=True, clip_norm=0.5, where=where, **kw)
+        step = transforms.train_step(zoo.lm_loss, opt)
+        state = step.init(model)
+        for _ in range(2):
+            model, state, _ = step(model, state, tokens)
+        assert step.trace_count == 1  # the state keeps its structure (float32 rest, 8-bit stacks)
+        if kw.get("defer"):
+            model, state = step.flush(model, state)
+            state = state.streamed
+        return model, state
+
+    f8 = transforms.compact_state(optax.adamw(1e-2), "float8")
+    mixed, state = run(f8, compact_rest=False)
+    plain, _ = run(optax.adamw(1e-2))
+    rest_leaves = lambda m: jax.tree.leaves(eqx.filter((m.embed, m.lm_head, m.norm), eqx.is_array))
+    stack_leaves = lambda m: jax.tree.leaves(eqx.filter(m.stack, eqx.is_array))
+    close = lambda a, b: all(np.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b, strict=True))
+    assert close(rest_leaves(mixed), rest_leaves(plain))
+    assert not close(stack_leaves(mixed), stack_leaves(plain))  # 8-bit moments change the second update
+    is_f8 = lambda n: isinstance(n, Float8Block)
+    stored = lambda tree: {type(x).__name__ for x in jax.tree.leaves(tree, is_leaf=is_f8)}
+    assert "Float8Block" in stored(state.stacked) and "Float8Block" not in stored(state.rest)
+    assert {x.dtype for x in jax.tree.leaves(state.rest) if x.ndim} == {jnp.dtype(jnp.float32)}
+    deferred, _ = run(f8, compact_rest=False, defer=True)
+    assert close(jax.tree.leaves(eqx.filter(deferred, eqx.is_array)), jax.tree.leaves(eqx.filter(mixed, eqx.is_array)))
+    with pytest.raises(ValueError, match=r"compact_rest=False .* transforms.compact_state optimizer"):
+        transforms.offload_opt_state(optax.adamw(1e-2), stream=True, compact_rest=False)
+    with pytest.raises(ValueError, match=r"stream is False"):
+        transforms.offload_opt_state(f8, compact_rest=False)

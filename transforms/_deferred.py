@@ -242,7 +242,17 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
         loss, aux, grads = more(ran, (loss, aux, grads))
     state = state._replace(stacked=tuple(found[k][0] for k in range(n)))
     # The leaves outside the stacks now, with this step's norm (the streamed update's pass).
-    rest_params, state, g_norm = _run(inner, clip, grads, state, params, apply=True, stacks=False, stack_squares=hosted)
+    rest_params, state, g_norm = _run(
+        inner,
+        clip,
+        grads,
+        state,
+        params,
+        apply=True,
+        stacks=False,
+        stack_squares=hosted,
+        rest_inner=optimizer.rest_inner,
+    )
     new_params = _merge(units, [_view(rest_params, units, -1), *(found[k][1] for k in range(n))])
     kept = lambda u, g: g.astype(pending_dtype_of(g, optimizer.pending_dtype)) if u >= 0 else None
     pending = Pending(jax.tree.map(kept, units, grads), g_norm, jnp.ones((), bool))

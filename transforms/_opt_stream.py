@@ -37,6 +37,7 @@ from zoo.nn import on_host, prefetch_scan
 
 from . import _layer_split as split
 from . import _opt_rows as rows
+from ._compact_state import CompactState
 from ._memory import (
     DEVICE,
     HOST,
@@ -399,7 +400,22 @@ def check_streamable(optimizer: optax.GradientTransformation, params, units, n: 
 # ---- the wrapper --------------------------------------------------------------------------
 
 
-def _init(inner, select: Callable, where_given: bool, params, split_layers: bool = False, allow_empty: bool = False):
+def _rest_optimizer(inner, compact_rest: bool):
+    """The optimizer of the leaves outside the stacks: ``inner``, or with ``compact_rest=False``
+    the optimizer a :func:`transforms.compact_state` ``inner`` wraps (its state in its own dtypes)."""
+    return inner if compact_rest or not isinstance(inner, CompactState) else inner.inner
+
+
+def _init(
+    inner,
+    select: Callable,
+    where_given: bool,
+    params,
+    split_layers: bool = False,
+    allow_empty: bool = False,
+    rest_inner=None,
+):
+    r_inner = inner if rest_inner is None else rest_inner
     units, n = _units(params)
     if n:
         check_streamable(inner, params, units, n)
@@ -408,7 +424,7 @@ def _init(inner, select: Callable, where_given: bool, params, split_layers: bool
     def abstract_state(p):
         p = tree_to_device(p)
         stacked = tuple(jax.vmap(inner.init)(_view(p, units, k)) for k in range(n))
-        return StreamedState(stacked, inner.init(_view(p, units, -1)))
+        return StreamedState(stacked, r_inner.init(_view(p, units, -1)))
 
     # Leaves to keep in host memory, chosen on the stacked shapes (the layer axis included).
     abstract = jax.eval_shape(abstract_state, params)
@@ -437,7 +453,7 @@ def _init(inner, select: Callable, where_given: bool, params, split_layers: bool
                 lambda carry, layer: (carry, inner.init(layer)), None, _view(p, units, k), lengths[k], place
             )
             stacked.append(state)
-        rest = inner.init(tree_to_device(_view(p, units, -1)))
+        rest = r_inner.init(tree_to_device(_view(p, units, -1)))
         rest = jax.tree.map(lambda x, c: to_host(x) if c else x, rest, chosen.rest)
         return StreamedState(tuple(stacked), rest)
 
@@ -472,12 +488,16 @@ def _run(
     rest: bool = True,
     g_norm=None,
     stack_squares: dict | None = None,
+    rest_inner=None,
 ):
     """The streamed update (see the module's docstring): ``(new params or updates, new state,
     global norm)``. ``stacks=False`` or ``rest=False`` leave that part (its weights and state) as it
     is; ``g_norm``: the global norm to clip with, instead of the one of ``grads``;
     ``stack_squares``: ``{k: sum of squares}`` of stacks whose gradients' squares are already
-    summed (the deferred update's host-weight stacks: in their backward pass), not read again."""
+    summed (the deferred update's host-weight stacks: in their backward pass), not read again;
+    ``rest_inner``: the optimizer of the leaves outside the stacks (default ``inner``; see
+    :func:`_rest_optimizer`)."""
+    r_inner = inner if rest_inner is None else rest_inner
     units, n = _units(grads if params is None else params)
     if not isinstance(state, StreamedState) or len(state.stacked) != n:
         raise ValueError(
@@ -488,7 +508,7 @@ def _run(
     # Large leaves outside the stacks (embedding, head) are updated in row blocks, in place (see
     # _opt_rows); their gradients stay where they are and are read a block at a time.
     g_view, p_rest = _view(grads, units, -1), _view(params, units, -1)
-    blocked = rows.blocked_leaves(inner, p_rest, state.rest) if apply else {}
+    blocked = rows.blocked_leaves(r_inner, p_rest, state.rest) if apply else {}
     idx = rows.index_tree(g_view)
 
     def unblocked(tree):  # the leaves outside the stacks updated whole (None for the blocked ones)
@@ -514,10 +534,10 @@ def _run(
         g_norm = jnp.sqrt(total)
         scale = lambda tree: _clip(tree, g_norm, clip_norm)
 
-    def update(g, s, p):
+    def update(g, s, p, tx=inner):
         if scale is not None:
             g = scale(g)
-        u, s = inner.update(g, s, p)
+        u, s = tx.update(g, s, p)
         return (optax.apply_updates(p, u) if apply else u), s
 
     def norm(acc, g):
@@ -564,32 +584,32 @@ def _run(
     if blocked:
         p_leaves = jax.tree.leaves(p_rest)
         # The other leaves' copies absent, the rest of the state (step counts, ...) on the device.
-        template = tree_to_device(rows.without(inner, state.rest, idx, set(range(len(p_leaves)))))
+        template = tree_to_device(rows.without(r_inner, state.rest, idx, set(range(len(p_leaves)))))
         for j, k in blocked.items():
             p_j, host = p_leaves[j], on_host(p_leaves[j])
 
             def rows_body(acc, read, write, j=j, host=host):
                 (g_c, p_device), (s_cs, p_host) = read, write
-                s_tree = rows.with_copies(inner, template, idx, {j: s_cs})
+                s_tree = rows.with_copies(r_inner, template, idx, {j: s_cs})
                 p_c = rows.only(p_rest, j, p_host if host else p_device)
-                new_p, new_s = update(rows.only(p_rest, j, g_c), s_tree, p_c)
+                new_p, new_s = update(rows.only(p_rest, j, g_c), s_tree, p_c, r_inner)
                 (new_p,) = jax.tree.leaves(new_p)
-                new_cs = rows.copies_of(inner, new_s, idx, j)
+                new_cs = rows.copies_of(r_inner, new_s, idx, j)
                 return norm(acc, g_c), ((new_cs, new_p if host else None), None if host else new_p)
 
             view = lambda x, k=k: rows.blocks_view(x, k)
-            copies = [view(c) for c in rows.copies_of(inner, state.rest, idx, j)]
+            copies = [view(c) for c in rows.copies_of(r_inner, state.rest, idx, j)]
             read, write = (view(g_blocked[j]), None if host else view(p_j)), (copies, view(p_j) if host else None)
             squares, (cs, p_written), ys = _in_place_scan(rows_body, squares, read, write, k)
             new_blocked[j] = (p_written if host else ys).reshape(p_j.shape)
             new_copies[j] = [c.reshape(p_j.shape) for c in cs]
 
     # The other leaves outside the stacks: once, leaf by leaf, as the plain offloaded update does.
-    s_small = rows.without(inner, state.rest, idx, set(blocked)) if blocked else state.rest
-    out_rest, s_rest = update(grads_rest, tree_to_device(s_small), tree_to_device(unblocked(p_rest)))
+    s_small = rows.without(r_inner, state.rest, idx, set(blocked)) if blocked else state.rest
+    out_rest, s_rest = update(grads_rest, tree_to_device(s_small), tree_to_device(unblocked(p_rest)), r_inner)
     if blocked:
         out_rest = jax.tree.map(lambda i, o: new_blocked.get(i, o), idx, out_rest, is_leaf=_is_none)
-        s_rest = rows.with_copies(inner, s_rest, idx, new_copies)
+        s_rest = rows.with_copies(r_inner, s_rest, idx, new_copies)
     if apply:
         out_rest = restore_kinds(out_rest, jax.tree.map(traced_kind, p_rest))
     new_state = StreamedState(tuple(new_stacked), restore_kinds(s_rest, jax.tree.map(traced_kind, state.rest)))
@@ -616,11 +636,14 @@ class StreamedOptimizer(OffloadedOptimizer):
         defer: bool = False,
         unroll_update: bool = False,
         pending_dtype: str | None = None,
+        compact_rest: bool = True,
     ):
+        rest_inner = _rest_optimizer(inner, compact_rest)
+
         def init(params):
             # Deferred, a filter may keep all the state on the device: the update still runs in
             # the forward pass, where host weights are fetched anyway.
-            state = _init(inner, select, where_given, params, split_layers, allow_empty=defer)
+            state = _init(inner, select, where_given, params, split_layers, allow_empty=defer, rest_inner=rest_inner)
             if not defer:
                 return state
             return DeferredState(state, no_pending(params, pending_dtype))
@@ -630,7 +653,9 @@ class StreamedOptimizer(OffloadedOptimizer):
                 raise ValueError(_DEFERRED_UPDATE)
             token = _UNROLL.set(unroll_update)
             try:
-                new_updates, new_state, _ = _run(inner, clip_norm, updates, state, params, apply=False)
+                new_updates, new_state, _ = _run(
+                    inner, clip_norm, updates, state, params, apply=False, rest_inner=rest_inner
+                )
             finally:
                 _UNROLL.reset(token)
             return new_updates, new_state
@@ -641,6 +666,9 @@ class StreamedOptimizer(OffloadedOptimizer):
         self.defer = defer
         self.unroll_update = unroll_update
         self.pending_dtype = pending_dtype
+        self.compact_rest = compact_rest
+        #: The optimizer of the leaves outside the stacks (``inner`` unless ``compact_rest=False``).
+        self.rest_inner = rest_inner
         self._args = (select, where_given)
         return self
 
@@ -655,7 +683,7 @@ class StreamedOptimizer(OffloadedOptimizer):
             raise ValueError(_DEFERRED_UPDATE)
         token = _UNROLL.set(self.unroll_update)
         try:
-            return _run(self.inner, self.clip_norm, grads, state, params, apply=True)
+            return _run(self.inner, self.clip_norm, grads, state, params, apply=True, rest_inner=self.rest_inner)
         finally:
             _UNROLL.reset(token)
 
@@ -694,5 +722,5 @@ def _variant(optimizer: StreamedOptimizer, **changes) -> StreamedOptimizer:
         raise TypeError(f"this schedule takes offload_opt_state(..., stream=True)'s optimizer, got {optimizer!r}")
     select, where_given = optimizer._args
     settings = dict(split_layers=optimizer.split_layers, defer=optimizer.defer, unroll_update=optimizer.unroll_update)
-    settings.update(pending_dtype=optimizer.pending_dtype)
+    settings.update(pending_dtype=optimizer.pending_dtype, compact_rest=optimizer.compact_rest)
     return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, **{**settings, **changes})

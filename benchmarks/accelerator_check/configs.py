@@ -30,6 +30,7 @@ class Config:
     # without it one buffer per leaf, the deferred update included (whose library default splits)
     unroll: bool = False  # the streamed update's layer loops unrolled (_opt_stream.with_unrolled_update)
     pending: str | None = None  # the deferred update's pending_dtype (its pending gradients' dtype)
+    compact_rest: bool = True  # False: the moments outside the stacks not compacted (offload_opt_state's compact_rest)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -53,6 +54,8 @@ class Config:
             out["opt_state_update"] = "layer loops unrolled"
         if self.pending:
             out["pending_dtype"] = self.pending
+        if not self.compact_rest:
+            out["state_dtype_outside_stacks"] = "float32"
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -459,6 +462,17 @@ def config_table() -> list[Config]:
             pending="bfloat16",
         ),
         _all_three_defer(
+            "all_three_stacks_defer_f8_host",
+            "all_three_stacks_defer_f8_stacks with only the moments that cross the link (the stacks') in 8 bits: the "
+            "embedding's and the head's stay float32 on the device (offload_opt_state(..., compact_rest=False)), not "
+            "decoded and encoded again every step",
+            params_where="stacks",
+            state="float8",
+            where="stacks",
+            pending="bfloat16",
+            compact_rest=False,
+        ),
+        _all_three_defer(
             "all_three_defer_f8_stacks",
             "all_three_defer_bf16_stacks with the moments in 8 bits (compact_state(adamw, 'float8')): the forward "
             "loop moves 50 MB each way a llama:small layer instead of 62.5",
@@ -534,6 +548,7 @@ def make_optimizer(
     split: bool = False,
     unroll: bool = False,
     pending: str | None = None,
+    compact_rest: bool = True,
 ):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
@@ -542,7 +557,8 @@ def make_optimizer(
     the head's and the norms' stay on the device); with ``where="none"`` (the deferred update
     only) none is. ``split`` keeps a streamed state as its even and
     odd layers (``offload_opt_state(..., split_layers=True)``), ``unroll`` unrolls its update's layer
-    loops (``with_unrolled_update``)."""
+    loops (``with_unrolled_update``); ``compact_rest=False`` keeps the moments outside the stacks in
+    float32 (``offload_opt_state(..., compact_rest=False)``)."""
     import optax
 
     import transforms
@@ -552,8 +568,15 @@ def make_optimizer(
         raise ValueError(f"unknown optimizer kind {kind!r}; valid: device, offload, stream, defer")
     if where not in (None, "stacks", "none"):
         raise ValueError(f"unknown where {where!r}; valid: None, 'stacks', 'none'")
+    if not compact_rest and not (state and kind in ("device", "stream", "defer")):
+        raise ValueError(
+            f"compact_rest=False needs a compact state (kind device, stream, defer), got {state=}, {kind=}"
+        )
     adamw = optax.adamw(lr, b1=ADAM_B1)
-    adamw = transforms.compact_state(adamw, state) if state else adamw
+    if state and not compact_rest and kind == "device":  # the streamed arithmetic, on the device
+        adamw = optax.multi_transform({"stack": transforms.compact_state(adamw, state), "rest": adamw}, _stack_labels)
+    elif state:
+        adamw = transforms.compact_state(adamw, state)
     select = {"where": transforms.stack_matrix_state if where == "stacks" else _nothing} if where else {}
     if (split or unroll) and kind not in ("stream", "defer"):
         raise ValueError(f"split and unroll need the streamed optimizer (kind 'stream' or 'defer'), got kind {kind!r}")
@@ -561,6 +584,8 @@ def make_optimizer(
         defer = kind == "defer"
         if pending is not None:
             select["pending_dtype"] = pending
+        if not compact_rest:
+            select["compact_rest"] = False
         streamed = transforms.offload_opt_state(
             adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, split_layers=split, **select
         )  # split explicit: defer=True alone splits
@@ -569,11 +594,21 @@ def make_optimizer(
     return transforms.offload_opt_state(plain, **select) if kind == "offload" else plain
 
 
+def _stack_labels(params):
+    """``"stack"`` for each leaf of a :class:`zoo.nn.Stack`, ``"rest"`` for the others."""
+    import jax
+
+    from transforms._tree import stack_units
+
+    return jax.tree.map(lambda u: "stack" if u >= 0 else "rest", stack_units(params)[0])
+
+
 def optimizer_for(conf: Config | None, lr: float):
     """The optimizer of ``conf`` (see :func:`make_optimizer`); the plain one for ``None``."""
     if conf is None:
         return make_optimizer("device", lr)
-    return make_optimizer(conf.opt, lr, conf.state, conf.where, conf.split, conf.unroll, conf.pending)
+    settings = (conf.state, conf.where, conf.split, conf.unroll, conf.pending, conf.compact_rest)
+    return make_optimizer(conf.opt, lr, *settings)
 
 
 def apply_transforms(model, conf: Config):

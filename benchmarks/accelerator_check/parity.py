@@ -43,6 +43,9 @@ def reference_of(conf: Config | None) -> Config | None:
     the device is the same arithmetic, so the offloaded case must match it to rounding)."""
     if conf is None or not conf.state:
         return None
+    if not conf.compact_rest:  # only the stacks' moments compact
+        what = f"compact_state({conf.state!r}) for the stacks, float32 moments for the rest, no offload"
+        return Config(f"plain_{conf.state}_stacks", what, state=conf.state, compact_rest=False)
     return Config(f"plain_{conf.state}", f"compact_state({conf.state!r}), no offload", state=conf.state)
 
 
