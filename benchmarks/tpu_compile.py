@@ -94,7 +94,7 @@ def build(model_name: str, config: str, *, lr: float = 1e-3, weights: str = "all
     cfg = cfg if attention is None else cfg.replace(attention=attention)
     if weights == "stacks" and conf.params:
         model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), dataclasses.replace(conf, params=False))
-        host_stack = transforms.offload_params(model.stack, prefetch=conf.prefetch)
+        host_stack = transforms.offload_params(model.stack, prefetch=conf.prefetch, keep_weights=conf.keep)
         model = eqx.tree_at(lambda m: m.stack, model, host_stack)
     else:
         model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), conf)

@@ -1,6 +1,8 @@
 """transforms._deferred: each stack's update run in the next step's forward pass, against the streamed
 update after the backward pass (the same updates in the same order, the stacks' one step later)."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -407,3 +409,46 @@ def test_with_the_state_split_offloaded_activations_stay_in_halves_and_come_back
     check_prefetch(backward, {(batch, seq, cfg.d_model)})
     in_order = (cfg.n_layers, batch, seq, cfg.d_model)
     assert not [v for v in all_outvars(jaxpr) if tuple(v.aval.shape) == in_order], "activations stacked in order"
+
+
+def test_with_host_weights_kept_for_the_backward_the_deferred_steps_are_the_same():
+    """offload_params(prefetch=True, keep_weights=True) under the deferred update: the forward
+    pass keeps each layer's new matrices in bfloat16 on the device, the backward pass reads them
+    instead of fetching the weights it wrote back (only the norm scales come from host memory),
+    and the steps are those of the fetching schedule."""
+    cfg = zoo.config_from_name("llama:tiny", compute_dtype="bfloat16")
+    tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, defer=True)
+    runs = {}
+    for keep in (False, True):
+        step = transforms.train_step(zoo.lm_loss, opt)
+        model = zoo.build_model(cfg, key=jax.random.key(0))
+        model = transforms.offload_params(model, prefetch=True, keep_weights=keep)
+        state = step.init(model)
+        losses = []
+        for _ in range(2):
+            model, state, m = step(model, state, tokens)
+            losses.append(float(m["loss"]))
+        runs[keep] = step.flush(model, state)[0], losses
+        if keep:  # the deferred step's backward loop: which host arrays it fetches
+            params, static = eqx.partition(model, eqx.is_array)
+            loss_of = functools.partial(lambda st, p: zoo.lm_loss(eqx.combine(p, st), tokens), static)
+            fn = functools.partial(_deferred.deferred_step, loss_of, opt)
+            jaxpr = jax.make_jaxpr(fn)(params, state.streamed, state.pending).jaxpr
+            backward = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers]
+            leaves = jax.tree.leaves(eqx.filter(model.stack, eqx.is_array))
+            matrices = {tuple(x.shape[1:]) for x in leaves if x.ndim == 3}
+            fetched = {tuple(o.aval.shape) for e in backward for o in _fetches(e.params["jaxpr"].jaxpr)}
+            assert backward and fetched and not fetched & matrices
+    assert runs[True][1] == runs[False][1]
+    assert_same_model(runs[True][0], runs[False][0])
+
+
+def _fetches(jaxpr):
+    """The outputs of every host-to-device copy in ``jaxpr``."""
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    for e in jaxpr.eqns:
+        if e.primitive.name == "device_put":
+            for i, o in zip(e.invars, e.outvars, strict=False):
+                if (i.aval.memory_space, o.aval.memory_space) == (host, device):
+                    yield o

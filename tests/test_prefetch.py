@@ -270,3 +270,38 @@ def test_device_weights_offloaded_activations_gradients_equal_the_plain_ones_per
     ensemble = eqx.filter_vmap(lambda k: stack(False, k))(jax.random.split(jax.random.key(2), 2))
     grad = eqx.filter_jit(eqx.filter_grad(lambda e, xs: eqx.filter_vmap(lambda s: batch_loss(s, xs))(e).sum()))
     assert_same(grad(offload(ensemble), xs), grad(ensemble, xs))
+
+
+def test_kept_weights_the_backward_fetches_no_matrix_and_the_gradients_are_the_same():
+    """offload_params(prefetch=True, keep_weights=True) on a bfloat16-compute model: the forward
+    scan keeps each layer's matrices in bfloat16 on the device, the backward scan fetches only
+    the norm scales (used in float32) and the gradients are those of the fetching schedule."""
+    cfg = CFG.replace(compute_dtype="bfloat16")
+    kept, fetched = (transforms.offload_params(build(cfg), prefetch=True, keep_weights=k) for k in (True, False))
+    assert kept.stack.keep_weights and not fetched.stack.keep_weights
+    leaves = jax.tree.leaves(eqx.filter(kept.stack, eqx.is_array))
+    matrices = {tuple(x.shape[1:]) for x in leaves if x.ndim == 3}
+    vectors = {tuple(x.shape[1:]) for x in leaves if x.ndim == 2}
+    layered = [e for e in scans(grad_jaxpr(kept)) if e.params["length"] == CFG.n_layers]
+    (forward,) = [e for e in layered if not e.params["reverse"]]
+    (backward,) = [e for e in layered if e.params["reverse"]]
+    body, (_, n_carry) = forward.params["jaxpr"].jaxpr, scan_counts(forward)
+    outs = {(tuple(v.aval.shape), v.aval.dtype, v.aval.memory_space) for v in body.outvars[n_carry:]}
+    assert {(s, jnp.dtype(jnp.bfloat16), DEV) for s in matrices} <= outs
+    back = {tuple(o.aval.shape) for _, o in moves(backward.params["jaxpr"].jaxpr, H, DEV)}
+    assert back & (matrices | vectors) == vectors  # the norm scales still come from host memory
+    # Without keep_weights the backward fetches the matrices too (the test above can fail).
+    (plain_back,) = [
+        e for e in scans(grad_jaxpr(fetched)) if e.params["length"] == CFG.n_layers and e.params["reverse"]
+    ]
+    assert matrices <= {tuple(o.aval.shape) for _, o in moves(plain_back.params["jaxpr"].jaxpr, H, DEV)}
+
+    tokens = jax.random.randint(jax.random.key(3), (B, S + 1), 0, CFG.vocab_size)
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(zoo.lm_loss))
+    (loss_k, g_k), (loss_f, g_f) = grad(kept, tokens), grad(fetched, tokens)
+    assert float(loss_k) == float(loss_f)
+    for a, b in zip(jax.tree.leaves(g_k), jax.tree.leaves(g_f), strict=True):
+        assert a.dtype == b.dtype and a.sharding.memory_kind == b.sharding.memory_kind
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="prefetch=True"):
+        transforms.offload_params(build(cfg), keep_weights=True)

@@ -20,6 +20,7 @@ class Config:
     kind: str = "train"  # "train" or "bandwidth"
     params: bool = False
     prefetch: bool = False  # offload_params(prefetch=True): the explicit one-layer-ahead schedule
+    keep: bool = False  # offload_params(keep_weights=True): the forward's weights kept (compute dtype) for the backward
     params_where: str | None = None  # offload_params(where=...): "stacks" keeps the embedding and head on the device
     activations: str | None = None  # a preset of transforms.offload_activations, or one name to offload
     remat: bool = False  # full recompute set on the model itself (zoo.nn.with_remat(model, Remat()))
@@ -42,6 +43,8 @@ class Config:
             out["remat"] = "full"
         if self.prefetch:
             out["prefetch"] = True
+        if self.keep:
+            out["keep_weights"] = True
         if self.params_where:
             out["offload_params_where"] = self.params_where
         if self.state:
@@ -405,6 +408,18 @@ def config_table() -> list[Config]:
             pending="bfloat16",
         ),
         _checked(
+            "params_stacks_defer_device_state_bf16grads_keep",
+            "params_stacks_defer_device_state_bf16grads with the forward's new weights kept on the device in bfloat16 "
+            "for the backward pass (offload_params(keep_weights=True)): its backward fetches no matrix",
+            params=True,
+            params_where="stacks",
+            prefetch=True,
+            keep=True,
+            opt="defer",
+            where="none",
+            pending="bfloat16",
+        ),
+        _checked(
             "params_defer_bf16",
             "params_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16')): a quarter fewer bytes "
             "cross the link in the forward pass",
@@ -467,6 +482,18 @@ def config_table() -> list[Config]:
             "embedding's and the head's stay float32 on the device (offload_opt_state(..., compact_rest=False)), not "
             "decoded and encoded again every step",
             params_where="stacks",
+            state="float8",
+            where="stacks",
+            pending="bfloat16",
+            compact_rest=False,
+        ),
+        _all_three_defer(
+            "all_three_stacks_defer_f8_host_keep",
+            "all_three_stacks_defer_f8_host with the forward's new weights kept on the device in bfloat16 for the "
+            "backward pass (offload_params(keep_weights=True)): the backward fetches the block input and the norm "
+            "scales only (13 MB a llama:small layer instead of 38)",
+            params_where="stacks",
+            keep=True,
             state="float8",
             where="stacks",
             pending="bfloat16",
@@ -617,7 +644,8 @@ def apply_transforms(model, conf: Config):
     from zoo.nn import Remat, with_remat
 
     if conf.params:
-        model = transforms.offload_params(model, where=conf.params_where, prefetch=conf.prefetch)
+        kept = {"keep_weights": True} if conf.keep else {}
+        model = transforms.offload_params(model, where=conf.params_where, prefetch=conf.prefetch, **kept)
     if conf.activations:
         presets = transforms.ACTIVATION_PRESETS
         kw = {"policy": conf.activations} if conf.activations in presets else {"names": (conf.activations,)}

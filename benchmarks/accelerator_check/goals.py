@@ -129,7 +129,8 @@ def optimizer_goals(configs: dict) -> list[dict]:
 #: ``(configuration, GOALS key)`` of the whole-step speed goals of weight offload. The deferred
 #: update's configurations count toward them too: ``all_three_defer*`` offload the same three things
 #: (with the state in 16 bits, or the embedding's and head's moments on the device, where named;
-#: ``*_stacks_defer*``: their weights too, offload_params(where="stacks"));
+#: ``*_stacks_defer*``: their weights too, offload_params(where="stacks"); ``*_f8_host``: those
+#: moments in float32, the stacks' in 8 bits);
 #: ``params_defer_device_state`` offloads what ``params`` does; the other ``params_defer*`` offload
 #: the optimizer state beside the weights.
 OFFLOAD_SPEED = (("params", "params_step_ratio"), ("params_prefetch", "params_step_ratio"))
@@ -140,6 +141,7 @@ OFFLOAD_SPEED += tuple(
         "params_defer_device_state",
         "params_defer_device_state_bf16grads",
         "params_stacks_defer_device_state_bf16grads",
+        "params_stacks_defer_device_state_bf16grads_keep",
         "params_defer",
         "params_defer_bf16",
         "params_defer_bf16grads",
@@ -153,6 +155,8 @@ OFFLOAD_SPEED += tuple(
         "all_three_defer_bf16_stacks",
         "all_three_stacks_defer_bf16_stacks",
         "all_three_stacks_defer_f8_stacks",
+        "all_three_stacks_defer_f8_host",
+        "all_three_stacks_defer_f8_host_keep",
         "all_three_defer_f8_stacks",
     )
 )

@@ -251,11 +251,13 @@ def _build_model(spec: dict, cfg, conf: Config, report: dict):
     if conf.params:  # the device never holds every weight at once: the peak is the training's own
         try:
             model = jax.block_until_ready(
-                transforms.init_offloaded(build, key=key, where=conf.params_where, prefetch=conf.prefetch)
+                transforms.init_offloaded(
+                    build, key=key, where=conf.params_where, prefetch=conf.prefetch, keep_weights=conf.keep
+                )
             )
             report["init"] = "weights built in pinned_host (transforms.init_offloaded)"
             report["timings"]["init_model_s"] = time.perf_counter() - t
-            return model, dataclasses.replace(conf, params=False, prefetch=False)
+            return model, dataclasses.replace(conf, params=False, prefetch=False, keep=False)
         except Exception as err:  # the device build below still measures the configuration
             report["init"] = f"on the device, then offload_params (host build failed: {type(err).__name__}: {err})"
     model = jax.block_until_ready(eqx.filter_jit(build)(key))

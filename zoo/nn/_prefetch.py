@@ -187,6 +187,52 @@ def _floating(tree):
     return eqx.partition(tree, eqx.is_inexact_array)
 
 
+def _kept_dtypes(apply, w, h, kw) -> list:
+    """For each floating weight of one layer (in the order of ``jax.tree.leaves(_floating(w)[0])``):
+    the narrower floating dtype the layer converts it to before any other use of it (its one use
+    in the layer's trace), or ``None``. A copy in that dtype then stands in for the weight
+    exactly: converted back, it converts to the same values. (Norm scales, used in float32,
+    get ``None``.)"""
+    (wf, wo), (kf, ko) = _floating(w), _floating(kw)
+
+    def fn(wf, h, kf):
+        return apply(eqx.combine(wf, wo), h, eqx.combine(kf, ko))
+
+    spec = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+    jaxpr = jax.make_jaxpr(fn)(spec(wf), spec(h), spec(kf)).jaxpr
+    invars = jaxpr.invars[: len(jax.tree.leaves(wf))]
+    uses = {id(v): [] for v in invars}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if id(v) in uses:
+                uses[id(v)].append(eqn)
+    returned = {id(v) for v in jaxpr.outvars}
+
+    def kept(v):
+        found = uses[id(v)]
+        if len(found) != 1 or id(v) in returned or found[0].primitive.name != "convert_element_type":
+            return None
+        to = jnp.dtype(found[0].params["new_dtype"])
+        narrower = jnp.issubdtype(to, jnp.floating) and to.itemsize < jnp.dtype(v.aval.dtype).itemsize
+        return to if narrower else None
+
+    return [kept(v) for v in invars]
+
+
+def _keep(w, dtypes: list) -> list:
+    """One layer's floating weights (of ``w``) in their kept dtypes; ``None`` where there is none."""
+    return [None if d is None else a.astype(d) for a, d in zip(jax.tree.leaves(_floating(w)[0]), dtypes, strict=True)]
+
+
+def _with_kept(arrays, kept: list):
+    """``arrays`` with each floating leaf that has a kept copy (a stacked device array in
+    ``kept``, ``None`` elsewhere) replaced by that copy: what the backward pass reads."""
+    wf, wo = _floating(arrays)
+    leaves, treedef = jax.tree.flatten(wf)
+    mixed = [a if k is None else k for a, k in zip(leaves, kept, strict=True)]
+    return eqx.combine(jax.tree.unflatten(treedef, mixed), wo)
+
+
 def _layer_vjp(apply, policy, w, h, kw):
     """``(y, vjp)`` of one layer with respect to its floating weights, its input and its floating
     keyword arguments; what the checkpoint ``policy`` does not save is recomputed when ``vjp``
@@ -216,20 +262,22 @@ def _by_home(arrays):
     return host, device, join
 
 
-def _forward(apply, arrays, x, kw, n_layers: int, policy=None):
-    """The layers over ``x``; with a ``policy``, also what the backward pass needs of each."""
+def _forward(apply, arrays, x, kw, n_layers: int, policy=None, keep: bool = False):
+    """The layers over ``x``; with a ``policy``, also what the backward pass needs of each (with
+    ``keep``, ``(saved, kept)``: the kept copies of each layer's weights, see :func:`_keep`)."""
     host, device, join = _by_home(arrays)
 
     def body(h, w_host, w_device):
         w = join(w_host, w_device)
         if policy is None:
             return apply(w, h, kw), None
-        return _layer_vjp(apply, policy, w, h, kw)
+        y, saved = _layer_vjp(apply, policy, w, h, kw)
+        return y, ((saved, _keep(w, _kept_dtypes(apply, w, h, kw))) if keep else saved)
 
     return prefetch_scan(body, x, host, device, length=n_layers)
 
 
-def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squares: bool = False):
+def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squares: bool = False, homes=None):
     """Gradients of the weights (each in its weight's memory), the input and the keyword arguments
     (summed over the layers, which all read them). With ``into`` (stacked arrays, one per floating
     weight, in the order of its leaves) each layer's weight gradients are written into those
@@ -237,9 +285,12 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     ``i``'s gradients, made at the end of its iteration, are written while layer ``i - 1``
     differentiates (written in their own iteration, the copy of the last ones made could only
     start when the layer's work was done, and the loop would wait for it). With
-    ``with_squares``, also the sum of squares of the weight gradients (a fourth result)."""
+    ``with_squares``, also the sum of squares of the weight gradients (a fourth result).
+    ``homes``: the weights themselves where ``arrays`` holds kept copies of some (see
+    :func:`_keep`): each layer's copy is converted back to its weight's dtype before the layer's
+    product, and the gradients go where the weights live, in their dtype."""
     kf = _floating(kw)[0]
-    homes = _floating(arrays)[0]
+    homes = _floating(arrays if homes is None else homes)[0]
     # Residuals offloaded to host memory (a `Remat`'s offloaded names) are fetched one layer
     # ahead, like the weights: left as scan inputs, XLA would copy each in the iteration that
     # reads it, and the layer's backward would wait for it.
@@ -259,7 +310,8 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
         layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
-        dw, dh, dk = layer_saved.vjp((_floating(w)[0], kw))(dh)
+        wf = jax.tree.map(lambda a, home: a.astype(home.dtype), _floating(w)[0], homes)  # (kept copies)
+        dw, dh, dk = layer_saved.vjp((wf, kw))(dh)
         dkf = jax.tree.map(jnp.add, dkf, dk)
         if squares is not None:  # on the device, before the gradients leave for host memory
             squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
@@ -400,24 +452,30 @@ class LayerUpdate(NamedTuple):
     probe: Any = None
 
 
-def _forward_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate, args, read, write):
+def _forward_update(
+    apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate, args, read, write, keep: bool = False
+):
     """:func:`_forward` with each layer's weights updated first (see :class:`LayerUpdate`):
     ``(y, new_arrays, new_write, saved)``. The update sees and rewrites the floating arrays; the
-    others (integer per-layer settings) are read as they are."""
+    others (integer per-layer settings) are read as they are. With ``keep`` (host weights only),
+    ``saved`` is ``(saved, kept)``: the kept copies of each layer's new weights (:func:`_keep`)."""
     floating, other = _floating(arrays)
     other_leaves, other_def = jax.tree.flatten(other)
     # Host weights are rewritten in place where they live; device ones are read and their new
     # values stacked as the loop's outputs (an in-place loop would copy device stacks whole).
     in_place = any(on_host(a) for a in jax.tree.leaves(floating))
+    keep = keep and in_place and policy is not None
 
     def layer_of(h, w_i, r_i, s_i, o_i):
         new_w, new_s = update.fn(args, h, w_i, r_i, s_i)
         layer = eqx.combine(new_w, jax.tree.unflatten(other_def, o_i))
         if policy is None:
-            h, saved = apply(layer, h, kw), None
+            h_out, saved = apply(layer, h, kw), None
         else:
-            h, saved = _layer_vjp(apply, policy, layer, h, kw)
-        return h, new_w, new_s, saved
+            h_out, saved = _layer_vjp(apply, policy, layer, h, kw)
+        if keep:
+            saved = (saved, _keep(layer, _kept_dtypes(apply, layer, h, kw)))
+        return h_out, new_w, new_s, saved
 
     if in_place:
 
@@ -438,10 +496,10 @@ def _forward_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUp
     return h, eqx.combine(new_floating, other), new_write, saved
 
 
-def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate):
+def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate, keep: bool = False):
     """``(arrays, x, kw, args, read, write) -> (y, new_arrays, new_write)`` through the updating
     forward, differentiated by the prefetched backward over the new weights (the update's own
-    inputs and outputs carry no gradient)."""
+    inputs and outputs carry no gradient; with ``keep``, over the kept copies of them)."""
 
     @jax.custom_vjp
     def run(arrays, x, kw, args, read, write, grads, probe):
@@ -449,14 +507,18 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate):
 
     def run_fwd(arrays, x, kw, args, read, write, grads, probe):
         h, new_arrays, new_write, saved = _forward_update(
-            apply, arrays, x, kw, n_layers, policy, update, args, read, write
+            apply, arrays, x, kw, n_layers, policy, update, args, read, write, keep
         )
-        return (h, new_arrays, new_write), (new_arrays, saved, kw, grads)
+        reads = new_arrays
+        if keep and any(on_host(a) for a in jax.tree.leaves(new_arrays)):
+            saved, kept = saved
+            reads = _with_kept(new_arrays, kept)
+        return (h, new_arrays, new_write), (reads, saved, kw, grads, new_arrays)
 
     def run_bwd(res, cts):
-        new_arrays, saved, kw, grads = res
+        reads, saved, kw, grads, new_arrays = res
         with_squares = update.probe is not None
-        dw, dx, dkw, *squares = _backward(new_arrays, saved, kw, cts[0], n_layers, grads, with_squares)
+        dw, dx, dkw, *squares = _backward(reads, saved, kw, cts[0], n_layers, grads, with_squares, homes=new_arrays)
         squares = squares[0] if with_squares else None
         if grads is None:
             return dw, dx, dkw, None, None, None, None, squares
@@ -468,21 +530,25 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate):
     return run
 
 
-def _differentiable(apply, n_layers: int, policy):
+def _differentiable(apply, n_layers: int, policy, keep: bool = False):
     """``(arrays, x, kw) -> y`` through the prefetched forward, differentiated by the prefetched
-    backward."""
+    backward (with ``keep``, over the forward's kept copies of the weights, see :func:`_keep`)."""
 
     @jax.custom_vjp
     def run(arrays, x, kw):
         return _forward(apply, arrays, x, kw, n_layers)[0]
 
     def run_fwd(arrays, x, kw):
-        h, saved = _forward(apply, arrays, x, kw, n_layers, policy)
-        return h, (arrays, saved, kw)
+        hosted = keep and policy is not None and any(on_host(a) for a in jax.tree.leaves(arrays))
+        h, saved = _forward(apply, arrays, x, kw, n_layers, policy, hosted)
+        if not hosted:
+            return h, (arrays, saved, kw, arrays)
+        saved, kept = saved
+        return h, (_with_kept(arrays, kept), saved, kw, arrays)
 
     def run_bwd(res, g):
-        arrays, saved, kw = res
-        return _backward(arrays, saved, kw, g, n_layers)
+        reads, saved, kw, homes = res
+        return _backward(reads, saved, kw, g, n_layers, homes=homes)
 
     run.defvjp(run_fwd, run_bwd)
     return run
@@ -493,12 +559,12 @@ def _update_arrays(update: LayerUpdate) -> tuple:
     return update.args, update.read, update.write, update.grads, update.probe
 
 
-def _run(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate | None = None):
+def _run(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate | None = None, keep: bool = False):
     if update is not None:
         if innermost_transform_is_vmap():
-            return _run_batched_update(apply, arrays, x, kw, n_layers, policy, update)
-        return _differentiable_update(apply, n_layers, policy, update)(arrays, x, kw, *_update_arrays(update))
-    plain = _differentiable(apply, n_layers, policy)
+            return _run_batched_update(apply, arrays, x, kw, n_layers, policy, update, keep)
+        return _differentiable_update(apply, n_layers, policy, update, keep)(arrays, x, kw, *_update_arrays(update))
+    plain = _differentiable(apply, n_layers, policy, keep)
     if not innermost_transform_is_vmap():
         return plain(arrays, x, kw)
 
@@ -519,7 +585,7 @@ def _run(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate | None
                 "gather on host memory; offload such a model with prefetch=False"
             )
         x, batched_apply = _per_example(apply, axis_size, x, x_b, k_b)
-        out = _run(batched_apply, arrays, x, kw, n_layers, policy)
+        out = _run(batched_apply, arrays, x, kw, n_layers, policy, keep=keep)
         return out, jax.tree.map(lambda _: True, out)
 
     return run(arrays, x, kw)
@@ -537,13 +603,14 @@ def _per_example(apply, axis_size: int, x, x_batched, kw_batched):
     return x, batched_apply
 
 
-def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate):
+def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate, keep: bool = False):
     """:func:`_run` with an update under `vmap`: the batched layer inside the custom rules, as
     there; the update's arrays and outputs are not batched."""
 
     @jax.custom_batching.custom_vmap
     def run(arrays, x, kw, args, read, write, grads, probe):
-        return _differentiable_update(apply, n_layers, policy, update)(arrays, x, kw, args, read, write, grads, probe)
+        run = _differentiable_update(apply, n_layers, policy, update, keep)
+        return run(arrays, x, kw, args, read, write, grads, probe)
 
     @run.def_vmap
     def _batched(axis_size, in_batched, arrays, x, kw, args, read, write, grads, probe):
@@ -555,7 +622,7 @@ def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: Lay
             )
         x, batched_apply = _per_example(apply, axis_size, x, x_b, k_b)
         mine = update._replace(args=args, read=read, write=write, grads=grads, probe=probe)
-        h, new_arrays, new_write = _run(batched_apply, arrays, x, kw, n_layers, policy, mine)
+        h, new_arrays, new_write = _run(batched_apply, arrays, x, kw, n_layers, policy, mine, keep)
         flags = (jax.tree.map(lambda _: True, h), *(jax.tree.map(lambda _: False, t) for t in (new_arrays, new_write)))
         return (h, new_arrays, new_write), flags
 
@@ -563,7 +630,16 @@ def _run_batched_update(apply, arrays, x, kw, n_layers: int, policy, update: Lay
 
 
 def prefetched_scan(
-    apply, static, arrays, x, kwargs: dict, *, n_layers: int, policy, update: LayerUpdate | None = None
+    apply,
+    static,
+    arrays,
+    x,
+    kwargs: dict,
+    *,
+    n_layers: int,
+    policy,
+    update: LayerUpdate | None = None,
+    keep: bool = False,
 ):
     """Run the layers ``eqx.combine(arrays, static)`` over ``x`` (any pytree: the residual stream,
     possibly with a carry beside it) with one-layer-ahead prefetch: ``apply(layer, x, kwargs) -> x``
@@ -575,13 +651,20 @@ def prefetched_scan(
     With an ``update`` (a :class:`LayerUpdate`) each layer's
     weights are updated before the layer runs and written back in place; returns ``(y,
     new_arrays, new_write)``.
+
+    With ``keep`` (and host-resident weights), the forward pass keeps each layer's weights that the
+    layer converts to a narrower dtype before using them (matrices cast to a bfloat16 compute
+    dtype) in that dtype on the device, stacked, and the backward pass reads them there instead
+    of fetching the weights from host memory again: it then fetches only offloaded activations
+    and the weights used as they are (norm scales). Exact (the copy converts back to the values
+    the layer used); the device holds the kept copies from the forward to the backward pass.
     """
     kw, kw_static = eqx.partition(kwargs, eqx.is_array)
 
     def apply_arrays(w, h, kw):
         return apply(eqx.combine(w, static), h, eqx.combine(kw, kw_static))
 
-    return _run(apply_arrays, arrays, x, kw, n_layers, policy, update)
+    return _run(apply_arrays, arrays, x, kw, n_layers, policy, update, keep)
 
 
 def _zero_cotangent(x):

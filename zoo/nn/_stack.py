@@ -105,6 +105,13 @@ class Stack(AxisNamed):
       `remat` that offloads names, a scanned stack of depth > 1 runs that schedule's loop anyway:
       its backward pass fetches layer ``i - 1``'s offloaded activations while layer ``i``
       differentiates, where a plain scan copies each in the iteration that reads it.)
+    - `keep_weights`: with `prefetch` and host-resident weights, the forward pass keeps each
+      layer's weights that the layer converts to a narrower dtype before use (its matrices, cast
+      to a bfloat16 compute dtype) in that dtype on the device for the backward pass, which then
+      fetches none of them again: half the host-to-device bytes of float32 weights, for device
+      memory holding every layer's copy from the forward to the backward pass (as many bytes as
+      the stack's matrices in the compute dtype). Exact: the copy converts back to the values the
+      layer used. See :func:`transforms.offload_params`.
     - `key`: a `jax.random` key; split into one key per layer.
     - `layers`: instead of `make_layer` and `key`, layers already stacked (every array with a
       leading axis of ``n_layers``), e.g. weights loaded from a checkpoint; ``n_layers`` is
@@ -125,6 +132,7 @@ class Stack(AxisNamed):
     scan: bool = eqx.field(static=True)
     remat: Remat | None = eqx.field(static=True)
     prefetch: bool = eqx.field(static=True)
+    keep_weights: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -134,6 +142,7 @@ class Stack(AxisNamed):
         scan: bool = True,
         remat: Remat | None = None,
         prefetch: bool = False,
+        keep_weights: bool = False,
         key: PRNGKeyArray | None = None,
         layers: eqx.Module | None = None,
     ):
@@ -155,10 +164,13 @@ class Stack(AxisNamed):
         self.scan = scan
         self.remat = remat
         self.prefetch = prefetch
+        self.keep_weights = keep_weights
 
     def __check_init__(self):
         if not isinstance(self.prefetch, bool):
             raise TypeError(f"Stack.prefetch must be a bool, got {self.prefetch!r}")
+        if not isinstance(self.keep_weights, bool):
+            raise TypeError(f"Stack.keep_weights must be a bool, got {self.keep_weights!r}")
         if self.remat is not None:
             if not isinstance(self.remat, Remat):
                 raise TypeError(f"Stack.remat must be a zoo.nn.Remat or None, got {type(self.remat).__name__}")
@@ -253,7 +265,15 @@ class Stack(AxisNamed):
                     "(host weights, or a Remat)"
                 )
             out, new_arrays, new_write = prefetched_scan(
-                apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy, update=run
+                apply,
+                static,
+                arrays,
+                state,
+                kwargs,
+                n_layers=self.n_layers,
+                policy=policy,
+                update=run,
+                keep=self.keep_weights,
             )
             run.done(new_arrays, new_write)
             return out
@@ -270,7 +290,9 @@ class Stack(AxisNamed):
             # Host weights with prefetch, or device weights whose activations are offloaded: the
             # backward pass fetches each layer's offloaded activations one layer ahead (left to
             # the scan, each is copied in the iteration that reads it, and the layer waits).
-            return prefetched_scan(apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy)
+            return prefetched_scan(
+                apply, static, arrays, state, kwargs, n_layers=self.n_layers, policy=policy, keep=self.keep_weights
+            )
 
         def body(state, layer_arrays):
             return apply(eqx.combine(layer_arrays, static), state, kwargs), None
@@ -428,6 +450,7 @@ def _memory_space(kind: str):
 def _rebuilt(stack: Stack, **changes) -> Stack:
     """``stack`` with some of its static options changed (a new module; nothing is mutated)."""
     options = {"scan": stack.scan, "remat": stack.remat, "prefetch": stack.prefetch, **changes}
+    options.setdefault("keep_weights", stack.keep_weights)
     return type(stack)(layers=stack.layers, n_layers=stack.n_layers, **options)
 
 
@@ -466,9 +489,14 @@ def checkpoint_names(tree) -> tuple[str, ...]:
     return tuple(names)
 
 
-def with_prefetch(tree, prefetch: bool):
+def with_prefetch(tree, prefetch: bool, keep_weights: bool = False):
     """Return ``tree`` with every :class:`Stack` in it set to run with (or without) the explicit
-    one-layer-ahead weight prefetch (effective while its weights live in host memory)."""
+    one-layer-ahead weight prefetch (effective while its weights live in host memory), keeping
+    the weights for the backward pass with ``keep_weights`` (see :class:`Stack`)."""
+    if not isinstance(keep_weights, bool):
+        raise TypeError(f"keep_weights must be True or False, got {keep_weights!r}")
+    if keep_weights and not prefetch:
+        raise ValueError("keep_weights keeps the prefetched weights for the backward pass; pass prefetch=True with it")
     if not isinstance(prefetch, bool):
         raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
-    return _map_stacks(tree, lambda s: _rebuilt(s, prefetch=prefetch))
+    return _map_stacks(tree, lambda s: _rebuilt(s, prefetch=prefetch, keep_weights=keep_weights))
