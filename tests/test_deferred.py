@@ -452,3 +452,50 @@ def _fetches(jaxpr):
             for i, o in zip(e.invars, e.outvars, strict=False):
                 if (i.aval.memory_space, o.aval.memory_space) == (host, device):
                     yield o
+
+
+def test_with_host_weights_and_pending_gradients_on_the_device_the_steps_are_the_same():
+    """offload_opt_state(..., defer=True, pending_on_device=True) with host weights: the pending
+    gradients wait on the device (the backward writes them there, the forward reads them there),
+    the weights stay in host memory, and the steps are the streamed update's."""
+    cfg = zoo.config_from_name("llama:tiny")
+    tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    runs = {}
+    for defer in (False, True):
+        extra = {"defer": True, "pending_on_device": True} if defer else {}
+        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, **extra)
+        step = transforms.train_step(zoo.lm_loss, opt)
+        model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
+        state = step.init(model)
+        metrics = []
+        for _ in range(2):
+            model, state, m = step(model, state, tokens)
+            metrics.append((float(m["loss"]), float(m["grad_norm"])))
+        if defer:
+            kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree) if x.ndim >= 2}
+            assert kinds(state.pending.grads) == {"device"} and kinds(eqx.filter(model, eqx.is_array)) == {
+                "pinned_host"
+            }
+            params, static = eqx.partition(model, eqx.is_array)
+            loss_of = functools.partial(lambda st, p: zoo.lm_loss(eqx.combine(p, st), tokens), static)
+            jaxpr = jax.make_jaxpr(functools.partial(_deferred.deferred_step, loss_of, opt))(
+                params, state.streamed, state.pending
+            ).jaxpr
+            backward = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers]
+            sent = [o for e in backward for o in _sends(e.params["jaxpr"].jaxpr)]
+            assert backward and not sent  # nothing of a layer goes to host memory in the backward
+        runs[defer] = step.flush(model, state)[0], metrics
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
+    assert_same_model(runs[True][0], runs[False][0])
+    with pytest.raises(ValueError, match="defer=True"):
+        transforms.offload_opt_state(optax.adamw(3e-3), stream=True, pending_on_device=True)
+
+
+def _sends(jaxpr):
+    """The outputs of every device-to-host copy in ``jaxpr``."""
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    for e in jaxpr.eqns:
+        if e.primitive.name == "device_put":
+            for i, o in zip(e.invars, e.outvars, strict=False):
+                if (i.aval.memory_space, o.aval.memory_space) == (device, host):
+                    yield o

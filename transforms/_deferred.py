@@ -300,4 +300,4 @@ def apply_pending(optimizer, params, state, pending: Pending):
     new_params, state, _ = _run(
         optimizer.inner, optimizer.clip_norm, grads, state, params, apply=True, rest=False, g_norm=pending.g_norm
     )
-    return new_params, state, no_pending(params, optimizer.pending_dtype)
+    return new_params, state, no_pending(params, optimizer.pending_dtype, optimizer.pending_on_device)

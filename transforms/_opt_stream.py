@@ -637,6 +637,7 @@ class StreamedOptimizer(OffloadedOptimizer):
         unroll_update: bool = False,
         pending_dtype: str | None = None,
         compact_rest: bool = True,
+        pending_on_device: bool = False,
     ):
         rest_inner = _rest_optimizer(inner, compact_rest)
 
@@ -646,7 +647,7 @@ class StreamedOptimizer(OffloadedOptimizer):
             state = _init(inner, select, where_given, params, split_layers, allow_empty=defer, rest_inner=rest_inner)
             if not defer:
                 return state
-            return DeferredState(state, no_pending(params, pending_dtype))
+            return DeferredState(state, no_pending(params, pending_dtype, pending_on_device))
 
         def update(updates, state, params=None):
             if defer:
@@ -667,6 +668,7 @@ class StreamedOptimizer(OffloadedOptimizer):
         self.unroll_update = unroll_update
         self.pending_dtype = pending_dtype
         self.compact_rest = compact_rest
+        self.pending_on_device = pending_on_device
         #: The optimizer of the leaves outside the stacks (``inner`` unless ``compact_rest=False``).
         self.rest_inner = rest_inner
         self._args = (select, where_given)
@@ -723,4 +725,5 @@ def _variant(optimizer: StreamedOptimizer, **changes) -> StreamedOptimizer:
     select, where_given = optimizer._args
     settings = dict(split_layers=optimizer.split_layers, defer=optimizer.defer, unroll_update=optimizer.unroll_update)
     settings.update(pending_dtype=optimizer.pending_dtype, compact_rest=optimizer.compact_rest)
+    settings.update(pending_on_device=optimizer.pending_on_device)
     return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, **{**settings, **changes})

@@ -31,19 +31,21 @@ def pending_dtype_of(x, dtype=None):
     return dtype if dtype is not None and x.ndim >= 3 else x.dtype
 
 
-def no_pending(params, dtype=None) -> Pending:
+def no_pending(params, dtype=None, on_device: bool = False) -> Pending:
     """The :class:`Pending` of a run that has taken no step yet; its gradients in ``dtype``
     (default: each weight's; see :func:`pending_dtype_of`), each where its weight lives (host
-    memory for host weights)."""
+    memory for host weights), or all on the device with ``on_device``."""
     units, _ = _units(params)
 
     def zeros(u, x):
         if u < 0:
             return None
         kind = pending_dtype_of(x, dtype)
+        make = lambda: jnp.zeros(x.shape, kind)
+        if on_device and on_host(x):  # (traced: made on the device, the default memory)
+            return make() if isinstance(x, jax.core.Tracer) else jax.jit(make, out_shardings=_on_device(x))()
         if not on_host(x):
             return jnp.zeros_like(x, dtype=kind)
-        make = lambda: jnp.zeros(x.shape, kind)
         if isinstance(x, jax.core.Tracer):
             return jax.device_put(make(), jax.memory.Space.Host)
         # Made in place (no device copy of the stack), with the host memory in its type.
@@ -51,6 +53,11 @@ def no_pending(params, dtype=None) -> Pending:
 
     grads = jax.tree.map(zeros, units, params)
     return Pending(grads, jnp.zeros((), jnp.float32), jnp.zeros((), bool))
+
+
+def _on_device(x):
+    """``x``'s sharding in device memory."""
+    return x.sharding.with_memory_kind("device")
 
 
 class DeferredState(NamedTuple):

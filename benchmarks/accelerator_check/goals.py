@@ -142,6 +142,7 @@ OFFLOAD_SPEED += tuple(
         "params_defer_device_state_bf16grads",
         "params_stacks_defer_device_state_bf16grads",
         "params_stacks_defer_device_state_bf16grads_keep",
+        "params_stacks_defer_device_grads_keep",
         "params_defer",
         "params_defer_bf16",
         "params_defer_bf16grads",
@@ -157,6 +158,7 @@ OFFLOAD_SPEED += tuple(
         "all_three_stacks_defer_f8_stacks",
         "all_three_stacks_defer_f8_host",
         "all_three_stacks_defer_f8_host_keep",
+        "all_three_stacks_defer_f8_host_keep_device_grads",
         "all_three_defer_f8_stacks",
     )
 )

@@ -297,12 +297,11 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     hosted = [isinstance(x, LayerHalves) or on_host(x) for x in saved.leaves]
     res_host = [x for x, h in zip(saved.leaves, hosted, strict=True) if h]
     res_device = [x for x, h in zip(saved.leaves, hosted, strict=True) if not h]
-    home_leaves = jax.tree.leaves(homes)
 
     def write(bufs, grads, i):
         """``grads`` (one layer's, on the device, in the buffers' dtypes) written into ``bufs`` at
         layer ``i``, sent where each buffer lives."""
-        sent = _to_host_like(grads, home_leaves)
+        sent = _to_host_like(grads, bufs)
         return [jax.lax.dynamic_update_index_in_dim(b, d, i, 0) for b, d in zip(bufs, sent, strict=True)]
 
     def layer(carry, w, here_host, here_device, i):
