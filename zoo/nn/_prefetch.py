@@ -224,6 +224,13 @@ def _keep(w, dtypes: list) -> list:
     return [None if d is None else a.astype(d) for a, d in zip(jax.tree.leaves(_floating(w)[0]), dtypes, strict=True)]
 
 
+def _keeps(keep: bool, policy, arrays) -> bool:
+    """Whether a forward pass over ``arrays`` keeps copies of the weights for the backward pass:
+    asked to (``keep``), differentiated (a ``policy``) and with weights in host memory (device
+    ones are read in place)."""
+    return keep and policy is not None and any(on_host(a) for a in jax.tree.leaves(_floating(arrays)[0]))
+
+
 def _with_kept(arrays, kept: list):
     """``arrays`` with each floating leaf that has a kept copy (a stacked device array in
     ``kept``, ``None`` elsewhere) replaced by that copy: what the backward pass reads."""
@@ -288,7 +295,7 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     ``with_squares``, also the sum of squares of the weight gradients (a fourth result).
     ``homes``: the weights themselves where ``arrays`` holds kept copies of some (see
     :func:`_keep`): each layer's copy is converted back to its weight's dtype before the layer's
-    product, and the gradients go where the weights live, in their dtype."""
+    product, and gradients returned as new arrays go where the weights live, in their dtype."""
     kf = _floating(kw)[0]
     homes = _floating(arrays if homes is None else homes)[0]
     # Residuals offloaded to host memory (a `Remat`'s offloaded names) are fetched one layer
@@ -456,14 +463,13 @@ def _forward_update(
 ):
     """:func:`_forward` with each layer's weights updated first (see :class:`LayerUpdate`):
     ``(y, new_arrays, new_write, saved)``. The update sees and rewrites the floating arrays; the
-    others (integer per-layer settings) are read as they are. With ``keep`` (host weights only),
+    others (integer per-layer settings) are read as they are. With ``keep`` (see :func:`_keeps`),
     ``saved`` is ``(saved, kept)``: the kept copies of each layer's new weights (:func:`_keep`)."""
     floating, other = _floating(arrays)
     other_leaves, other_def = jax.tree.flatten(other)
     # Host weights are rewritten in place where they live; device ones are read and their new
     # values stacked as the loop's outputs (an in-place loop would copy device stacks whole).
     in_place = any(on_host(a) for a in jax.tree.leaves(floating))
-    keep = keep and in_place and policy is not None
 
     def layer_of(h, w_i, r_i, s_i, o_i):
         new_w, new_s = update.fn(args, h, w_i, r_i, s_i)
@@ -505,13 +511,14 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate, ke
         return _forward_update(apply, arrays, x, kw, n_layers, None, update, args, read, write)[:3]
 
     def run_fwd(arrays, x, kw, args, read, write, grads, probe):
+        kept = _keeps(keep, policy, arrays)
         h, new_arrays, new_write, saved = _forward_update(
-            apply, arrays, x, kw, n_layers, policy, update, args, read, write, keep
+            apply, arrays, x, kw, n_layers, policy, update, args, read, write, kept
         )
         reads = new_arrays
-        if keep and any(on_host(a) for a in jax.tree.leaves(new_arrays)):
-            saved, kept = saved
-            reads = _with_kept(new_arrays, kept)
+        if kept:
+            saved, copies = saved
+            reads = _with_kept(new_arrays, copies)
         return (h, new_arrays, new_write), (reads, saved, kw, grads, new_arrays)
 
     def run_bwd(res, cts):
@@ -538,12 +545,12 @@ def _differentiable(apply, n_layers: int, policy, keep: bool = False):
         return _forward(apply, arrays, x, kw, n_layers)[0]
 
     def run_fwd(arrays, x, kw):
-        hosted = keep and policy is not None and any(on_host(a) for a in jax.tree.leaves(arrays))
-        h, saved = _forward(apply, arrays, x, kw, n_layers, policy, hosted)
-        if not hosted:
+        kept = _keeps(keep, policy, arrays)
+        h, saved = _forward(apply, arrays, x, kw, n_layers, policy, kept)
+        if not kept:
             return h, (arrays, saved, kw, arrays)
-        saved, kept = saved
-        return h, (_with_kept(arrays, kept), saved, kw, arrays)
+        saved, copies = saved
+        return h, (_with_kept(arrays, copies), saved, kw, arrays)
 
     def run_bwd(res, g):
         reads, saved, kw, homes = res
