@@ -538,6 +538,14 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             )
         if conf.params_where:
             notes.append(f"counted with every weight in host memory; this configuration offloads {conf.params_where}")
+        if conf.keep:
+            notes.append("the kept compute-dtype copy of the stacks' matrices (keep_weights) not counted")
+        if conf.pending_device:
+            notes.append(
+                "counted with the pending gradients in host memory; this configuration keeps them on the device"
+            )
+        if not conf.compact_rest:
+            notes.append(f"counted with every moment in {conf.state}; those outside the stacks here are float32")
         if notes:
             report["planner"]["note"] = "; ".join(notes)
     except Exception as err:
