@@ -201,6 +201,12 @@ def test_bad_prefetch_values_are_type_errors():
         transforms.offload_params(stack(False), prefetch="yes")
     with pytest.raises(TypeError, match="prefetch"):
         nn.Stack(lambda k: nn.Linear(4, 4, key=k), 2, prefetch=1, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="keep_weights"):
+        transforms.offload_params(stack(False), prefetch=True, keep_weights="yes")
+    with pytest.raises(TypeError, match="keep_weights"):
+        nn.Stack(lambda k: nn.Linear(4, 4, key=k), 2, prefetch=True, keep_weights=1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="pass prefetch=True with it"):
+        nn.with_prefetch(stack(False), False, keep_weights=True)
 
 
 def test_param_fetch_is_asked_for_host_arrays_only_and_none_keeps_the_plain_copy():
