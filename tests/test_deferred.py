@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import all_outvars
+from _models import all_outvars, fresh
 from test_prefetch import check_prefetch, scans
 
 import transforms
@@ -17,6 +17,7 @@ import zoo
 from transforms import _deferred, _layer_split
 from transforms._layer_split import LayerSplit
 from transforms._opt_stream import with_split_layers
+from zoo import sharding
 
 STEPS = 3
 
@@ -499,3 +500,33 @@ def _sends(jaxpr):
             for i, o in zip(e.invars, e.outvars, strict=False):
                 if (i.aval.memory_space, o.aval.memory_space) == (device, host):
                     yield o
+
+
+def test_on_a_mesh_the_deferred_steps_equal_the_streamed_steps():
+    """Over 8 devices (data 2 x fsdp 4), host weights: the deferred update's first step used to be
+    refused (its pending norm, made eagerly on one device, beside weights sharded over the mesh).
+    The steps equal the streamed update's; pending gradients kept on the device are sharded like
+    their weights."""
+    mesh = sharding.make_mesh(data=2, fsdp=4)
+    cfg = zoo.config_from_name("llama:tiny")
+    base = zoo.build_model(cfg, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(3), (8, 17), 0, cfg.vocab_size, jnp.int32)
+    tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
+    runs = {}
+    for defer in (False, True):
+        extra = {"defer": True, "pending_on_device": True} if defer else {}
+        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, **extra)
+        step = transforms.train_step(zoo.lm_loss, opt)
+        model = transforms.offload_params(fresh(base, mesh), prefetch=True)
+        state = step.init(model)
+        losses = []
+        for _ in range(2):
+            model, state, m = step(model, state, tokens)
+            losses.append(float(m["loss"]))
+        assert step.trace_count == 1
+        if defer:
+            weight, grad = model.stack.layers.mlp.up.weight, state.pending.grads.stack.layers.mlp.up.weight
+            assert grad.sharding.spec == weight.sharding.spec and grad.sharding.memory_kind == "device"
+        runs[defer] = step.flush(model, state)[0], losses
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-6)
+    assert_same_model(runs[True][0], runs[False][0])

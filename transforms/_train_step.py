@@ -54,13 +54,19 @@ def _is_stack(node) -> bool:
     return isinstance(node, Stack)
 
 
-def _commit(tree):
+def _commit(model, opt_state):
+    """``(model, opt_state)`` with their uncommitted arrays committed: where they are, or, with the
+    model's weights on a mesh, replicated over it (an eagerly made scalar, such as a deferred
+    update's first norm, sits on one device, and a step over the mesh refuses it)."""
+    mesh = mesh_of(eqx.filter(model, eqx.is_array))
+    where = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
     def one(x):
         if isinstance(x, jax.Array) and not x.committed:
-            return jax.device_put(x, x.sharding)
+            return jax.device_put(x, x.sharding if where is None else where)
         return x
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, (model, opt_state))
 
 
 class TrainStep:
@@ -294,7 +300,7 @@ class TrainStep:
         """
         if not _defers(self.optimizer) or not bool(opt_state.pending.ready):
             return model, opt_state
-        model, opt_state = _commit(model), _commit(opt_state)
+        model, opt_state = _commit(model, opt_state)
         params, static = eqx.partition(model, eqx.is_array)
         trainable, frozen = eqx.partition(params, trainable_mask(model))
         out = jax.tree.map(lambda x: x.sharding, (trainable, opt_state))
@@ -346,7 +352,7 @@ class TrainStep:
         """(the jitted step for this model's structure and placement, trainable, frozen, state, static)."""
         # Arrays built eagerly are uncommitted; the step's outputs are committed, and jit compiles
         # again when that changes. Committing them first keeps it to one compile.
-        model, opt_state = _commit(model), _commit(opt_state)
+        model, opt_state = _commit(model, opt_state)
         params, static = eqx.partition(model, eqx.is_array)
         # Only the trained leaves go through the step and are donated; frozen weights (a LoRA base)
         # and integer leaves are read-only inputs, never copied or donated.
