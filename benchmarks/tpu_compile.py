@@ -119,7 +119,7 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
         sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    model, state = _commit(model), _commit(state)
+    model, state = _commit(model, state)
     arrays, static = eqx.partition(model, eqx.is_array)
     trainable, frozen = eqx.partition(arrays, trainable_mask(model))
     trainable, frozen, state = jax.tree.map(describe, (trainable, frozen, state))
