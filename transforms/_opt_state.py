@@ -161,12 +161,13 @@ def offload_opt_state(
       1 for an 8-bit one).
 
     **Raises:** `TypeError` for an optimizer that is not an optax one, a `where` that is not
-    callable, a `stream`, `defer` or `split_layers` that is not a bool (or ``None``) or a
-    `clip_norm` that is not a number; `ValueError` for a `clip_norm` that is not positive and
-    finite, ``defer`` or ``split_layers`` without ``stream``, an
-    optimizer wrapped twice, and at ``init`` for a `where` that selects nothing (without
-    ``defer``), (``stream=True``)
-    an optimizer whose update of one layer depends on other layers; `RuntimeError` on a backend
+    callable, a `stream`, `defer`, `split_layers`, `compact_rest` or `pending_on_device` that is
+    not a bool (or ``None``) or a `clip_norm` that is not a number; `ValueError` for a `clip_norm`
+    that is not positive and finite, ``defer`` or ``split_layers`` without ``stream``,
+    ``pending_dtype`` or ``pending_on_device`` without ``defer``, ``compact_rest=False`` without
+    ``stream`` and a ``compact_state`` optimizer, an optimizer wrapped twice, and at ``init`` for
+    a `where` that selects nothing (without ``defer``), (``stream=True``) an optimizer whose
+    update of one layer depends on other layers; `RuntimeError` on a backend
     without host memory.
 
     **Example:**

@@ -83,11 +83,10 @@ def offload_params(model, *, where: Callable | str | None = None, prefetch: bool
     - `keep_weights`: with ``prefetch=True``, the forward pass keeps each layer's weights that the
       layer casts to a narrower compute dtype before use (its matrices, in a bfloat16 model) on
       the device in that dtype, and the backward pass reads them there instead of fetching them
-      again: a layer's backward then moves no matrix over the host link (a quarter of the float32
-      weights' step traffic saved with the forward's fetch, half of the backward's), for device
-      memory holding the stacks' matrices in the compute dtype from the forward to the backward
-      pass. Exact (the copy converts back to the values the layer used). The planner does not
-      count that memory yet.
+      again: its loop then fetches no matrix (for float32 weights, half the weight bytes a step
+      brings to the device), for device memory holding the stacks' matrices in the compute dtype
+      from the forward to the backward pass. Exact (the copy converts back to the values the
+      layer used). The planner does not count that memory yet.
 
     **Returns:** the model with the selected leaves in ``pinned_host``.
 
