@@ -311,3 +311,7 @@ def test_kept_weights_the_backward_fetches_no_matrix_and_the_gradients_are_the_s
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="prefetch=True"):
         transforms.offload_params(build(cfg), keep_weights=True)
+    # A float32-compute model converts no weight: nothing to keep, said once at trace time.
+    f32 = transforms.offload_params(build(CFG), prefetch=True, keep_weights=True)
+    with pytest.warns(UserWarning, match="nothing is kept"):
+        jax.make_jaxpr(eqx.filter_value_and_grad(zoo.lm_loss))(f32, tokens)

@@ -23,6 +23,7 @@ example first.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -220,7 +221,14 @@ def _kept_dtypes(apply, w, h, kw) -> list:
 
 
 def _keep(w, dtypes: list) -> list:
-    """One layer's floating weights (of ``w``) in their kept dtypes; ``None`` where there is none."""
+    """One layer's floating weights (of ``w``) in their kept dtypes; ``None`` where there is none
+    (a warning when no weight has one: ``keep_weights`` then changes nothing)."""
+    if dtypes and all(d is None for d in dtypes):
+        warnings.warn(
+            "keep_weights=True: no weight of this stack's layers is converted to a narrower dtype before use "
+            "(a float32 compute dtype?), so nothing is kept and the backward pass fetches the weights again",
+            stacklevel=2,
+        )
     return [None if d is None else a.astype(d) for a, d in zip(jax.tree.leaves(_floating(w)[0]), dtypes, strict=True)]
 
 
