@@ -7,7 +7,8 @@ Forward: iteration ``i`` issues the copy of layer ``i + 1``'s weights (host -> d
 computes layer ``i`` with the copy carried in from iteration ``i - 1``; the device holds two
 layers' weights. What each layer keeps for the backward pass is what the stack's checkpoint
 policy saves (matmul outputs by default; a `Remat`'s names, offloaded ones in host memory),
-never the weight copies.
+never the weight copies, unless asked to keep them (``keep``: each matrix in the narrower dtype
+the layer converts it to, for the backward pass to read instead of fetching it again).
 
 Backward (a reverse scan): iteration ``i`` issues the copy of layer ``i - 1``'s weights and of
 its residuals offloaded to host memory, then applies layer ``i``'s vector-Jacobian product to the
