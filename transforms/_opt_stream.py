@@ -669,10 +669,13 @@ class StreamedOptimizer(OffloadedOptimizer):
         self.pending_dtype = pending_dtype
         self.compact_rest = compact_rest
         self.pending_on_device = pending_on_device
-        #: The optimizer of the leaves outside the stacks (``inner`` unless ``compact_rest=False``).
-        self.rest_inner = rest_inner
         self._args = (select, where_given)
         return self
+
+    @property
+    def rest_inner(self):
+        """The optimizer of the leaves outside the stacks (``inner`` unless ``compact_rest=False``)."""
+        return _rest_optimizer(self.inner, self.compact_rest)
 
     def apply(self, grads, state, params):
         """Inside `jit`: ``(new_params, new_state, grad_norm)``, layer by layer.

@@ -43,7 +43,8 @@ def no_pending(params, dtype=None, on_device: bool = False) -> Pending:
         kind = pending_dtype_of(x, dtype)
         make = lambda: jnp.zeros(x.shape, kind)
         if on_device and on_host(x):  # (traced: made on the device, the default memory)
-            return make() if isinstance(x, jax.core.Tracer) else jax.jit(make, out_shardings=_on_device(x))()
+            device = None if isinstance(x, jax.core.Tracer) else x.sharding.with_memory_kind("device")
+            return make() if device is None else jax.jit(make, out_shardings=device)()
         if not on_host(x):
             return jnp.zeros_like(x, dtype=kind)
         if isinstance(x, jax.core.Tracer):
@@ -53,11 +54,6 @@ def no_pending(params, dtype=None, on_device: bool = False) -> Pending:
 
     grads = jax.tree.map(zeros, units, params)
     return Pending(grads, jnp.zeros((), jnp.float32), jnp.zeros((), bool))
-
-
-def _on_device(x):
-    """``x``'s sharding in device memory."""
-    return x.sharding.with_memory_kind("device")
 
 
 class DeferredState(NamedTuple):

@@ -449,8 +449,8 @@ def _memory_space(kind: str):
 
 def _rebuilt(stack: Stack, **changes) -> Stack:
     """``stack`` with some of its static options changed (a new module; nothing is mutated)."""
-    options = {"scan": stack.scan, "remat": stack.remat, "prefetch": stack.prefetch, **changes}
-    options.setdefault("keep_weights", stack.keep_weights)
+    options = {"scan": stack.scan, "remat": stack.remat, "prefetch": stack.prefetch, "keep_weights": stack.keep_weights}
+    options.update(changes)
     return type(stack)(layers=stack.layers, n_layers=stack.n_layers, **options)
 
 
