@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from _models import all_outvars, fresh
-from test_prefetch import check_prefetch, scans
+from test_prefetch import DEV, H, check_prefetch, moves, scans
 
 import transforms
 import zoo
@@ -432,27 +432,23 @@ def test_with_host_weights_kept_for_the_backward_the_deferred_steps_are_the_same
             losses.append(float(m["loss"]))
         runs[keep] = step.flush(model, state)[0], losses
         if keep:  # the deferred step's backward loop: which host arrays it fetches
-            params, static = eqx.partition(model, eqx.is_array)
-            loss_of = functools.partial(lambda st, p: zoo.lm_loss(eqx.combine(p, st), tokens), static)
-            fn = functools.partial(_deferred.deferred_step, loss_of, opt)
-            jaxpr = jax.make_jaxpr(fn)(params, state.streamed, state.pending).jaxpr
-            backward = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers]
+            backward = _deferred_backward(opt, model, state, tokens)
             leaves = jax.tree.leaves(eqx.filter(model.stack, eqx.is_array))
             matrices = {tuple(x.shape[1:]) for x in leaves if x.ndim == 3}
-            fetched = {tuple(o.aval.shape) for e in backward for o in _fetches(e.params["jaxpr"].jaxpr)}
+            fetched = {tuple(o.aval.shape) for body in backward for _, o in moves(body, H, DEV)}
             assert backward and fetched and not fetched & matrices
     assert runs[True][1] == runs[False][1]
     assert_same_model(runs[True][0], runs[False][0])
 
 
-def _fetches(jaxpr):
-    """The outputs of every host-to-device copy in ``jaxpr``."""
-    host, device = jax.memory.Space.Host, jax.memory.Space.Device
-    for e in jaxpr.eqns:
-        if e.primitive.name == "device_put":
-            for i, o in zip(e.invars, e.outvars, strict=False):
-                if (i.aval.memory_space, o.aval.memory_space) == (host, device):
-                    yield o
+def _deferred_backward(opt, model, state, tokens) -> list:
+    """The bodies of the backward layer loops of ``model``'s deferred step (traced, not run)."""
+    params, static = eqx.partition(model, eqx.is_array)
+    loss_of = functools.partial(lambda st, p: zoo.lm_loss(eqx.combine(p, st), tokens), static)
+    fn = functools.partial(_deferred.deferred_step, loss_of, opt)
+    jaxpr = jax.make_jaxpr(fn)(params, state.streamed, state.pending).jaxpr
+    n_layers = model.stack.n_layers
+    return [e.params["jaxpr"].jaxpr for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == n_layers]
 
 
 def test_with_host_weights_and_pending_gradients_on_the_device_the_steps_are_the_same():
@@ -477,29 +473,14 @@ def test_with_host_weights_and_pending_gradients_on_the_device_the_steps_are_the
             assert kinds(state.pending.grads) == {"device"} and kinds(eqx.filter(model, eqx.is_array)) == {
                 "pinned_host"
             }
-            params, static = eqx.partition(model, eqx.is_array)
-            loss_of = functools.partial(lambda st, p: zoo.lm_loss(eqx.combine(p, st), tokens), static)
-            jaxpr = jax.make_jaxpr(functools.partial(_deferred.deferred_step, loss_of, opt))(
-                params, state.streamed, state.pending
-            ).jaxpr
-            backward = [e for e in scans(jaxpr) if e.params["reverse"] and e.params["length"] == cfg.n_layers]
-            sent = [o for e in backward for o in _sends(e.params["jaxpr"].jaxpr)]
+            backward = _deferred_backward(opt, model, state, tokens)
+            sent = [o for body in backward for _, o in moves(body, DEV, H)]
             assert backward and not sent  # nothing of a layer goes to host memory in the backward
         runs[defer] = step.flush(model, state)[0], metrics
     np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
     assert_same_model(runs[True][0], runs[False][0])
     with pytest.raises(ValueError, match="defer=True"):
         transforms.offload_opt_state(optax.adamw(3e-3), stream=True, pending_on_device=True)
-
-
-def _sends(jaxpr):
-    """The outputs of every device-to-host copy in ``jaxpr``."""
-    host, device = jax.memory.Space.Host, jax.memory.Space.Device
-    for e in jaxpr.eqns:
-        if e.primitive.name == "device_put":
-            for i, o in zip(e.invars, e.outvars, strict=False):
-                if (i.aval.memory_space, o.aval.memory_space) == (device, host):
-                    yield o
 
 
 def test_on_a_mesh_the_deferred_steps_equal_the_streamed_steps():

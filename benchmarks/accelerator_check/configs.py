@@ -95,6 +95,23 @@ def _all_three_defer(name: str, description: str, **kw) -> Config:
     return _checked(name, description, params=True, prefetch=True, activations="block_input", opt="defer", **kw)
 
 
+def _params_stacks_defer(name: str, description: str, **kw) -> Config:
+    """A weight-offload configuration on the deferred update with only the stacks' weights in host
+    memory (prefetched) and the optimizer state on the device, its pending gradients in 16 bits
+    (its own parity case): they differ in what the backward reads and where the gradients wait."""
+    return _checked(
+        name,
+        description,
+        params=True,
+        params_where="stacks",
+        prefetch=True,
+        opt="defer",
+        where="none",
+        pending="bfloat16",
+        **kw,
+    )
+
+
 def config_table() -> list[Config]:
     """Every configuration, in the default plan's order (priority: what is skipped at the deadline
     is the end of the list), then the opt-in ones (``bandwidth``, ``capped``, the other presets)."""
@@ -398,42 +415,24 @@ def config_table() -> list[Config]:
             where="none",
             pending="bfloat16",
         ),
-        _checked(
+        _params_stacks_defer(
             "params_stacks_defer_device_state_bf16grads",
             "params_defer_device_state_bf16grads with the stacks' weights only in host memory "
             "(offload_params(where='stacks')): the embedding and head (37% of llama:small's weights) stay on the "
             "device, whose copies before the forward and after the update no matmul can hide",
-            params=True,
-            params_where="stacks",
-            prefetch=True,
-            opt="defer",
-            where="none",
-            pending="bfloat16",
         ),
-        _checked(
+        _params_stacks_defer(
             "params_stacks_defer_device_state_bf16grads_keep",
             "params_stacks_defer_device_state_bf16grads with the forward's new weights kept on the device in bfloat16 "
             "for the backward pass (offload_params(keep_weights=True)): its backward fetches no matrix",
-            params=True,
-            params_where="stacks",
-            prefetch=True,
             keep=True,
-            opt="defer",
-            where="none",
-            pending="bfloat16",
         ),
-        _checked(
+        _params_stacks_defer(
             "params_stacks_defer_device_grads_keep",
             "params_stacks_defer_device_state_bf16grads_keep with the pending gradients on the device too "
             "(offload_opt_state(..., pending_on_device=True)): each layer's forward fetches its float32 weights only "
             "and writes them back, its backward moves nothing but the norm scales",
-            params=True,
-            params_where="stacks",
-            prefetch=True,
             keep=True,
-            opt="defer",
-            where="none",
-            pending="bfloat16",
             pending_device=True,
         ),
         _checked(
