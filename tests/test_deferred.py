@@ -483,6 +483,53 @@ def test_with_host_weights_and_pending_gradients_on_the_device_the_steps_are_the
         transforms.offload_opt_state(optax.adamw(3e-3), stream=True, pending_on_device=True)
 
 
+@pytest.mark.parametrize("state_in", ["pinned_host", "device"])
+def test_host_weights_written_into_new_buffers_take_the_same_steps_and_leave_the_loop_carry(state_in):
+    """offload_opt_state(..., defer=True, rewrite_in_place=False): the forward loop reads each layer's
+    weights and moments from the old host buffers, which it no longer carries nor writes, and
+    stacks the new ones into new host buffers (in place, they are the loop's carry: its read of a
+    layer waits for its write of the one before; moments on the device stay its carry, rewritten in
+    place there). The steps are the in-place ones, bit for bit."""
+    cfg = zoo.config_from_name("llama:tiny")
+    tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, cfg.vocab_size, jnp.int32)
+    runs, host_carries = {}, {}
+    for in_place in (True, False):
+        where = {"where": lambda x: False} if state_in == "device" else {}
+        settings = dict(defer=True, pending_on_device=True, rewrite_in_place=in_place, **where)
+        opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, clip_norm=0.5, **settings)
+        step = transforms.train_step(zoo.lm_loss, opt)
+        model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
+        state = step.init(model)
+        params, static = eqx.partition(model, eqx.is_array)
+        loss_of = functools.partial(lambda st, p: zoo.lm_loss(eqx.combine(p, st), tokens), static)
+        jaxpr = jax.make_jaxpr(functools.partial(_deferred.deferred_step, loss_of, opt))(
+            params, state.streamed, state.pending
+        ).jaxpr
+        forward = [e for e in scans(jaxpr) if not e.params["reverse"] and e.params["length"] == cfg.n_layers]
+        assert len(forward) == 1
+        first, count = forward[0].params["num_consts"], forward[0].params["num_carry"]
+        carry = forward[0].params["jaxpr"].jaxpr.invars[first : first + count]
+        host_carries[in_place] = [v.aval.shape for v in carry if v.aval.memory_space == H]
+        device_carries = {v.aval.shape for v in carry if v.aval.memory_space != H}
+        losses = []
+        for _ in range(2):
+            model, state, m = step(model, state, tokens)
+            losses.append(float(m["loss"]))
+        kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree) if x.ndim >= 2}
+        assert kinds(eqx.filter(model, eqx.is_array)) == {"pinned_host"} and kinds(state.streamed.stacked) == {state_in}
+        runs[in_place] = step.flush(model, state)[0], losses
+    weights = {tuple(x.shape) for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_array))}
+    assert weights <= set(host_carries[True]) and not host_carries[False]
+    assert (state_in == "device") == (weights <= device_carries)  # (the moments' shapes are the weights')
+    assert runs[True][1] == runs[False][1]
+    for a, b in zip(*(jax.tree.leaves(eqx.filter(runs[k][0], eqx.is_array)) for k in (True, False)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="defer=True"):
+        transforms.offload_opt_state(optax.adamw(3e-3), stream=True, rewrite_in_place=False)
+    with pytest.raises(TypeError, match="rewrite_in_place"):
+        transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite_in_place="no")
+
+
 def test_on_a_mesh_the_deferred_steps_equal_the_streamed_steps():
     """Over 8 devices (data 2 x fsdp 4), host weights: the deferred update's first step used to be
     refused (its pending norm, made eagerly on one device, beside weights sharded over the mesh).

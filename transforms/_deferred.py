@@ -181,15 +181,24 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                     "runs it without offload; offload the model passed to the train step as the loss runs it"
                 )
             # Host weights, or device ones with activations offloaded: the stack's prefetched loop
-            # updates each layer's weights (host ones written back in place) and runs the layer
-            # with them (zoo.nn.LayerUpdate); its backward pass fetches offloaded activations one
+            # updates each layer's weights (host ones written back in place with the state, or
+            # into new buffers with rewrite_in_place=False) and runs the layer with them
+            # (zoo.nn.LayerUpdate); its backward pass fetches offloaded activations one
             # layer ahead (left to automatic differentiation, each would be copied in the iteration
             # that reads it) and writes this step's gradients over the pending ones (in place, in
             # their dtype), which come back as the cotangent of those buffers; their squares as the
             # probe's, summed on the device (no pass over host memory for the norm).
             if in_place[k]:
                 return LayerUpdate(
-                    args, pend[k], state.stacked[k], fn, _in_place_scan, done, grads=pend[k], probe=probes[k]
+                    args,
+                    pend[k],
+                    state.stacked[k],
+                    fn,
+                    _in_place_scan,
+                    done,
+                    grads=pend[k],
+                    probe=probes[k],
+                    in_place=optimizer.rewrite_in_place,
                 )
             if _prefetched(stack):  # offloaded inside the loss: the gradients as new arrays, in the weights' dtype
                 return LayerUpdate(args, g_leaves, state.stacked[k], fn, _in_place_scan, done)

@@ -33,6 +33,7 @@ class Config:
     pending: str | None = None  # the deferred update's pending_dtype (its pending gradients' dtype)
     compact_rest: bool = True  # False: the moments outside the stacks not compacted (offload_opt_state's compact_rest)
     pending_device: bool = False  # the deferred update's pending gradients on the device (pending_on_device=True)
+    new_buffers: bool = False  # the deferred forward writes host weights into new buffers (rewrite_in_place=False)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -62,6 +63,8 @@ class Config:
             out["state_dtype_outside_stacks"] = "float32"
         if self.pending_device:
             out["pending_memory"] = "device"
+        if self.new_buffers:
+            out["host_weights_written"] = "into new buffers"
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -435,6 +438,16 @@ def config_table() -> list[Config]:
             keep=True,
             pending_device=True,
         ),
+        _params_stacks_defer(
+            "params_stacks_defer_device_grads_keep_new_buffers",
+            "params_stacks_defer_device_grads_keep with the new weights written into new host buffers "
+            "(offload_opt_state(..., rewrite_in_place=False)): the forward's reads and writes of the weights, "
+            "which took turns on the link (one buffer each, the read of a layer after the write of the one "
+            "before), run at once, for a second copy of the stacks' weights in host memory during the step",
+            keep=True,
+            pending_device=True,
+            new_buffers=True,
+        ),
         _checked(
             "params_defer_bf16",
             "params_defer with the moments in 16 bits (compact_state(adamw, 'bfloat16')): a quarter fewer bytes "
@@ -529,6 +542,20 @@ def config_table() -> list[Config]:
             pending_device=True,
         ),
         _all_three_defer(
+            "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers",
+            "all_three_stacks_defer_f8_host_keep_device_grads with the new weights written into new host buffers "
+            "(offload_opt_state(..., rewrite_in_place=False)): each layer's read of the next layer's weights no "
+            "longer waits for its write of its own, for a second copy of the stacks' weights in host memory",
+            params_where="stacks",
+            keep=True,
+            state="float8",
+            where="stacks",
+            pending="bfloat16",
+            compact_rest=False,
+            pending_device=True,
+            new_buffers=True,
+        ),
+        _all_three_defer(
             "all_three_defer_f8_stacks",
             "all_three_defer_bf16_stacks with the moments in 8 bits (compact_state(adamw, 'float8')): the forward "
             "loop moves 50 MB each way a llama:small layer instead of 62.5",
@@ -606,6 +633,7 @@ def make_optimizer(
     pending: str | None = None,
     compact_rest: bool = True,
     pending_device: bool = False,
+    new_buffers: bool = False,
 ):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
@@ -616,7 +644,8 @@ def make_optimizer(
     odd layers (``offload_opt_state(..., split_layers=True)``), ``unroll`` unrolls its update's layer
     loops (``with_unrolled_update``); ``compact_rest=False`` keeps the moments outside the stacks in
     float32 (``offload_opt_state(..., compact_rest=False)``); ``pending_device`` keeps the deferred
-    update's pending gradients on the device (``pending_on_device=True``)."""
+    update's pending gradients on the device (``pending_on_device=True``); ``new_buffers`` has its
+    forward write host weights into new buffers (``rewrite_in_place=False``)."""
     import optax
 
     import transforms
@@ -646,6 +675,8 @@ def make_optimizer(
             select["compact_rest"] = False
         if pending_device:
             select["pending_on_device"] = True
+        if new_buffers:
+            select["rewrite_in_place"] = False
         streamed = transforms.offload_opt_state(
             adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, split_layers=split, **select
         )  # split explicit: defer=True alone splits
@@ -668,7 +699,7 @@ def optimizer_for(conf: Config | None, lr: float):
     if conf is None:
         return make_optimizer("device", lr)
     settings = (conf.state, conf.where, conf.split, conf.unroll, conf.pending, conf.compact_rest, conf.pending_device)
-    return make_optimizer(conf.opt, lr, *settings)
+    return make_optimizer(conf.opt, lr, *settings, new_buffers=conf.new_buffers)
 
 
 def apply_transforms(model, conf: Config):

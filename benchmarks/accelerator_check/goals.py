@@ -130,7 +130,7 @@ def optimizer_goals(configs: dict) -> list[dict]:
 #: update's configurations count toward them too: ``all_three_defer*`` offload the same three things
 #: (with the state in 16 bits, or the embedding's and head's moments on the device, where named;
 #: ``*_stacks_defer*``: their weights too, offload_params(where="stacks"); ``*_f8_host``: those
-#: moments in float32, the stacks' in 8 bits);
+#: moments in float32, the stacks' in 8 bits; ``*_new``: the new weights written into new host buffers);
 #: ``params_defer_device_state`` offloads what ``params`` does; the other ``params_defer*`` offload
 #: the optimizer state beside the weights.
 OFFLOAD_SPEED = (("params", "params_step_ratio"), ("params_prefetch", "params_step_ratio"))
@@ -143,6 +143,7 @@ OFFLOAD_SPEED += tuple(
         "params_stacks_defer_device_state_bf16grads",
         "params_stacks_defer_device_state_bf16grads_keep",
         "params_stacks_defer_device_grads_keep",
+        "params_stacks_defer_device_grads_keep_new_buffers",
         "params_defer",
         "params_defer_bf16",
         "params_defer_bf16grads",
@@ -159,6 +160,7 @@ OFFLOAD_SPEED += tuple(
         "all_three_stacks_defer_f8_host",
         "all_three_stacks_defer_f8_host_keep",
         "all_three_stacks_defer_f8_host_keep_device_grads",
+        "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers",
         "all_three_defer_f8_stacks",
     )
 )

@@ -427,6 +427,13 @@ class LayerUpdate(NamedTuple):
       (differentiate with respect to it: a global norm's share of a host-weight stack, without
       reading the gradients back from host memory in a pass of their own). Exact when the
       stack's weights are read by the stack alone.
+    - ``in_place``: for host-resident weights, whether their new values and the state's are
+      written over the old ones (``True``, the default: one buffer per array, so the loop's read
+      of layer ``i + 1`` waits for its write of layer ``i``, and the link's two directions take
+      turns) or into new buffers where the old ones live, the loop's stacked outputs (``False``:
+      ``scan`` is then given the weights and the host leaves of the state as ``read``, only the
+      device leaves of the state as ``write``; the reads come from the old buffers, which
+      nothing writes, and run beside the writes; host memory holds both during the step).
 
     **Example** (each layer's weights halved before it runs, a per-layer count kept beside them;
     the loop here writes new stacks, ``transforms``' writes them in place):
@@ -465,6 +472,7 @@ class LayerUpdate(NamedTuple):
     done: Callable
     grads: Any = None
     probe: Any = None
+    in_place: bool = True
 
 
 def _forward_update(
@@ -476,9 +484,12 @@ def _forward_update(
     ``saved`` is ``(saved, kept)``: the kept copies of each layer's new weights (:func:`_keep`)."""
     floating, other = _floating(arrays)
     other_leaves, other_def = jax.tree.flatten(other)
-    # Host weights are rewritten in place where they live; device ones are read and their new
-    # values stacked as the loop's outputs (an in-place loop would copy device stacks whole).
-    in_place = any(on_host(a) for a in jax.tree.leaves(floating))
+    # Host weights are rewritten in place where they live, with the state; device ones are read
+    # and their new values stacked as the loop's outputs (an in-place loop would copy device
+    # stacks whole). Host weights not rewritten in place (``update.in_place``) are read like
+    # device ones, with the state, and their new values and the state's are stacked as the loop's
+    # outputs in the memory of the old.
+    host = any(on_host(a) for a in jax.tree.leaves(floating))
 
     def layer_of(h, w_i, r_i, s_i, o_i):
         new_w, new_s = update.fn(args, h, w_i, r_i, s_i)
@@ -491,7 +502,7 @@ def _forward_update(
             saved = (saved, _keep(layer, _kept_dtypes(apply, layer, h, kw)))
         return h_out, new_w, new_s, saved
 
-    if in_place:
+    if host and update.in_place:
 
         def body(h, read_i, write_i):
             (r_i, o_i), (w_i, s_i) = read_i, write_i
@@ -499,6 +510,27 @@ def _forward_update(
             return h, ((new_w, new_s), saved)
 
         h, (new_floating, new_write), saved = update.scan(body, x, (read, other_leaves), (floating, write), n_layers)
+    elif host:
+        # (State on the device is still rewritten in place: there no read waits on a write.)
+        s_leaves, s_def = jax.tree.flatten(write)
+        s_host = [on_host(a) for a in s_leaves]
+        s_read = [a for a, h in zip(s_leaves, s_host, strict=True) if h]
+        s_write = [a for a, h in zip(s_leaves, s_host, strict=True) if not h]
+
+        def body(h, read_i, write_i):
+            r_i, o_i, w_i, s_read_i = read_i
+            from_host, from_device = iter(s_read_i), iter(write_i)
+            s_i = jax.tree.unflatten(s_def, [next(from_host) if a else next(from_device) for a in s_host])
+            h, new_w, new_s, saved = layer_of(h, w_i, r_i, s_i, o_i)
+            new_s = jax.tree.leaves(new_s)
+            new_host = [jax.device_put(a, _HOST) for a, a_host in zip(new_s, s_host, strict=True) if a_host]
+            new_device = [a for a, a_host in zip(new_s, s_host, strict=True) if not a_host]
+            return h, (new_device, (_to_host_like(new_w, floating), new_host, saved))
+
+        read_all = (read, other_leaves, floating, s_read)
+        h, s_written, (new_floating, s_made, saved) = update.scan(body, x, read_all, s_write, n_layers)
+        made, written = iter(s_made), iter(s_written)
+        new_write = jax.tree.unflatten(s_def, [next(made) if a else next(written) for a in s_host])
     else:
 
         def body(h, read_i, write_i):
