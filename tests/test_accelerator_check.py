@@ -227,6 +227,10 @@ def test_compiler_options_reach_every_worker_and_one_results_file_keeps_one_set(
     earlier.write_text(json.dumps({"args": {"compiler_options": {"xla_a": False}}}))
     inherited = cli.apply_defaults(cli.parse_args(["--append", str(earlier)]), reduced=False)
     assert inherited.compiler_options == {"xla_a": False}
+    # Written beside the file appended to, unless --out says where (it once went beside it anyway).
+    assert inherited.out == tmp_path and cli.apply_defaults(cli.parse_args([]), reduced=False).out.name == "results"
+    told = cli.parse_args(["--append", str(earlier), "--out", str(tmp_path / "elsewhere")])
+    assert cli.apply_defaults(told, reduced=False).out == tmp_path / "elsewhere"
     with pytest.raises(SystemExit, match="differ from the run appended to"):
         again = cli.parse_args(["--append", str(earlier), "--compiler-options", "xla_a=true"])
         cli.apply_defaults(again, reduced=False)

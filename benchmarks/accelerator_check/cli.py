@@ -111,7 +111,7 @@ def compiler_options(text: str) -> dict[str, bool | int | float | str] | str:
 
 #: ``(flag, type, default, help)`` of every flag that takes a value (defaults None: see _DEFAULTS).
 _FLAGS = (
-    ("--out", Path, ROOT / "benchmarks" / "results", "output directory (default benchmarks/results)"),
+    ("--out", Path, None, "output directory (default benchmarks/results; with --append, the appended file's)"),
     ("--steps", WHOLE, None, "timed steps per configuration (default 5)"),
     ("--warmup", COUNT, None, "untimed steps after the first (default 1)"),
     ("--deadline", POSITIVE, None, "global time budget in s (default 450)"),
@@ -133,7 +133,12 @@ _FLAGS = (
     ("--capacity-seq", WHOLE, None, "sequence length of the capacity run (default 2048)"),
     ("--capacity-steps", _number(int, 4), None, "timed train steps of the capacity run (default 20)"),
     ("--host-limit-gib", POSITIVE, None, "kill a worker whose host memory passes this (default: no limit)"),
-    ("--append", Path, None, "a results JSON of an earlier run on this device: run --configs into it"),
+    (
+        "--append",
+        Path,
+        None,
+        "a results JSON of an earlier run on this device: run --configs into it (written to --out)",
+    ),
     (
         "--compiler-options",
         compiler_options,
@@ -299,7 +304,9 @@ def apply_defaults(args: argparse.Namespace, *, reduced: bool, device_kind: str 
                 f"--compiler-options {args.compiler_options} differ from the run appended to ({before}): "
                 "start a new results file (no --append) to compare them"
             )
-        args.out = args.append.parent
+        args.out = args.append.parent if args.out is None else args.out  # (written beside it unless told)
+    if args.out is None:
+        args.out = ROOT / "benchmarks" / "results"
     if getattr(args, "compiler_options", None) is None:
         args.compiler_options = "auto"
     chosen = dict(REDUCED if reduced else FULL)
