@@ -109,8 +109,9 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     import jax
     import jax.numpy as jnp
 
+    from transforms._deferred import written_anew
     from transforms._memory import to_host
-    from transforms._train_step import _commit, trainable_mask
+    from transforms._train_step import _commit, _KeptApart, trainable_mask
 
     def describe(x):
         if not isinstance(x, jax.Array):
@@ -122,9 +123,9 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     model, state = _commit(model, state)
     arrays, static = eqx.partition(model, eqx.is_array)
     trainable, frozen = eqx.partition(arrays, trainable_mask(model))
+    apart = written_anew(step.optimizer, trainable, state)  # (by identity: before the abstract copies)
     trainable, frozen, state = jax.tree.map(describe, (trainable, frozen, state))
     shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-    out = (shardings(trainable), shardings(state), None)
     built = step._build(static)
 
     # An abstract argument with a pinned_host sharding traces with a device-space type, where a
@@ -138,25 +139,34 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
         trainable, frozen, state = jax.tree.map(typed, (trainable, frozen, state), hosts)
         return built(trainable, frozen, state, tokens, key)
 
-    fn = jax.jit(program, out_shardings=out, donate_argnums=(0, 2))
+    if apart is None:
+        fn = jax.jit(program, out_shardings=(shardings(trainable), shardings(state), None), donate_argnums=(0, 2))
+    else:  # what the step writes into new buffers passed apart, not donated
+        fn = _KeptApart(program, *apart, shardings(trainable), shardings(state), None)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
     return fn.lower(trainable, frozen, state, tokens, None)
 
 
 def whole_stack_copies(hlo: str, n_layers: int) -> int:
-    """Copies in ``hlo`` (compiled text) between host (``S(5)``) and device memory of arrays with a
-    leading axis of ``n_layers``: whole stacks crossing the link (a ``copy-start``'s tuple holds
-    its source and destination)."""
+    """Copies in ``hlo`` (compiled text) of arrays with a leading axis of ``n_layers`` (whole
+    stacks) between host (``S(5)``) and device memory (a ``copy-start``'s tuple holds its source
+    and destination), or within host memory by the host (a ``HostExecute`` call whose operand and
+    result are host stacks: a new stack written into the buffer of a donated old one)."""
     count = 0
     for line in hlo.splitlines():
-        if " copy-start(" not in line:
+        if " copy-start(" in line:
+            found = re.match(r"\s*\S+ = \((\w+\[[\d,]*\]\{[^}]*\}), (\w+\[[\d,]*\]\{[^}]*\})", line)
+            crossing = lambda a, b: ("S(5)" in a) != ("S(5)" in b)
+        elif " custom-call-start(" in line and '"HostExecute"' in line:
+            found = re.match(r"\s*\S+ = \(\((\w+\[[\d,]*\]\{[^}]*\})\), (\w+\[[\d,]*\]\{[^}]*\})", line)
+            crossing = lambda a, b: "S(5)" in a and "S(5)" in b
+        else:
             continue
-        found = re.match(r"\s*\S+ = \((\w+\[[\d,]*\]\{[^}]*\}), (\w+\[[\d,]*\]\{[^}]*\})", line)
         if not found:
             continue
         a, b = found.groups()
         stacked = all(re.match(rf"\w+\[{n_layers},", shape) for shape in (a, b))
-        count += stacked and ("S(5)" in a) != ("S(5)" in b)
+        count += stacked and crossing(a, b)
     return count
 
 

@@ -20,17 +20,22 @@ def test_the_cpu_target_compiles_a_configuration_and_reports_its_memory(tmp_path
     assert "| opt_state_stream | yes" in capsys.readouterr().out
 
 
-def test_whole_stack_copies_counts_stacks_crossing_between_host_and_device_only():
+def test_whole_stack_copies_counts_stacks_crossing_between_host_and_device_or_copied_on_the_host():
     hlo = "\n".join(
         [
             "  %a = (f32[12,768,256]{2,1,0:T(8,128)S(5)}, f32[12,768,256]{2,1,0:T(8,128)}, u32[]) copy-start(%x)",
             "  %b = (f32[12,768]{1,0:T(8,128)}, f32[12,768]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) copy-start(%y)",
             "  %c = (f32[768,256]{1,0:T(8,128)S(5)}, f32[768,256]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%z)",
             "  %d = (f32[12,768]{1,0:T(8,128)S(1)}, f32[12,768]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%w)",
+            "  %e = ((f32[12,768]{1,0:T(8,128)S(5)}), f32[12,768]{1,0:T(8,128)S(5)}, u32[]{:S(2)}) custom-call-start("
+            '%v), async_execution_thread="host", custom_call_target="HostExecute"',
+            "  %f = ((f32[768]{0:T(1024)S(5)}), f32[768]{0:T(1024)S(5)}, u32[]{:S(2)}) custom-call-start("
+            '%u), async_execution_thread="host", custom_call_target="HostExecute"',
         ]
     )
-    # a and b cross (either way); c is one layer; d moves within the device (S(1)).
-    assert tpu_compile.whole_stack_copies(hlo, 12) == 2
+    # a and b cross (either way); c is one layer; d moves within the device (S(1)); e is a stack
+    # copied within host memory by the host, f a vector.
+    assert tpu_compile.whole_stack_copies(hlo, 12) == 3
     assert tpu_compile.whole_stack_copies(hlo, 16) == 0
 
 

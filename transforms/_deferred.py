@@ -13,8 +13,9 @@ step later. :func:`apply_pending` applies the last pending update (``TrainStep.f
 
 A stack whose weights live in host memory (:func:`transforms.offload_params`) gets a
 :class:`zoo.nn.LayerUpdate` instead: its prefetched loop fetches each layer's weights, pending
-gradients and state, updates them, writes the weights and the state back in place and runs the
-layer with the new weights; the backward pass reads those and writes its gradients over the
+gradients and state, updates them, writes the weights and the state back in place (or into new
+buffers beside the old, ``rewrite_in_place=False``: the read of the next layer then need not wait
+for this layer's write) and runs the layer with the new weights; the backward pass reads those and writes its gradients over the
 pending ones (in place, in host memory), summing their squares on the device for the global norm.
 A device-weight stack whose activations are offloaded runs through the same loop (two layers an
 iteration with its state split into even and odd layers), its new weights the loop's outputs, and
@@ -266,6 +267,30 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     kept = lambda u, g: g.astype(pending_dtype_of(g, optimizer.pending_dtype)) if u >= 0 else None
     pending = Pending(jax.tree.map(kept, units, grads), g_norm, jnp.ones((), bool))
     return ((loss, aux) if has_aux else loss), new_params, state, pending
+
+
+def written_anew(optimizer, params, state) -> tuple | None:
+    """``(params_mask, state_mask)``: which leaves of ``params`` and of ``state`` (a
+    :class:`transforms.DeferredState`) the deferred step writes into new buffers instead of over
+    their own (``offload_opt_state(..., rewrite_in_place=False)``: the floating arrays of each
+    stack with weights in host memory and the host leaves of its state), or ``None`` where it
+    writes none so. :class:`transforms.TrainStep` does not donate them: a donated buffer is one the
+    step's output must be written into, and XLA would copy each new stack into the old one
+    (on a TPU, on the host, after the forward pass that wrote it)."""
+    if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite_in_place:
+        return None
+    units, n = _units(params)
+    fresh = set()
+    for k in range(n):
+        view = _view(params, units, k)
+        if not any_on_host(view):
+            continue
+        fresh.update(id(x) for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
+        fresh.update(id(x) for x in jax.tree.leaves(state.streamed.stacked[k]) if on_host(x))
+    if not fresh:
+        return None
+    mask = lambda tree: jax.tree.map(lambda x: id(x) in fresh, tree)
+    return mask(params), mask(state)
 
 
 def _prefetched(stack) -> bool:

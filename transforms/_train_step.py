@@ -14,7 +14,7 @@ import optax
 from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
 from . import _xla_options
-from ._deferred import apply_pending, deferred_step
+from ._deferred import apply_pending, deferred_step, written_anew
 from ._lora import needs_key, with_step_keys
 from ._memory import (
     HOST,
@@ -365,12 +365,17 @@ class TrainStep:
         cache_key = (cache_key, tuple(jax.tree.leaves(shardings)), tuple(jax.tree.leaves(state_shardings)))
         fn = self._compiled.get(cache_key)
         if fn is None:
-            fn = jax.jit(
-                self._build(static),
-                out_shardings=(shardings, state_shardings, None),
-                donate_argnums=(0, 2) if self.donate else (),
-                compiler_options=_xla_options.resolve(self.compiler_options, model, opt_state),
-            )
+            options = _xla_options.resolve(self.compiler_options, model, opt_state)
+            donated = (0, 2) if self.donate else ()
+            # Leaves the step writes into new buffers are passed apart, not donated (see written_anew).
+            apart = written_anew(self.optimizer, trainable, opt_state) if self.donate else None
+            if apart is None:
+                out_shardings = (shardings, state_shardings, None)
+                fn = jax.jit(
+                    self._build(static), out_shardings=out_shardings, donate_argnums=donated, compiler_options=options
+                )
+            else:
+                fn = _KeptApart(self._build(static), *apart, shardings, state_shardings, options)
             self._compiled[cache_key] = fn
         return fn, trainable, frozen, opt_state, static
 
@@ -461,6 +466,49 @@ def _host_copies(tree):
         return x
 
     return jax.tree.map(copy, tree)
+
+
+class _KeptApart:
+    """The jitted ``step(trainable, frozen, opt_state, batch, key)`` with the leaves the masks select
+    (``True``) passed in and returned as arguments and results apart, not donated; called (and
+    lowered) as the step itself. The donated leaves' results come first, in their arguments'
+    order: JAX pairs each donated argument with the first result of its shape and dtype, memory
+    kind aside where some argument's is unknown, and a host weight's result could otherwise take
+    the buffer of a device one of its shape (a pending gradient on the device)."""
+
+    def __init__(self, step: Callable, params_mask, state_mask, shardings, state_shardings, options):
+        self.params_mask, self.state_mask = params_mask, state_mask
+
+        def program(trainable, frozen, opt_state, batch, key, trainable_apart, state_apart):
+            trainable = eqx.combine(trainable, trainable_apart)
+            new, new_state, metrics = step(trainable, frozen, eqx.combine(opt_state, state_apart), batch, key)
+            new_apart, new = eqx.partition(new, params_mask)
+            new_state_apart, new_state = eqx.partition(new_state, state_mask)
+            return new, new_state, metrics, new_apart, new_state_apart
+
+        by_mask = lambda tree, mask: eqx.partition(tree, mask, is_leaf=lambda x: x is None)
+        (shardings_apart, shardings), (state_apart, state_shardings) = (
+            by_mask(shardings, params_mask),
+            by_mask(state_shardings, state_mask),
+        )
+        self.jitted = jax.jit(
+            program,
+            out_shardings=(shardings, state_shardings, None, shardings_apart, state_apart),
+            donate_argnums=(0, 2),
+            compiler_options=options,
+        )
+
+    def _args(self, trainable, frozen, opt_state, batch, key) -> tuple:
+        trainable_apart, trainable = eqx.partition(trainable, self.params_mask)
+        state_apart, opt_state = eqx.partition(opt_state, self.state_mask)
+        return trainable, frozen, opt_state, batch, key, trainable_apart, state_apart
+
+    def __call__(self, *args):
+        new, new_state, metrics, new_apart, new_state_apart = self.jitted(*self._args(*args))
+        return eqx.combine(new, new_apart), eqx.combine(new_state, new_state_apart), metrics
+
+    def lower(self, *args):
+        return self.jitted.lower(*self._args(*args))
 
 
 def _defers(optimizer) -> bool:

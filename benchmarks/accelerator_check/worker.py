@@ -546,6 +546,11 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             )
         if not conf.compact_rest:
             notes.append(f"counted with every moment in {conf.state}; those outside the stacks here are float32")
+        if conf.new_buffers:
+            notes.append(
+                "counted with host weights and state rewritten in place; this configuration writes them into new "
+                "buffers (host memory holds both during the step)"
+            )
         if notes:
             report["planner"]["note"] = "; ".join(notes)
     except Exception as err:
