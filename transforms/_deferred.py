@@ -14,9 +14,10 @@ step later. :func:`apply_pending` applies the last pending update (``TrainStep.f
 A stack whose weights live in host memory (:func:`transforms.offload_params`) gets a
 :class:`zoo.nn.LayerUpdate` instead: its prefetched loop fetches each layer's weights, pending
 gradients and state, updates them, writes the weights and the state back in place (or into new
-buffers beside the old, ``rewrite_in_place=False``: the read of the next layer then need not wait
-for this layer's write) and runs the layer with the new weights; the backward pass reads those and writes its gradients over the
-pending ones (in place, in host memory), summing their squares on the device for the global norm.
+buffers beside the old, ``rewrite="new_buffers"``, or the weights in the backward pass,
+``rewrite="backward"``: the read of the next layer then need not wait for this layer's write)
+and runs the layer with the new weights; the backward pass reads those and writes its gradients
+over the pending ones (in place, in host memory), summing their squares on the device for the global norm.
 A device-weight stack whose activations are offloaded runs through the same loop (two layers an
 iteration with its state split into even and odd layers), its new weights the loop's outputs, and
 its backward pass likewise writes its gradients over the pending ones, in their dtype, on the
@@ -183,7 +184,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 )
             # Host weights, or device ones with activations offloaded: the stack's prefetched loop
             # updates each layer's weights (host ones written back in place with the state, or
-            # into new buffers with rewrite_in_place=False) and runs the layer with them
+            # into new buffers with rewrite="new_buffers") and runs the layer with them
             # (zoo.nn.LayerUpdate); its backward pass fetches offloaded activations one
             # layer ahead (left to automatic differentiation, each would be copied in the iteration
             # that reads it) and writes this step's gradients over the pending ones (in place, in
@@ -199,7 +200,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                     done,
                     grads=pend[k],
                     probe=probes[k],
-                    in_place=optimizer.rewrite_in_place,
+                    rewrite=optimizer.rewrite,
                 )
             if _prefetched(stack):  # offloaded inside the loss: the gradients as new arrays, in the weights' dtype
                 return LayerUpdate(args, g_leaves, state.stacked[k], fn, _in_place_scan, done)
@@ -239,6 +240,10 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     shadowed, after = set(), set()  # (filled while loss_fn is traced)
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)
     (loss, (aux, found)), (grads, squares, written, shadow_grads) = grad_fn(params, probes, pend, shadows)
+    if optimizer.rewrite == "backward":  # host weights written back by the backward: their cotangent
+        for k in range(n):
+            if host[k]:
+                found[k] = (found[k][0], _view(grads, units, k))
     grads = _with_shadow_grads(params, grads, units, shadow_grads, shadowed, after)
     # The gradients of the stacks written in place: the pending buffers their backward wrote (the
     # weights' own cotangent is zero), and their squares, summed in that backward.
@@ -272,12 +277,13 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
 def written_anew(optimizer, params, state) -> tuple | None:
     """``(params_mask, state_mask)``: which leaves of ``params`` and of ``state`` (a
     :class:`transforms.DeferredState`) the deferred step writes into new buffers instead of over
-    their own (``offload_opt_state(..., rewrite_in_place=False)``: the floating arrays of each
-    stack with weights in host memory and the host leaves of its state), or ``None`` where it
-    writes none so. :class:`transforms.TrainStep` does not donate them: a donated buffer is one the
-    step's output must be written into, and XLA would copy each new stack into the old one
-    (on a TPU, on the host, after the forward pass that wrote it)."""
-    if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite_in_place:
+    their own (``offload_opt_state(..., rewrite="new_buffers")``: the floating arrays of each
+    stack with weights in host memory and the host leaves of its state; ``rewrite="backward"``:
+    those host leaves of the state), or ``None`` where it writes none so.
+    :class:`transforms.TrainStep` does not donate them: a donated buffer is one the step's output
+    must be written into, and XLA would copy each new stack into the old one (on a TPU, on the
+    host, after the forward pass that wrote it)."""
+    if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite == "in_place":
         return None
     units, n = _units(params)
     fresh = set()
@@ -285,7 +291,8 @@ def written_anew(optimizer, params, state) -> tuple | None:
         view = _view(params, units, k)
         if not any_on_host(view):
             continue
-        fresh.update(id(x) for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
+        if optimizer.rewrite == "new_buffers":  # (with "backward", the backward writes over the old weights)
+            fresh.update(id(x) for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
         fresh.update(id(x) for x in jax.tree.leaves(state.streamed.stacked[k]) if on_host(x))
     if not fresh:
         return None

@@ -638,7 +638,7 @@ class StreamedOptimizer(OffloadedOptimizer):
         pending_dtype: str | None = None,
         compact_rest: bool = True,
         pending_on_device: bool = False,
-        rewrite_in_place: bool = True,
+        rewrite: str = "in_place",
     ):
         rest_inner = _rest_optimizer(inner, compact_rest)
 
@@ -670,7 +670,7 @@ class StreamedOptimizer(OffloadedOptimizer):
         self.pending_dtype = pending_dtype
         self.compact_rest = compact_rest
         self.pending_on_device = pending_on_device
-        self.rewrite_in_place = rewrite_in_place
+        self.rewrite = rewrite
         self._args = (select, where_given)
         return self
 
@@ -730,5 +730,5 @@ def _variant(optimizer: StreamedOptimizer, **changes) -> StreamedOptimizer:
     select, where_given = optimizer._args
     settings = dict(split_layers=optimizer.split_layers, defer=optimizer.defer, unroll_update=optimizer.unroll_update)
     settings.update(pending_dtype=optimizer.pending_dtype, compact_rest=optimizer.compact_rest)
-    settings.update(pending_on_device=optimizer.pending_on_device, rewrite_in_place=optimizer.rewrite_in_place)
+    settings.update(pending_on_device=optimizer.pending_on_device, rewrite=optimizer.rewrite)
     return StreamedOptimizer(optimizer.inner, select, optimizer.clip_norm, where_given, **{**settings, **changes})

@@ -33,7 +33,7 @@ class Config:
     pending: str | None = None  # the deferred update's pending_dtype (its pending gradients' dtype)
     compact_rest: bool = True  # False: the moments outside the stacks not compacted (offload_opt_state's compact_rest)
     pending_device: bool = False  # the deferred update's pending gradients on the device (pending_on_device=True)
-    new_buffers: bool = False  # the deferred forward writes host weights into new buffers (rewrite_in_place=False)
+    rewrite: str = "in_place"  # where the deferred update writes host weights (offload_opt_state's rewrite)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -63,8 +63,10 @@ class Config:
             out["state_dtype_outside_stacks"] = "float32"
         if self.pending_device:
             out["pending_memory"] = "device"
-        if self.new_buffers:
+        if self.rewrite == "new_buffers":
             out["host_weights_written"] = "into new buffers"
+        elif self.rewrite == "backward":
+            out["host_weights_written"] = "by the backward pass"
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -441,12 +443,21 @@ def config_table() -> list[Config]:
         _params_stacks_defer(
             "params_stacks_defer_device_grads_keep_new_buffers",
             "params_stacks_defer_device_grads_keep with the new weights written into new host buffers "
-            "(offload_opt_state(..., rewrite_in_place=False)): the forward's reads and writes of the weights, "
+            "(offload_opt_state(..., rewrite='new_buffers')): the forward's reads and writes of the weights, "
             "which took turns on the link (one buffer each, the read of a layer after the write of the one "
             "before), run at once, for a second copy of the stacks' weights in host memory during the step",
             keep=True,
             pending_device=True,
-            new_buffers=True,
+            rewrite="new_buffers",
+        ),
+        _params_stacks_defer(
+            "params_stacks_defer_device_grads_backward",
+            "params_stacks_defer_device_grads_keep with the new weights written back by the backward pass "
+            "(offload_opt_state(..., rewrite='backward')): they wait on the device in float32 from each layer's "
+            "forward to its backward, which reads them (no kept copy) and writes them over the old ones; the "
+            "forward's link then only fetches",
+            pending_device=True,
+            rewrite="backward",
         ),
         _checked(
             "params_defer_bf16",
@@ -544,7 +555,7 @@ def config_table() -> list[Config]:
         _all_three_defer(
             "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers",
             "all_three_stacks_defer_f8_host_keep_device_grads with the new weights written into new host buffers "
-            "(offload_opt_state(..., rewrite_in_place=False)): each layer's read of the next layer's weights no "
+            "(offload_opt_state(..., rewrite='new_buffers')): each layer's read of the next layer's weights no "
             "longer waits for its write of its own, for a second copy of the stacks' weights in host memory",
             params_where="stacks",
             keep=True,
@@ -553,7 +564,20 @@ def config_table() -> list[Config]:
             pending="bfloat16",
             compact_rest=False,
             pending_device=True,
-            new_buffers=True,
+            rewrite="new_buffers",
+        ),
+        _all_three_defer(
+            "all_three_stacks_defer_f8_host_device_grads_backward",
+            "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers with the new weights written back by the "
+            "backward pass (offload_opt_state(..., rewrite='backward'); the moments still into new buffers): 26 MB "
+            "a llama:small layer out of the forward, whose link is the busiest, into the backward, whose is idle",
+            params_where="stacks",
+            state="float8",
+            where="stacks",
+            pending="bfloat16",
+            compact_rest=False,
+            pending_device=True,
+            rewrite="backward",
         ),
         _all_three_defer(
             "all_three_defer_f8_stacks",
@@ -633,7 +657,7 @@ def make_optimizer(
     pending: str | None = None,
     compact_rest: bool = True,
     pending_device: bool = False,
-    new_buffers: bool = False,
+    rewrite: str = "in_place",
 ):
     """The same effective optimizer everywhere, its state on the device (``device``), offloaded
     (``offload``) or offloaded and streamed (``stream``); with ``state``, AdamW's moments are stored
@@ -644,8 +668,8 @@ def make_optimizer(
     odd layers (``offload_opt_state(..., split_layers=True)``), ``unroll`` unrolls its update's layer
     loops (``with_unrolled_update``); ``compact_rest=False`` keeps the moments outside the stacks in
     float32 (``offload_opt_state(..., compact_rest=False)``); ``pending_device`` keeps the deferred
-    update's pending gradients on the device (``pending_on_device=True``); ``new_buffers`` has its
-    forward write host weights into new buffers (``rewrite_in_place=False``)."""
+    update's pending gradients on the device (``pending_on_device=True``); ``rewrite`` says where
+    the deferred update writes host weights (``offload_opt_state(..., rewrite=...)``)."""
     import optax
 
     import transforms
@@ -675,8 +699,8 @@ def make_optimizer(
             select["compact_rest"] = False
         if pending_device:
             select["pending_on_device"] = True
-        if new_buffers:
-            select["rewrite_in_place"] = False
+        if rewrite != "in_place":
+            select["rewrite"] = rewrite
         streamed = transforms.offload_opt_state(
             adamw, stream=True, clip_norm=CLIP_NORM, defer=defer, split_layers=split, **select
         )  # split explicit: defer=True alone splits
@@ -699,7 +723,7 @@ def optimizer_for(conf: Config | None, lr: float):
     if conf is None:
         return make_optimizer("device", lr)
     settings = (conf.state, conf.where, conf.split, conf.unroll, conf.pending, conf.compact_rest, conf.pending_device)
-    return make_optimizer(conf.opt, lr, *settings, new_buffers=conf.new_buffers)
+    return make_optimizer(conf.opt, lr, *settings, rewrite=conf.rewrite)
 
 
 def apply_transforms(model, conf: Config):

@@ -130,7 +130,8 @@ def optimizer_goals(configs: dict) -> list[dict]:
 #: update's configurations count toward them too: ``all_three_defer*`` offload the same three things
 #: (with the state in 16 bits, or the embedding's and head's moments on the device, where named;
 #: ``*_stacks_defer*``: their weights too, offload_params(where="stacks"); ``*_f8_host``: those
-#: moments in float32, the stacks' in 8 bits; ``*_new``: the new weights written into new host buffers);
+#: moments in float32, the stacks' in 8 bits; ``*_new_buffers``: the new weights written into new host
+#: buffers; ``*_backward``: written back by the backward pass);
 #: ``params_defer_device_state`` offloads what ``params`` does; the other ``params_defer*`` offload
 #: the optimizer state beside the weights.
 OFFLOAD_SPEED = (("params", "params_step_ratio"), ("params_prefetch", "params_step_ratio"))
@@ -144,6 +145,7 @@ OFFLOAD_SPEED += tuple(
         "params_stacks_defer_device_state_bf16grads_keep",
         "params_stacks_defer_device_grads_keep",
         "params_stacks_defer_device_grads_keep_new_buffers",
+        "params_stacks_defer_device_grads_backward",
         "params_defer",
         "params_defer_bf16",
         "params_defer_bf16grads",
@@ -161,6 +163,7 @@ OFFLOAD_SPEED += tuple(
         "all_three_stacks_defer_f8_host_keep",
         "all_three_stacks_defer_f8_host_keep_device_grads",
         "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers",
+        "all_three_stacks_defer_f8_host_device_grads_backward",
         "all_three_defer_f8_stacks",
     )
 )

@@ -546,10 +546,14 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             )
         if not conf.compact_rest:
             notes.append(f"counted with every moment in {conf.state}; those outside the stacks here are float32")
-        if conf.new_buffers:
+        if conf.rewrite != "in_place":
+            how = (
+                "writes them into new buffers"
+                if conf.rewrite == "new_buffers"
+                else "writes the weights in its backward"
+            )
             notes.append(
-                "counted with host weights and state rewritten in place; this configuration writes them into new "
-                "buffers (host memory holds both during the step)"
+                f"counted with host weights and state rewritten in place by the forward; this configuration {how}"
             )
         if notes:
             report["planner"]["note"] = "; ".join(notes)

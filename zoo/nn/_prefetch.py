@@ -293,7 +293,17 @@ def _forward(apply, arrays, x, kw, n_layers: int, policy=None, keep: bool = Fals
     return prefetch_scan(body, x, host, device, length=n_layers)
 
 
-def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squares: bool = False, homes=None):
+def _backward(
+    arrays,
+    saved: _Saved,
+    kw,
+    g,
+    n_layers: int,
+    into=None,
+    with_squares: bool = False,
+    homes=None,
+    weights_into=None,
+):
     """Gradients of the weights (each in its weight's memory), the input and the keyword arguments
     (summed over the layers, which all read them). With ``into`` (stacked arrays, one per floating
     weight, in the order of its leaves) each layer's weight gradients are written into those
@@ -304,7 +314,10 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     ``with_squares``, also the sum of squares of the weight gradients (a fourth result).
     ``homes``: the weights themselves where ``arrays`` holds kept copies of some (see
     :func:`_keep`): each layer's copy is converted back to its weight's dtype before the layer's
-    product, and gradients returned as new arrays go where the weights live, in their dtype."""
+    product, and gradients returned as new arrays go where the weights live, in their dtype.
+    ``weights_into``: stacked host buffers, one per floating leaf of ``arrays`` (on the device),
+    into which each layer's leaves are written back as the layer is differentiated (in place; a
+    last result: the written buffers)."""
     kf = _floating(kw)[0]
     homes = _floating(arrays if homes is None else homes)[0]
     # Residuals offloaded to host memory (a `Remat`'s offloaded names) are fetched one layer
@@ -321,7 +334,10 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         return [jax.lax.dynamic_update_index_in_dim(b, d, i, 0) for b, d in zip(bufs, sent, strict=True)]
 
     def layer(carry, w, here_host, here_device, i):
-        dh, dkf, bufs, squares, behind = carry
+        dh, dkf, bufs, squares, behind, back = carry
+        if back is not None:  # this layer's weights back to host memory while it differentiates
+            sent = _to_host_like(jax.tree.leaves(_floating(w)[0]), back)
+            back = [jax.lax.dynamic_update_index_in_dim(b, row_major(v), i, 0) for b, v in zip(back, sent, strict=True)]
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
         layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
@@ -331,14 +347,14 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
         if squares is not None:  # on the device, before the gradients leave for host memory
             squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
         if bufs is None:
-            return (dh, dkf, None, squares, None), _to_host_like(dw, homes)
+            return (dh, dkf, None, squares, None, back), _to_host_like(dw, homes)
         # Layer i + 1's gradients (carried from the previous iteration) go out while this layer
         # differentiates. The first iteration has none and writes zeros into the last layer,
         # which the second iteration then overwrites.
         bufs = write(bufs, behind, jnp.minimum(i + 1, n_layers - 1))
         # Cast to the buffers' dtype on the device; carried to the next iteration.
         behind = [row_major(d.astype(b.dtype)) for b, d in zip(bufs, jax.tree.leaves(dw), strict=True)]
-        return (dh, dkf, bufs, squares, behind), None
+        return (dh, dkf, bufs, squares, behind, back), None
 
     w_host, w_device, join = _by_home(arrays)
 
@@ -349,12 +365,15 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     squares = jnp.zeros((), jnp.float32) if with_squares else None
     bufs = None if into is None else list(into)
     behind = None if into is None else [jnp.zeros(b.shape[1:], b.dtype) for b in bufs]
-    init = (g, jax.tree.map(jnp.zeros_like, kf), bufs, squares, behind)
+    back = None if weights_into is None else list(weights_into)
+    init = (g, jax.tree.map(jnp.zeros_like, kf), bufs, squares, behind, back)
     if any(isinstance(x, LayerHalves) for x in res_host):
-        (dx, dkf, bufs, squares, behind), dws = _backward_in_pairs(layer, init, arrays, res_host, res_device, n_layers)
+        (dx, dkf, bufs, squares, behind, back), dws = _backward_in_pairs(
+            layer, init, arrays, res_host, res_device, n_layers
+        )
     else:
         xs = (w_device, res_device, jnp.arange(n_layers))
-        (dx, dkf, bufs, squares, behind), dws = prefetch_scan(
+        (dx, dkf, bufs, squares, behind, back), dws = prefetch_scan(
             body, init, (w_host, res_host), xs, length=n_layers, reverse=True
         )
     if into is not None:  # the first layer's gradients, made in the last iteration
@@ -362,7 +381,8 @@ def _backward(arrays, saved: _Saved, kw, g, n_layers: int, into=None, with_squar
     # Integer leaves get the symbolic zero cotangent.
     zeros = lambda tree: jax.tree.map(_zero_cotangent, eqx.filter(tree, eqx.is_inexact_array, inverse=True))
     out = eqx.combine(dws, zeros(arrays)), dx, eqx.combine(dkf, zeros(kw))
-    return (*out, squares) if with_squares else out
+    out = (*out, squares) if with_squares else out
+    return out if back is None else (*out, back)
 
 
 def _backward_in_pairs(layer, carry, arrays, halves: list, device: list, n_layers: int):
@@ -427,13 +447,18 @@ class LayerUpdate(NamedTuple):
       (differentiate with respect to it: a global norm's share of a host-weight stack, without
       reading the gradients back from host memory in a pass of their own). Exact when the
       stack's weights are read by the stack alone.
-    - ``in_place``: for host-resident weights, whether their new values and the state's are
-      written over the old ones (``True``, the default: one buffer per array, so the loop's read
-      of layer ``i + 1`` waits for its write of layer ``i``, and the link's two directions take
-      turns) or into new buffers where the old ones live, the loop's stacked outputs (``False``:
-      ``scan`` is then given the weights and the host leaves of the state as ``read``, only the
-      device leaves of the state as ``write``; the reads come from the old buffers, which
-      nothing writes, and run beside the writes; host memory holds both during the step).
+    - ``rewrite``: for host-resident weights, where their new values go. ``"in_place"`` (the
+      default): over the old ones, with the state's (one buffer per array, so the loop's read of
+      layer ``i + 1`` waits for its write of layer ``i``, and the link's two directions take
+      turns). ``"new_buffers"``: into new buffers where the old ones live, the loop's stacked
+      outputs (``scan`` is then given the weights and the host leaves of the state as ``read``,
+      only the device leaves of the state as ``write``; the reads come from the old buffers,
+      which nothing writes; host memory holds both during the step). ``"backward"``: as
+      ``"new_buffers"`` for the state, while the new weights stay on the device for the backward
+      pass, which reads them and writes each layer's over its old weights (in place, one layer
+      an iteration); they come out as the cotangent of the stack's weights (differentiate with
+      respect to them), and ``done`` is given the old weights. Not differentiated, it runs as
+      ``"new_buffers"``.
 
     **Example** (each layer's weights halved before it runs, a per-layer count kept beside them;
     the loop here writes new stacks, ``transforms``' writes them in place):
@@ -472,24 +497,38 @@ class LayerUpdate(NamedTuple):
     done: Callable
     grads: Any = None
     probe: Any = None
-    in_place: bool = True
+    rewrite: str = "in_place"
 
 
 def _forward_update(
-    apply, arrays, x, kw, n_layers: int, policy, update: LayerUpdate, args, read, write, keep: bool = False
+    apply,
+    arrays,
+    x,
+    kw,
+    n_layers: int,
+    policy,
+    update: LayerUpdate,
+    args,
+    read,
+    write,
+    keep: bool = False,
+    back: bool = False,
 ):
     """:func:`_forward` with each layer's weights updated first (see :class:`LayerUpdate`):
     ``(y, new_arrays, new_write, saved)``. The update sees and rewrites the floating arrays; the
     others (integer per-layer settings) are read as they are. With ``keep`` (see :func:`_keeps`),
-    ``saved`` is ``(saved, kept)``: the kept copies of each layer's new weights (:func:`_keep`)."""
+    ``saved`` is ``(saved, kept)``: the kept copies of each layer's new weights (:func:`_keep`).
+    With ``back`` (host weights, ``rewrite="backward"``), ``new_arrays``' new weights are stacked
+    on the device, for the backward pass to write back."""
     floating, other = _floating(arrays)
     other_leaves, other_def = jax.tree.flatten(other)
     # Host weights are rewritten in place where they live, with the state; device ones are read
     # and their new values stacked as the loop's outputs (an in-place loop would copy device
     # stacks whole). Host weights not rewritten in place (``update.in_place``) are read like
     # device ones, with the state, and their new values and the state's are stacked as the loop's
-    # outputs in the memory of the old.
+    # outputs in the memory of the old (the weights on the device, with ``back``).
     host = any(on_host(a) for a in jax.tree.leaves(floating))
+    weights_home = (lambda w: w) if back else (lambda w: _to_host_like(w, floating))
 
     def layer_of(h, w_i, r_i, s_i, o_i):
         new_w, new_s = update.fn(args, h, w_i, r_i, s_i)
@@ -502,7 +541,7 @@ def _forward_update(
             saved = (saved, _keep(layer, _kept_dtypes(apply, layer, h, kw)))
         return h_out, new_w, new_s, saved
 
-    if host and update.in_place:
+    if host and update.rewrite == "in_place":
 
         def body(h, read_i, write_i):
             (r_i, o_i), (w_i, s_i) = read_i, write_i
@@ -525,7 +564,7 @@ def _forward_update(
             new_s = jax.tree.leaves(new_s)
             new_host = [jax.device_put(a, _HOST) for a, a_host in zip(new_s, s_host, strict=True) if a_host]
             new_device = [a for a, a_host in zip(new_s, s_host, strict=True) if not a_host]
-            return h, (new_device, (_to_host_like(new_w, floating), new_host, saved))
+            return h, (new_device, (weights_home(new_w), new_host, saved))
 
         read_all = (read, other_leaves, floating, s_read)
         h, s_written, (new_floating, s_made, saved) = update.scan(body, x, read_all, s_write, n_layers)
@@ -552,26 +591,42 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate, ke
         return _forward_update(apply, arrays, x, kw, n_layers, None, update, args, read, write)[:3]
 
     def run_fwd(arrays, x, kw, args, read, write, grads, probe):
-        kept = _keeps(keep, policy, arrays)
+        back = update.rewrite == "backward" and any(on_host(a) for a in jax.tree.leaves(_floating(arrays)[0]))
+        if back and grads is None:
+            raise ValueError(
+                "LayerUpdate(rewrite='backward') needs grads: the weights' cotangent carries the new weights"
+            )
+        kept = _keeps(keep, policy, arrays) and not back  # (the backward reads the new weights themselves)
         h, new_arrays, new_write, saved = _forward_update(
-            apply, arrays, x, kw, n_layers, policy, update, args, read, write, kept
+            apply, arrays, x, kw, n_layers, policy, update, args, read, write, kept, back
         )
         reads = new_arrays
         if kept:
             saved, copies = saved
             reads = _with_kept(new_arrays, copies)
-        return (h, new_arrays, new_write), (reads, saved, kw, grads, new_arrays)
+        if back:  # the old weights are the forward's output (done() sees them) and the backward's target
+            return (h, arrays, new_write), (reads, saved, kw, grads, new_arrays, arrays)
+        return (h, new_arrays, new_write), (reads, saved, kw, grads, new_arrays, None)
 
     def run_bwd(res, cts):
-        reads, saved, kw, grads, new_arrays = res
+        reads, saved, kw, grads, new_arrays, old = res
         with_squares = update.probe is not None
-        dw, dx, dkw, *squares = _backward(reads, saved, kw, cts[0], n_layers, grads, with_squares, homes=new_arrays)
-        squares = squares[0] if with_squares else None
+        into = None if old is None else jax.tree.leaves(_floating(old)[0])
+        dw, dx, dkw, *more = _backward(
+            reads, saved, kw, cts[0], n_layers, grads, with_squares, homes=new_arrays, weights_into=into
+        )
+        squares = more[0] if with_squares else None
         if grads is None:
             return dw, dx, dkw, None, None, None, None, squares
         # The gradients travel as the cotangent of the buffers they were written into (in those
-        # buffers' dtype, which may be narrower than the weights').
-        return None, dx, dkw, None, None, None, jax.tree.leaves(_floating(dw)[0]), squares
+        # buffers' dtype, which may be narrower than the weights'); the new weights written back
+        # by the backward, as the weights' own.
+        weights = None
+        if old is not None:
+            floating, other = _floating(old)
+            zeros = jax.tree.map(_zero_cotangent, other)
+            weights = eqx.combine(jax.tree.unflatten(jax.tree.structure(floating), more[-1]), zeros)
+        return weights, dx, dkw, None, None, None, jax.tree.leaves(_floating(dw)[0]), squares
 
     run.defvjp(run_fwd, run_bwd)
     return run
