@@ -546,6 +546,25 @@ def test_host_weights_rewritten_elsewhere_take_the_same_steps_and_leave_the_forw
         transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite="sideways")
 
 
+def test_new_buffers_that_would_not_fit_host_memory_are_one_line_with_a_way_out(monkeypatch):
+    """rewrite="new_buffers" holds the host weights and state twice during a step: with less host
+    memory available than that, the step says so in one line before compiling, naming the others."""
+    from transforms.plan import _devices
+
+    cfg = zoo.config_from_name("llama:tiny")
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite="new_buffers")
+    step = transforms.train_step(zoo.lm_loss, opt)
+    model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
+    state = step.init(model)
+    monkeypatch.setattr(_devices, "host_available_bytes", lambda: 2**20)
+    with pytest.raises(MemoryError, match=r"0\.00 GiB of host memory is available; use rewrite='backward'") as err:
+        step(model, state, tokens)
+    assert "\n" not in str(err.value) and step.trace_count == 0
+    monkeypatch.setattr(_devices, "host_available_bytes", lambda: 2**40)
+    step(model, state, tokens)  # (room enough: it runs)
+
+
 def test_on_a_mesh_the_deferred_steps_equal_the_streamed_steps():
     """Over 8 devices (data 2 x fsdp 4), host weights: the deferred update's first step used to be
     refused (its pending norm, made eagerly on one device, beside weights sharded over the mesh).

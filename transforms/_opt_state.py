@@ -164,7 +164,8 @@ def offload_opt_state(
       two directions take turns: on a TPU v5e ``llama:small``'s weight offload took 1.26x the step
       without offload in place, 1.17x into new buffers. New buffers cost host memory (the
       stacks' weights and host state twice during the step; the train step does not donate the
-      old ones). ``"backward"`` costs device memory (the stacks' float32 weights from the forward
+      old ones, and refuses in one line, `MemoryError`, where they would not fit the host memory
+      available). ``"backward"`` costs device memory (the stacks' float32 weights from the forward
       to the backward) and moves the weights' write out of the forward, whose link is the busiest,
       into the backward, whose link is idle with the pending gradients on the device (the
       backward reads the float32 weights themselves: ``offload_params(keep_weights=True)`` keeps

@@ -369,6 +369,7 @@ class TrainStep:
             donated = (0, 2) if self.donate else ()
             # Leaves the step writes into new buffers are passed apart, not donated (see written_anew).
             apart = written_anew(self.optimizer, trainable, opt_state) if self.donate else None
+            _check_room_for_new_buffers(self.optimizer, trainable, opt_state)
             if apart is None:
                 out_shardings = (shardings, state_shardings, None)
                 fn = jax.jit(
@@ -466,6 +467,27 @@ def _host_copies(tree):
         return x
 
     return jax.tree.map(copy, tree)
+
+
+def _check_room_for_new_buffers(optimizer, trainable, opt_state) -> None:
+    """One line (`MemoryError`) where the deferred update's new buffers
+    (``offload_opt_state(..., rewrite="new_buffers")``: a second copy of the host weights and host
+    state during each step) would not fit the host memory available now: run out, the machine
+    would kill the process with nothing said, or swap."""
+    from .plan._devices import host_available_bytes
+
+    masks = written_anew(optimizer, trainable, opt_state)
+    if masks is None or getattr(optimizer, "rewrite", None) != "new_buffers":
+        return
+    chosen = lambda tree, mask: [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True) if m]
+    needed = sum(x.nbytes for x in chosen(trainable, masks[0]) + chosen(opt_state, masks[1]))
+    available = host_available_bytes()
+    if available is not None and needed > 0.9 * available:
+        raise MemoryError(
+            f"train_step: offload_opt_state(..., rewrite='new_buffers') writes {needed / 2**30:.2f} GiB of host "
+            f"weights and state into new buffers each step and {available / 2**30:.2f} GiB of host memory is "
+            "available; use rewrite='backward' (the new weights wait on the device instead) or 'in_place'"
+        )
 
 
 class _KeptApart:

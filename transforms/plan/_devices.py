@@ -449,6 +449,18 @@ def host_memory_bytes() -> int | None:
     return min(found) if found else None
 
 
+def host_available_bytes() -> int | None:
+    """Host memory available now: ``MemAvailable`` of ``/proc/meminfo`` (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def detect_device(jax_device=None, *, host_bytes: int | None = None) -> DeviceProfile:
     """The profile of the running accelerator (``device="auto"``): the profile of ``jax_device``'s
     (default ``jax.local_devices()[0]``) ``device_kind``, with ``host_memory_bytes`` this
