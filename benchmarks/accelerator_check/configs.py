@@ -100,6 +100,23 @@ def _all_three_defer(name: str, description: str, **kw) -> Config:
     return _checked(name, description, params=True, prefetch=True, activations="block_input", opt="defer", **kw)
 
 
+def _f8_host_stacks(name: str, description: str, **kw) -> Config:
+    """An ``all_three`` configuration on the deferred update with the stacks' weights only in host
+    memory and only the stacks' moments there, in 8 bits (the others float32 on the device), the
+    pending gradients in 16 bits: they differ in what the backward reads, where the gradients wait
+    and where the new weights are written."""
+    return _all_three_defer(
+        name,
+        description,
+        params_where="stacks",
+        state="float8",
+        where="stacks",
+        pending="bfloat16",
+        compact_rest=False,
+        **kw,
+    )
+
+
 def _params_stacks_defer(name: str, description: str, **kw) -> Config:
     """A weight-offload configuration on the deferred update with only the stacks' weights in host
     memory (prefetched) and the optimizer state on the device, its pending gradients in 16 bits
@@ -516,66 +533,41 @@ def config_table() -> list[Config]:
             where="stacks",
             pending="bfloat16",
         ),
-        _all_three_defer(
+        _f8_host_stacks(
             "all_three_stacks_defer_f8_host",
             "all_three_stacks_defer_f8_stacks with only the moments that cross the link (the stacks') in 8 bits: the "
             "embedding's and the head's stay float32 on the device (offload_opt_state(..., compact_rest=False)), not "
             "decoded and encoded again every step",
-            params_where="stacks",
-            state="float8",
-            where="stacks",
-            pending="bfloat16",
-            compact_rest=False,
         ),
-        _all_three_defer(
+        _f8_host_stacks(
             "all_three_stacks_defer_f8_host_keep",
             "all_three_stacks_defer_f8_host with the forward's new weights kept on the device in bfloat16 for the "
             "backward pass (offload_params(keep_weights=True)): the backward fetches the block input and the norm "
             "scales only (13 MB a llama:small layer instead of 38)",
-            params_where="stacks",
             keep=True,
-            state="float8",
-            where="stacks",
-            pending="bfloat16",
-            compact_rest=False,
         ),
-        _all_three_defer(
+        _f8_host_stacks(
             "all_three_stacks_defer_f8_host_keep_device_grads",
             "all_three_stacks_defer_f8_host_keep with the pending gradients on the device "
             "(offload_opt_state(..., pending_on_device=True)): 13 MB a llama:small layer less in the forward, "
             "the backward sends nothing to host memory",
-            params_where="stacks",
             keep=True,
-            state="float8",
-            where="stacks",
-            pending="bfloat16",
-            compact_rest=False,
             pending_device=True,
         ),
-        _all_three_defer(
+        _f8_host_stacks(
             "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers",
             "all_three_stacks_defer_f8_host_keep_device_grads with the new weights written into new host buffers "
             "(offload_opt_state(..., rewrite='new_buffers')): each layer's read of the next layer's weights no "
             "longer waits for its write of its own, for a second copy of the stacks' weights in host memory",
-            params_where="stacks",
             keep=True,
-            state="float8",
-            where="stacks",
-            pending="bfloat16",
-            compact_rest=False,
             pending_device=True,
             rewrite="new_buffers",
         ),
-        _all_three_defer(
+        _f8_host_stacks(
             "all_three_stacks_defer_f8_host_device_grads_backward",
             "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers with the new weights written back by the "
             "backward pass (offload_opt_state(..., rewrite='backward'); the moments still into new buffers): 26 MB "
             "a llama:small layer out of the forward, whose link is the busiest, into the backward, whose is idle",
-            params_where="stacks",
-            state="float8",
-            where="stacks",
-            pending="bfloat16",
-            compact_rest=False,
             pending_device=True,
             rewrite="backward",
         ),
