@@ -525,6 +525,7 @@ def test_host_weights_rewritten_elsewhere_take_the_same_steps_and_leave_the_forw
             losses.append(float(m["loss"]))
         kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree) if x.ndim >= 2}
         assert kinds(eqx.filter(model, eqx.is_array)) == {"pinned_host"} and kinds(state.streamed.stacked) == {state_in}
+        assert step.trace_count == 1  # (every leaf back where it was: the second step runs the same program)
         runs[rewrite] = step.flush(model, state)[0], losses
     weights = {tuple(x.shape) for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_array))}
     layers = {w[1:] for w in weights}

@@ -74,7 +74,9 @@ class TrainStep:
 
     - Every leaf of the returned model and optimizer state has the sharding and memory kind it
       came in with (`out_shardings` equal the input shardings), so offloaded state stays on host
-      over a run; the inputs are donated.
+      over a run; the inputs are donated (but for what the deferred update writes into new buffers,
+      ``offload_opt_state(..., rewrite="new_buffers")``: a donated buffer is one its output must be
+      written into).
     - Gradients (which come back in host memory for host-resident weights) are moved to the
       device before any optimizer math. With a streamed optimizer
       (``transforms.offload_opt_state(..., stream=True)``) they are left where they are and the
