@@ -821,6 +821,29 @@ def test_the_schedule_simulation_queues_each_direction_and_waits_at_each_done():
     assert half["loops"]["body"]["iteration_s"] == pytest.approx((1024 + 32) * 1e-9)
 
 
+def test_the_schedule_simulation_may_share_one_queue_between_the_directions():
+    """A 2048-byte read in flight, then a synchronous 32-byte write (1 GB/s): with a queue per
+    direction the write takes its 32 ns and the step ends when the read does (2048 ns); shared,
+    the write waits behind the read (2080 ns)."""
+    text = """
+HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[4,8,16], p1: bf16[4,2,8]) -> f32[] {
+  %p0 = f32[4,8,16]{2,1,0:S(5)} parameter(0)
+  %res = bf16[4,2,8]{2,1,0:S(5)} parameter(1)
+  %cs0 = (f32[4,8,16]{2,1,0}, f32[4,8,16]{2,1,0:S(5)}, u32[]) copy-start(f32[4,8,16]{2,1,0:S(5)} %p0)
+  %act = bf16[1,2,8]{2,1,0} constant({...})
+  %zero = s32[] constant(0)
+  %dus = bf16[4,2,8]{2,1,0:S(5)} dynamic-update-slice(%res, %act, %zero, %zero, %zero), metadata={op_name="x"}
+  %cd0 = f32[4,8,16]{2,1,0} copy-done(%cs0)
+  ROOT %r = f32[] constant(0)
+}
+"""
+    rates = {"clock_hz": 1e9, "link_bytes_per_s": 1e9}
+    assert hlo.simulate_schedule(text, **rates)["step_s"] == pytest.approx(2048e-9)
+    assert hlo.simulate_schedule(text, **rates, shared=True)["step_s"] == pytest.approx(2080e-9)
+
+
 def test_dump_summary_reads_the_module_the_first_step_compiled(tmp_path):
     step = "module_0007.jit_step.sm_9.0_gpu_after_optimizations.txt"
     (tmp_path / step).write_text(SYNTHETIC_HLO)

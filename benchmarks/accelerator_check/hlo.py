@@ -28,9 +28,17 @@ _CYCLES_RE = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
 #: multiply-adds a cycle, so 1.5 GHz.
 TPU_CLOCK_HZ = {"tpu-v5e": 1.5e9}
 #: Seconds a compiled step takes per second of its estimated cycles at :data:`TPU_CLOCK_HZ`:
-#: ``none``'s step of ``llama:small`` (batch 8 x 1024) ran 85.7 ms on a v5e, its cycles estimate
-#: 155.8 ms (the compiler's estimates are conservative). Used by :func:`simulate_schedule`.
-TPU_CYCLE_SCALE = {"tpu-v5e": 0.55}
+#: ``none``'s step of ``llama:small`` (batch 8 x 1024) ran 76.7 ms on a v5e on 2026-12-07
+#: (``accelerator_check_TPU_v5_lite_20261207T135106Z``, ``..._141919Z``), its cycles estimate,
+#: compiled here with the train step's TPU options, 93.5 ms (the compiler's estimates are
+#: conservative; 0.55 until then, from a step of 85.7 ms estimated at 155.8 before the splash
+#: kernels and those options). Used by :func:`simulate_schedule`.
+TPU_CYCLE_SCALE = {"tpu-v5e": 0.82}
+#: The rate of a v5e's host link as one queue for both directions (``simulate_schedule(...,
+#: shared=True)``): the forward loops that moved the most both ways moved about 19 GB/s together
+#: (``opt_state_defer_bf16_stacks_split``: 0.63 GB in 33.1 ms; ``all_three_..._new_buffers``: 1.06
+#: GB in 56.8 ms, 2026-12-07), against 14 GB/s measured for one direction alone.
+TPU_SHARED_LINK_GB_S = {"tpu-v5e": 19.0}
 
 
 def _strip_comments(text: str) -> str:
@@ -391,7 +399,9 @@ def transfer_overlap(
     return out
 
 
-def simulate_schedule(text: str, *, clock_hz: float, link_bytes_per_s: float, cycle_scale: float = 1.0) -> dict:
+def simulate_schedule(
+    text: str, *, clock_hz: float, link_bytes_per_s: float, cycle_scale: float = 1.0, shared: bool = False
+) -> dict:
     """A step's time predicted from its compiled, scheduled program (XLA:TPU's text, which gives
     each fusion's estimated cycles): the instructions run one after another in schedule order,
     each taking its cycles (times ``cycle_scale``) at ``clock_hz``; an asynchronous host
@@ -404,7 +414,8 @@ def simulate_schedule(text: str, *, clock_hz: float, link_bytes_per_s: float, cy
     and ``loops``: for each loop body, ``{"trips", "iteration_s", "exposed_s"}`` (means per
     iteration). Compared with the chip (``llama:small`` on a v5e, ``docs/OFFLOAD_SPEED.md``):
     within 2% for the streamed and unrolled updates, the deferred one, activation and weight
-    offload; 4-6% optimistic for the split loops, whose reads waited on their writes."""
+    offload; 4-6% optimistic for the split loops, whose reads waited on their writes. With
+    ``shared``, both directions join one queue (a link whose two directions share its rate)."""
     comps = parse_hlo_module(text)
     entry = next((c for c in comps.values() if c["entry"]), None)
     if entry is None:
@@ -423,15 +434,16 @@ def simulate_schedule(text: str, *, clock_hz: float, link_bytes_per_s: float, cy
         waited, finish = 0.0, {}
         for ins in comps[name]["instructions"]:
             op, moved = ins["opcode"], _transfer(ins)
+            queue = "h2d" if shared and moved is not None else (moved[0] if moved is not None else None)
             if moved is not None and op in ASYNC_TRANSFERS:
-                free[moved[0]] = max(t, free[moved[0]]) + moved[1] / link_bytes_per_s
-                finish[ins["name"]] = free[moved[0]]
+                free[queue] = max(t, free[queue]) + moved[1] / link_bytes_per_s
+                finish[ins["name"]] = free[queue]
             elif op.endswith("-done") and ins["operands"] and ins["operands"][0]["name"] in finish:
                 ready = finish[ins["operands"][0]["name"]]
                 waited, t = waited + max(0.0, ready - t), max(t, ready)
             elif moved is not None:
-                ready = max(t, free[moved[0]]) + moved[1] / link_bytes_per_s
-                free[moved[0]] = ready
+                ready = max(t, free[queue]) + moved[1] / link_bytes_per_s
+                free[queue] = ready
                 waited, t = waited + ready - t, ready
             elif op == "while":
                 body = next((c for k, c in ins["calls"] if k == "body"), None)
