@@ -412,10 +412,12 @@ def simulate_schedule(
 
     Returns ``step_s`` (predicted), ``exposed_s`` (of it, waiting on transfers), ``compute_s``
     and ``loops``: for each loop body, ``{"trips", "iteration_s", "exposed_s"}`` (means per
-    iteration). Compared with the chip (``llama:small`` on a v5e, ``docs/OFFLOAD_SPEED.md``):
-    within 2% for the streamed and unrolled updates, the deferred one, activation and weight
-    offload; 4-6% optimistic for the split loops, whose reads waited on their writes. With
-    ``shared``, both directions join one queue (a link whose two directions share its rate)."""
+    iteration). Compared with the chip (``llama:small`` on a v5e, ``docs/OFFLOAD_SPEED.md``) on
+    2026-12-06: within 2% for the streamed and unrolled updates, the deferred one, activation and
+    weight offload; 4-6% optimistic for the split loops, whose reads waited on their writes. On
+    2026-12-07 (the scale refitted, :data:`TPU_CYCLE_SCALE`) 5-15% short for the host-weight
+    deferred update, whose forward moves the most both ways. With ``shared``, both directions
+    join one queue (a link whose two directions share its rate, :data:`TPU_SHARED_LINK_GB_S`)."""
     comps = parse_hlo_module(text)
     entry = next((c for c in comps.values() if c["entry"]), None)
     if entry is None:
