@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tomllib
 
+import jax
 import pytest
 
 import recipes
@@ -186,6 +187,26 @@ def test_the_offload_flags_are_parsed_once_and_opt_state_stream_streams_the_upda
     assert (spec.params, spec.prefetch, spec.activations) == (True, True, ("q_proj", "k_proj"))
     assert spec.predict(plan)["activation_policy"] is not None
     assert OffloadSpec.parse("activations", "block_input")[0].activations == "block_input"  # a preset
+
+
+def test_rewrite_reaches_the_deferred_update_of_host_weights_and_is_refused_elsewhere():
+    """``--rewrite`` (host weights with the deferred update) reaches ``offload_opt_state``; it is in
+    the flags the run prints and its label; without host weights and the deferred update it is one
+    line; with ``--plan`` (which applies its own transforms) a warning."""
+    hyper = {"lr": 1e-3, "warmup": 1, "steps": 10, "weight_decay": 0.0}
+    spec, warnings = OffloadSpec.parse("params,opt_state_defer", prefetch=True, rewrite="backward")
+    assert warnings == [] and spec.rewrite == "backward"
+    model = zoo.build_model(zoo.config_from_name("llama:tiny"), key=jax.random.key(0))
+    assert spec.apply(model, hyper, clip=1.0)[1].rewrite == "backward"
+    assert "--rewrite backward" in spec.flags and "backward" in spec.label
+    assert OffloadSpec.parse("params,opt_state_defer")[0].apply(model, hyper, clip=1.0)[1].rewrite == "in_place"
+    for offload in ("opt_state_defer", "params,opt_state_stream"):
+        with pytest.raises(SystemExit, match="--rewrite new_buffers needs --offload params,opt_state_defer"):
+            OffloadSpec.parse(offload, rewrite="new_buffers")
+    planned, warnings = OffloadSpec.parse(plan="h100", rewrite="backward")
+    assert planned.rewrite == "in_place" and warnings == [
+        "--rewrite backward has no effect: --plan h100 applies the planner's transforms"
+    ]
 
 
 def test_the_deferred_update_keeps_pending_gradients_in_the_dtype_the_planner_counts():

@@ -27,6 +27,7 @@ from ._compact_state import compact_state as compact_state
 from ._lora import lora as lora
 from ._lora import merge_lora as merge_lora
 from ._memory import host_and_device_share_memory as host_and_device_share_memory
+from ._opt_state import REWRITES as REWRITES
 from ._opt_state import offload_opt_state as offload_opt_state
 from ._opt_state import stack_matrix_state as stack_matrix_state
 from ._opt_stream import StreamedOptimizer as StreamedOptimizer

@@ -43,6 +43,7 @@ CHANGEABLE = (
     "tracker",
     "prompt",
     "sample_before",
+    "rewrite",
 )
 #: Flags a resumed run keeps from its checkpoint, and why (a different value is refused).
 KEPT = {
@@ -182,6 +183,14 @@ def build_parser(
         "--prefetch",
         action="store_true",
         help="with --offload params: copy layer i+1's weights while layer i computes (offload_params(prefetch=True))",
+    )
+    a(
+        "--rewrite",
+        default="in_place",
+        choices=transforms.REWRITES,
+        help="with --offload params,opt_state_defer: where the deferred update writes the new host weights "
+        "(offload_opt_state(..., rewrite=...)): in_place; new_buffers (a second copy of the host weights and state "
+        "during each step); backward (the new weights wait on the device until the layer's backward pass)",
     )
     a(
         "--plan",
@@ -414,7 +423,14 @@ def check(args: argparse.Namespace, *, given: set[str] = frozenset()) -> tuple[O
             f"--batch {args.batch} does not split into --accum {args.accum} micro-batches: make --batch a multiple "
             "of --accum"
         )
-    offload, warnings = OffloadSpec.parse(args.offload, args.activations, args.prefetch, args.plan, given=given)
+    offload, warnings = OffloadSpec.parse(
+        args.offload,
+        args.activations,
+        args.prefetch,
+        args.plan,
+        given=given,
+        rewrite=getattr(args, "rewrite", "in_place"),
+    )
     if args.plan == "auto":  # the running accelerator's profile; on a CPU, one line saying there is none
         try:
             transforms.detect_device()

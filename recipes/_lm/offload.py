@@ -18,8 +18,10 @@ planner what they are.
   stay on the device, so their update moves nothing over the link); weights on the device;
 - ``activations``: the activations ``--activations`` names (a preset or names) go to host memory.
 
-``--prefetch`` (with ``params``) copies layer i+1's weights while layer i computes. ``--plan
-DEVICE`` lets the planner choose instead of ``--offload``.
+``--prefetch`` (with ``params``) copies layer i+1's weights while layer i computes. ``--rewrite``
+(with ``params,opt_state_defer``) says where the deferred update writes the new host weights
+(``offload_opt_state(..., rewrite=...)``). ``--plan DEVICE`` lets the planner choose instead of
+``--offload``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class OffloadSpec:
       or a tuple of activation names.
     - `prefetch`: the weights' copies one layer ahead.
     - `plan`: a device profile name: the planner chooses the transforms (the others are then unset).
+    - `rewrite`: with host weights and the deferred update, where it writes their new values
+      (``transforms.offload_opt_state``'s ``rewrite``: ``"in_place"``, ``"new_buffers"`` or
+      ``"backward"``); where the state lives is the same for each.
     """
 
     params: bool = False
@@ -65,6 +70,7 @@ class OffloadSpec:
     activations: str | tuple[str, ...] | None = None
     prefetch: bool = False
     plan: str | None = None
+    rewrite: str = "in_place"
 
     @classmethod
     def parse(
@@ -75,6 +81,7 @@ class OffloadSpec:
         plan: str | None = None,
         *,
         given: frozenset[str] | set[str] = frozenset(),
+        rewrite: str = "in_place",
     ) -> tuple[OffloadSpec, list[str]]:
         """``(spec, warnings)`` from the flags' values; ``given``: the flags the command line named
         (a flag given without effect is a warning). A bad combination is one line (`SystemExit`)."""
@@ -101,7 +108,17 @@ class OffloadSpec:
             )
         if prefetch and not plan and "params" not in chosen:
             raise SystemExit("--prefetch needs --offload params (it schedules the copies of host-resident weights)")
+        if rewrite not in transforms.REWRITES:
+            raise SystemExit(f"--rewrite {rewrite}: choose one of {', '.join(transforms.REWRITES)}")
         warnings = []
+        if rewrite != "in_place" and plan:
+            warnings.append(f"--rewrite {rewrite} has no effect: --plan {plan} applies the planner's transforms")
+            rewrite = "in_place"
+        elif rewrite != "in_place" and not {"params", "opt_state_defer"} <= set(chosen):
+            raise SystemExit(
+                f"--rewrite {rewrite} needs --offload params,opt_state_defer (it says where the deferred update "
+                "writes the new host weights)"
+            )
         acts = None
         if "activations" in chosen:
             acts = activations if activations in transforms.ACTIVATION_PRESETS else cls._names(activations)
@@ -109,7 +126,14 @@ class OffloadSpec:
             why = f"--plan {plan} chooses the activation policy" if plan else "--offload does not name activations"
             warnings.append(f"--activations {activations} has no effect: {why}")
         opt = next((kind for kind, flag in OPT_STATE_FLAGS.items() if flag in chosen), None)
-        spec = cls(params="params" in chosen, opt_state=opt, activations=acts, prefetch=prefetch, plan=plan or None)
+        spec = cls(
+            params="params" in chosen,
+            opt_state=opt,
+            activations=acts,
+            prefetch=prefetch,
+            plan=plan or None,
+            rewrite=rewrite,
+        )
         return spec, warnings
 
     @staticmethod
@@ -130,6 +154,7 @@ class OffloadSpec:
             getattr(args, "activations", DEFAULT_ACTIVATIONS),
             getattr(args, "prefetch", False),
             getattr(args, "plan", None),
+            rewrite=getattr(args, "rewrite", "in_place"),
         )[0]
 
     @classmethod
@@ -166,6 +191,7 @@ class OffloadSpec:
         if self.activations:
             acts = self.activations if isinstance(self.activations, str) else ",".join(self.activations)
             out += f" --activations {acts}"
+        out += f" --rewrite {self.rewrite}" if self.rewrite != "in_place" else ""
         return out + (" --prefetch" if self.prefetch else "")
 
     @property
@@ -184,7 +210,7 @@ class OffloadSpec:
         if self.opt_state:
             how = {
                 "stream": " (streamed update)",
-                "defer": " (deferred update)",
+                "defer": " (deferred update)" if self.rewrite == "in_place" else f" (deferred update, {self.rewrite})",
                 "defer:stacks": " (deferred update, the stacks' state)",
             }.get(self.opt_state, "")
             parts.append("opt_state" + how)
@@ -236,6 +262,8 @@ class OffloadSpec:
                 defer = self.opt_state != "stream"
                 if defer and pending_dtype is not None:
                     where["pending_dtype"] = pending_dtype
+                if self.rewrite != "in_place":
+                    where["rewrite"] = self.rewrite
                 optimizer = transforms.offload_opt_state(
                     make_optimizer(**hyper, clip=None), stream=True, clip_norm=clip, defer=defer, **where
                 )
