@@ -33,7 +33,7 @@ def loss_of(stack, xs):
     return jnp.sum(jax.vmap(stack)(xs) ** 2)
 
 
-def run(host_arrays, static, pending, counts, xs):
+def run(host_arrays, static, pending, counts, xs, rewrite="in_place"):
     """The loss, its gradient (the cotangent of the pending buffers it is written into), the new
     weights, the update's written state, the probe's cotangent and the weights' own cotangent,
     through a runner."""
@@ -51,7 +51,8 @@ def run(host_arrays, static, pending, counts, xs):
 
     def runner(stack, arrays, probe, g):
         done = lambda new, written: found.update(new=new, written=written)
-        return nn.LayerUpdate((jnp.float32(STEP),), g, counts, fn, _in_place_scan, done, grads=g, probe=probe)
+        update = nn.LayerUpdate((jnp.float32(STEP),), g, counts, fn, _in_place_scan, done, grads=g, probe=probe)
+        return update._replace(rewrite=rewrite)
 
     # The gradients come back as the cotangent of the buffers they are written into.
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
@@ -89,6 +90,25 @@ def test_each_layer_runs_its_updated_weights_and_the_gradient_is_theirs(case):
     np.testing.assert_allclose(float(squares), want_squares, rtol=1e-5)
     # The new weights and the gradients stay where the weights live.
     assert {x.sharding.memory_kind for x in jax.tree.leaves((new, grads))} == {"pinned_host"}
+
+
+def test_rewritten_elsewhere_the_new_weights_and_gradients_are_the_same(case):
+    """``rewrite="new_buffers"``: the same new weights (in new host buffers) and gradients.
+    ``"backward"``: ``done`` sees the old weights, the new ones come out as the weights' own
+    cotangent, written back to host memory by the backward loop; the same gradients. Anything
+    else is one error naming the choices."""
+    _, static, pending, counts, xs, host = case
+    outs = {}
+    for rewrite in ("in_place", "new_buffers", "backward"):
+        outs[rewrite] = jax.jit(lambda *a, r=rewrite: run(*a[:1], static, *a[1:], rewrite=r))(host, pending, counts, xs)
+    same = lambda x, y: all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True))
+    value, grads, new, *_ = outs["in_place"]
+    assert same(outs["new_buffers"][:3], (value, grads, new))
+    b_value, b_grads, b_done, _, _, b_own = outs["backward"]
+    assert same((b_value, b_grads, b_own), (value, grads, new)) and same(b_done, host)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(b_own)} == {"pinned_host"}
+    with pytest.raises(ValueError, match="'in_place', 'new_buffers', 'backward'"):
+        run(host, static, pending, counts, xs, rewrite="sideways")
 
 
 def test_the_backward_writes_the_gradients_into_the_given_buffers_in_place(case):

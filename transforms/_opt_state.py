@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import zoo.nn as zoo_nn
+
 from ._compact_state import CompactState
 from ._memory import (
     HOST,
@@ -35,8 +37,9 @@ def _default_where(x) -> bool:
 
 #: The dtypes ``offload_opt_state(..., pending_dtype=...)`` keeps the pending gradients in.
 PENDING_DTYPES = ("bfloat16", "float16", "float32")
-#: Where ``offload_opt_state(..., defer=True, rewrite=...)`` writes host weights' new values.
-REWRITES = ("in_place", "new_buffers", "backward")
+#: Where ``offload_opt_state(..., defer=True, rewrite=...)`` writes host weights' new values (those
+#: of :class:`zoo.nn.LayerUpdate`).
+REWRITES = zoo_nn.LAYER_UPDATE_REWRITES
 
 
 def stack_matrix_state(x) -> bool:

@@ -51,6 +51,7 @@ from ._placement import on_host as on_host
 from ._placement import param_fetch as param_fetch
 from ._placement import row_major as row_major
 from ._placement import use_param as use_param
+from ._prefetch import REWRITES as LAYER_UPDATE_REWRITES
 from ._prefetch import LayerHalves as LayerHalves
 from ._prefetch import LayerUpdate as LayerUpdate
 from ._prefetch import prefetch_scan as prefetch_scan

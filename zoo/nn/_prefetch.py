@@ -37,6 +37,8 @@ from .._jax_compat import innermost_transform_is_vmap
 from ._placement import on_host, row_major
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
+#: Where :class:`LayerUpdate` may write host weights' new values (its ``rewrite``).
+REWRITES = ("in_place", "new_buffers", "backward")
 
 
 def fetch_layer(arrays, i):
@@ -524,7 +526,7 @@ def _forward_update(
     other_leaves, other_def = jax.tree.flatten(other)
     # Host weights are rewritten in place where they live, with the state; device ones are read
     # and their new values stacked as the loop's outputs (an in-place loop would copy device
-    # stacks whole). Host weights not rewritten in place (``update.in_place``) are read like
+    # stacks whole). Host weights not rewritten in place (``update.rewrite``) are read like
     # device ones, with the state, and their new values and the state's are stacked as the loop's
     # outputs in the memory of the old (the weights on the device, with ``back``).
     host = any(on_host(a) for a in jax.tree.leaves(floating))
@@ -585,6 +587,9 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate, ke
     """``(arrays, x, kw, args, read, write) -> (y, new_arrays, new_write)`` through the updating
     forward, differentiated by the prefetched backward over the new weights (the update's own
     inputs and outputs carry no gradient; with ``keep``, over the kept copies of them)."""
+    if update.rewrite not in REWRITES:
+        valid = ", ".join(map(repr, REWRITES))
+        raise ValueError(f"LayerUpdate: rewrite must be one of {valid}, got {update.rewrite!r}")
 
     @jax.custom_vjp
     def run(arrays, x, kw, args, read, write, grads, probe):
