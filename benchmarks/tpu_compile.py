@@ -117,7 +117,7 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
 
     from transforms._deferred import written_anew
     from transforms._memory import to_host
-    from transforms._train_step import _commit, _KeptApart, trainable_mask
+    from transforms._train_step import _commit, _jit_step, trainable_mask
 
     def describe(x):
         if not isinstance(x, jax.Array):
@@ -129,7 +129,7 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     model, state = _commit(model, state)
     arrays, static = eqx.partition(model, eqx.is_array)
     trainable, frozen = eqx.partition(arrays, trainable_mask(model))
-    apart = written_anew(step.optimizer, trainable, state)  # (by identity: before the abstract copies)
+    anew = written_anew(step.optimizer, trainable, state)  # (by identity: before the abstract copies)
     trainable, frozen, state = jax.tree.map(describe, (trainable, frozen, state))
     shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
     built = step._build(static)
@@ -145,10 +145,7 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
         trainable, frozen, state = jax.tree.map(typed, (trainable, frozen, state), hosts)
         return built(trainable, frozen, state, tokens, key)
 
-    if apart is None:
-        fn = jax.jit(program, out_shardings=(shardings(trainable), shardings(state), None), donate_argnums=(0, 2))
-    else:  # what the step writes into new buffers passed apart, not donated
-        fn = _KeptApart(program, *apart, shardings(trainable), shardings(state), None)
+    fn = _jit_step(program, shardings(trainable), shardings(state), None, donate=True, anew=anew)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
     return fn.lower(trainable, frozen, state, tokens, None)
 

@@ -368,17 +368,9 @@ class TrainStep:
         fn = self._compiled.get(cache_key)
         if fn is None:
             options = _xla_options.resolve(self.compiler_options, model, opt_state)
-            donated = (0, 2) if self.donate else ()
-            # Leaves the step writes into new buffers are passed apart, not donated (see written_anew).
-            apart = written_anew(self.optimizer, trainable, opt_state) if self.donate else None
-            _check_room_for_new_buffers(self.optimizer, trainable, opt_state)
-            if apart is None:
-                out_shardings = (shardings, state_shardings, None)
-                fn = jax.jit(
-                    self._build(static), out_shardings=out_shardings, donate_argnums=donated, compiler_options=options
-                )
-            else:
-                fn = _KeptApart(self._build(static), *apart, shardings, state_shardings, options)
+            anew = written_anew(self.optimizer, trainable, opt_state)
+            _check_room_for_new_buffers(self.optimizer, trainable, opt_state, anew)
+            fn = _jit_step(self._build(static), shardings, state_shardings, options, donate=self.donate, anew=anew)
             self._compiled[cache_key] = fn
         return fn, trainable, frozen, opt_state, static
 
@@ -471,25 +463,38 @@ def _host_copies(tree):
     return jax.tree.map(copy, tree)
 
 
-def _check_room_for_new_buffers(optimizer, trainable, opt_state) -> None:
-    """One line (`MemoryError`) where the deferred update's new buffers
-    (``offload_opt_state(..., rewrite="new_buffers")``: a second copy of the host weights and host
-    state during each step) would not fit the host memory available now: run out, the machine
-    would kill the process with nothing said, or swap."""
+def _check_room_for_new_buffers(optimizer, trainable, opt_state, anew) -> None:
+    """One line (`MemoryError`) where what the deferred update writes into new buffers (``anew``:
+    :func:`~transforms._deferred.written_anew`'s masks; with ``rewrite="new_buffers"`` a second
+    copy of the host weights and host state during each step) would not fit the host memory
+    available now: run out, the machine would kill the process with nothing said, or swap."""
     from .plan._devices import host_available_bytes
 
-    masks = written_anew(optimizer, trainable, opt_state)
-    if masks is None or getattr(optimizer, "rewrite", None) != "new_buffers":
+    if anew is None:
         return
     chosen = lambda tree, mask: [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True) if m]
-    needed = sum(x.nbytes for x in chosen(trainable, masks[0]) + chosen(opt_state, masks[1]))
+    needed = sum(x.nbytes for x in chosen(trainable, anew[0]) + chosen(opt_state, anew[1]))
     available = host_available_bytes()
     if available is not None and needed > 0.9 * available:
+        others = "'backward' (the new weights wait on the device instead) or 'in_place'"
         raise MemoryError(
-            f"train_step: offload_opt_state(..., rewrite='new_buffers') writes {needed / 2**30:.2f} GiB of host "
-            f"weights and state into new buffers each step and {available / 2**30:.2f} GiB of host memory is "
-            "available; use rewrite='backward' (the new weights wait on the device instead) or 'in_place'"
+            f"train_step: offload_opt_state(..., rewrite={optimizer.rewrite!r}) writes {needed / 2**30:.2f} GiB of "
+            f"host weights and state into new buffers each step and {available / 2**30:.2f} GiB of host memory "
+            f"is available; use rewrite={others if optimizer.rewrite == 'new_buffers' else repr('in_place')}"
         )
+
+
+def _jit_step(program: Callable, shardings, state_shardings, options, *, donate: bool, anew):
+    """``jax.jit`` of the step ``program(trainable, frozen, opt_state, batch, key)``, its results
+    placed as its arguments, the trained leaves and the state donated (with ``donate``) but for
+    what the step writes into new buffers (``anew``, see :func:`~transforms._deferred.written_anew`:
+    a donated buffer is one its result must be written into), which go apart (:class:`_KeptApart`)."""
+    if donate and anew is not None:
+        return _KeptApart(program, *anew, shardings, state_shardings, options)
+    out_shardings = (shardings, state_shardings, None)
+    return jax.jit(
+        program, out_shardings=out_shardings, donate_argnums=(0, 2) if donate else (), compiler_options=options
+    )
 
 
 class _KeptApart:

@@ -436,7 +436,7 @@ def simulate_schedule(
         waited, finish = 0.0, {}
         for ins in comps[name]["instructions"]:
             op, moved = ins["opcode"], _transfer(ins)
-            queue = "h2d" if shared and moved is not None else (moved[0] if moved is not None else None)
+            queue = None if moved is None else "h2d" if shared else moved[0]
             if moved is not None and op in ASYNC_TRANSFERS:
                 free[queue] = max(t, free[queue]) + moved[1] / link_bytes_per_s
                 finish[ins["name"]] = free[queue]
