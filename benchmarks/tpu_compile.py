@@ -115,7 +115,6 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     import jax
     import jax.numpy as jnp
 
-    from transforms._deferred import written_anew
     from transforms._memory import to_host
     from transforms._train_step import _commit, _jit_step, trainable_mask
 
@@ -129,7 +128,6 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
     model, state = _commit(model, state)
     arrays, static = eqx.partition(model, eqx.is_array)
     trainable, frozen = eqx.partition(arrays, trainable_mask(model))
-    anew = written_anew(step.optimizer, trainable, state)  # (by identity: before the abstract copies)
     trainable, frozen, state = jax.tree.map(describe, (trainable, frozen, state))
     shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
     built = step._build(static)
@@ -145,7 +143,7 @@ def lowered_for(device, model, state, step, batch: int, seq: int):
         trainable, frozen, state = jax.tree.map(typed, (trainable, frozen, state), hosts)
         return built(trainable, frozen, state, tokens, key)
 
-    fn = _jit_step(program, shardings(trainable), shardings(state), None, donate=True, anew=anew)
+    fn = _jit_step(program, shardings(trainable), shardings(state), None, donate=True)
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(device))
     return fn.lower(trainable, frozen, state, tokens, None)
 

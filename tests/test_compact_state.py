@@ -28,7 +28,7 @@ def test_float8_blocks_keep_small_values_apart_from_zero():
     signed = jnp.asarray(rng.standard_normal((4, 100)), jnp.float32)  # 100 does not split into 256: per row
     q = encode_f8(signed, 256)
     # Flat, four codes to a 32-bit word (a TPU tiles narrow arrays by their last two axes).
-    assert q.codes.dtype == jnp.uint32 and q.codes.shape == (100,) and q.scales.shape == (4,)
+    assert q.codes.dtype == jnp.float32 and q.codes.shape == (100,) and q.scales.shape == (4,)
     back = np.asarray(decode_f8(q, jnp.float32, signed.shape))
     odd = encode_f8(signed[:, :3], 256)  # 12 codes: 3 words; 3 x 3 = 9 would stay float8
     assert odd.codes.shape == (3,) and encode_f8(signed[:3, :3], 256).codes.dtype == jnp.float8_e4m3fn
@@ -59,8 +59,8 @@ def test_compact_state_trains_like_float32_state_in_fewer_host_bytes(dtype, stat
             model, state, metrics = step(model, state, tokens)
             losses.append(float(metrics["loss"]))
         named = jax.tree_util.tree_flatten_with_path(state)[0]
-        stored = lambda x: (jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint32) and x.ndim > 0
-        moments = {jax.tree_util.keystr(p): x for p, x in named if stored(x)}  # float8 codes: uint32 words
+        stored = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 0
+        moments = {jax.tree_util.keystr(p): x for p, x in named if stored(x)}  # float8 codes: float32 words
         return losses, moments
 
     ref, ref_state = run(lambda o: o)
@@ -78,7 +78,7 @@ def test_compact_state_trains_like_float32_state_in_fewer_host_bytes(dtype, stat
     assert not stream or {p.rsplit(".", 3)[-3] for p in scalars} == {"attn_norm", "mlp_norm"}
     if dtype == "float8":  # a stack's matrices: (layers, rows of 128 words), a layer contiguous
         words = [x for p, x in state.items() if ".stacked" in p and "codes" in p and x.ndim == 3]
-        assert words and all(x.shape[-1] == 128 and x.dtype == jnp.uint32 for x in words)
+        assert words and all(x.shape[-1] == 128 and x.dtype == jnp.float32 for x in words)
     ratio = sum(x.nbytes for x in state.values()) / sum(x.nbytes for x in ref_state.values())
     assert ratio == pytest.approx(state_ratio, abs=0.02)
 
@@ -107,8 +107,8 @@ def test_float8_words_hold_four_contiguous_quarters_of_the_codes(shape):
     u8 = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.uint8)).astype(np.uint32)
     quarter = u8.size // 4
     want = u8[:quarter] | u8[quarter : 2 * quarter] << 8 | u8[2 * quarter : 3 * quarter] << 16 | u8[3 * quarter :] << 24
-    assert q.codes.dtype == jnp.uint32
-    np.testing.assert_array_equal(np.asarray(q.codes).reshape(-1), want)
+    assert q.codes.dtype == jnp.float32  # (the words' bits: a floating type carries a cotangent)
+    np.testing.assert_array_equal(np.asarray(q.codes).reshape(-1).view(np.uint32), want)
     np.testing.assert_array_equal(np.asarray(_unpack(q.codes)).view(np.uint8), u8.astype(np.uint8))
 
 

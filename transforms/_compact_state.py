@@ -17,7 +17,7 @@ new state again.
   small second moments of a block to zero, and Adam then takes huge steps: 1.5x the loss.) Blocks
   never cross the leading axes, so a stack's state quantizes the same per layer as whole (the
   streamed update of :func:`transforms.offload_opt_state` accepts it). The codes are stored four
-  to a uint32 word, in rows of 128 words, and the scales in rows of 128 (see :class:`Float8Block`:
+  to a 32-bit word, in rows of 128 words, and the scales in rows of 128 (see :class:`Float8Block`:
   the layout a TPU copies out of host memory one layer at a time in one piece).
 """
 
@@ -38,8 +38,8 @@ _F8_MAX = 448.0
 
 
 class Float8Block(NamedTuple):
-    """One state leaf in 8 bits: ``codes`` (float8 e4m3, four to a uint32) and ``scales`` (float32,
-    one per block of the last axis). A leaf of ``size`` values stores ``size / 4`` uint32 words
+    """One state leaf in 8 bits: ``codes`` (float8 e4m3, four to a 32-bit word) and ``scales``
+    (float32, one per block of the last axis). A leaf of ``size`` values stores ``size / 4`` words
     as rows of 128, ``(size / 512, 128)`` (flat where ``size`` does not divide by 512; float8 codes
     as they are where it does not divide by four), and ``size / n * blocks`` scales, as rows of 128
     where they divide by 128 and flat otherwise.
@@ -52,7 +52,12 @@ class Float8Block(NamedTuple):
     layers together, so that one layer's copy out of host memory gathers 512-byte pieces and is
     then laid out again (on a v5e a quarter of ``opt_state_defer_f8_stacks_split``'s step). A stack
     of ``(layers, words / 128, 128)`` holds each layer in one contiguous piece, in the tiles it is
-    used in."""
+    used in.
+
+    The words are typed ``float32`` (the bits of four codes; nothing computes with them as
+    numbers, and they are never NaN or infinite: a code's exponent is never all ones), so that
+    a backward pass may carry them as a cotangent, which JAX gives floating arrays only (the
+    deferred update's ``rewrite="backward"`` writes the new moments back that way)."""
 
     codes: jax.Array
     scales: jax.Array
@@ -83,7 +88,8 @@ def _rows(flat: jax.Array) -> jax.Array:
 
 
 def _pack(codes: jax.Array) -> jax.Array:
-    """Flat float8 codes (a multiple of four) as uint32 words: word ``i`` holds codes ``i``,
+    """Flat float8 codes (a multiple of four) as 32-bit words (typed float32, see
+    :class:`Float8Block`): word ``i`` holds codes ``i``,
     ``i + n/4``, ``i + n/2`` and ``i + 3n/4`` (four contiguous quarters, one byte each: a
     ``(n/4, 4)`` shape would pad 4 to 128 lanes on a TPU). Rows of 128 words where ``n / 4``
     divides by 128."""
@@ -93,19 +99,20 @@ def _pack(codes: jax.Array) -> jax.Array:
     # TPU, half of it padding, and each quarter read out of it is a (1, n/4) row laid out again.
     shape = (4, quarter // _LANES, _LANES) if quarter % _LANES == 0 else (4, quarter)
     quarters = u8.reshape(shape).astype(jnp.uint32)
-    return _rows(quarters[0] | quarters[1] << 8 | quarters[2] << 16 | quarters[3] << 24)
+    words = quarters[0] | quarters[1] << 8 | quarters[2] << 16 | quarters[3] << 24
+    return _rows(jax.lax.bitcast_convert_type(words, jnp.float32))
 
 
 def _unpack(words: jax.Array) -> jax.Array:
     """The flat float8 codes of :func:`_pack`'s words (flat or in rows). Flattened first: the
     rows are the stored layout only (reshaped rows would pull the moments' layout after them)."""
-    words = words.reshape(-1)
+    words = jax.lax.bitcast_convert_type(words.reshape(-1), jnp.uint32)
     quarters = [((words >> shift) & 0xFF).astype(jnp.uint8) for shift in (0, 8, 16, 24)]
     return jax.lax.bitcast_convert_type(jnp.concatenate(quarters), _F8)
 
 
 def _decode_f8(q: Float8Block, dtype, shape: tuple[int, ...]) -> jax.Array:
-    codes = _unpack(q.codes) if q.codes.dtype == jnp.uint32 else q.codes
+    codes = q.codes if q.codes.dtype == _F8 else _unpack(q.codes)
     n_blocks = q.scales.size // (codes.size // shape[-1])
     blocks = codes.reshape(*shape[:-1], n_blocks, shape[-1] // n_blocks).astype(jnp.float32)
     c = blocks * q.scales.reshape(*shape[:-1], n_blocks)[..., None]

@@ -119,7 +119,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     units, n = _units(params)
     view_defs = [jax.tree.structure(_view(params, units, k)) for k in range(n)]
 
-    def loss_fn(p, probes, pend, shadows):
+    def loss_fn(p, probes, pend, shadows, states):
         wanted = {}
         for k in range(n):
             leaves = jax.tree.leaves(_view(p, units, k))
@@ -194,7 +194,7 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
                 return LayerUpdate(
                     args,
                     pend[k],
-                    state.stacked[k],
+                    state.stacked[k] if states[k] is None else states[k],
                     fn,
                     _in_place_scan,
                     done,
@@ -238,12 +238,20 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     pend = tuple(jax.tree.leaves(_view(pending.grads, units, k)) if in_place[k] else [] for k in range(n))
     shadows = tuple(jnp.zeros(x.shape, x.dtype) for x in _rest_leaves(params, units))
     shadowed, after = set(), set()  # (filled while loss_fn is traced)
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)
-    (loss, (aux, found)), (grads, squares, written, shadow_grads) = grad_fn(params, probes, pend, shadows)
-    if optimizer.rewrite == "backward":  # host weights written back by the backward: their cotangent
-        for k in range(n):
-            if host[k]:
-                found[k] = (found[k][0], _view(grads, units, k))
+    # With rewrite="backward" the backward pass writes a host-weight stack's new weights and host
+    # state over the old: they come back as the cotangents of both (the state's host leaves are
+    # differentiated for it; the rest of the state is read as it is).
+    back = [optimizer.rewrite == "backward" and host[k] for k in range(n)]
+    states = tuple(state.stacked[k] if back[k] else None for k in range(n))
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3, 4), has_aux=True, allow_int=True)
+    (loss, (aux, found)), (grads, squares, written, shadow_grads, state_cts) = grad_fn(
+        params, probes, pend, shadows, states
+    )
+    for k in range(n):
+        if back[k]:
+            pick = lambda ran, old, ct: ct if on_host(old) else ran  # (the device leaves: the forward's outputs)
+            new_state = jax.tree.map(pick, found[k][0], state.stacked[k], state_cts[k])
+            found[k] = (new_state, _view(grads, units, k))
     grads = _with_shadow_grads(params, grads, units, shadow_grads, shadowed, after)
     # The gradients of the stacks written in place: the pending buffers their backward wrote (the
     # weights' own cotangent is zero), and their squares, summed in that backward.
@@ -278,12 +286,10 @@ def written_anew(optimizer, params, state) -> tuple | None:
     """``(params_mask, state_mask)``: which leaves of ``params`` and of ``state`` (a
     :class:`transforms.DeferredState`) the deferred step writes into new buffers instead of over
     their own (``offload_opt_state(..., rewrite="new_buffers")``: the floating arrays of each
-    stack with weights in host memory and the host leaves of its state; ``rewrite="backward"``:
-    those host leaves of the state), or ``None`` where it writes none so.
-    :class:`transforms.TrainStep` does not donate them: a donated buffer is one the step's output
-    must be written into, and XLA would copy each new stack into the old one (on a TPU, on the
-    host, after the forward pass that wrote it)."""
-    if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite == "in_place":
+    stack with weights in host memory and the host leaves of its state), or ``None`` where it
+    writes none so. Host memory holds those twice during the step (:class:`transforms.TrainStep`
+    says so in one line where they would not fit)."""
+    if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite != "new_buffers":
         return None
     units, n = _units(params)
     fresh = set()
@@ -291,8 +297,7 @@ def written_anew(optimizer, params, state) -> tuple | None:
         view = _view(params, units, k)
         if not any_on_host(view):
             continue
-        if optimizer.rewrite == "new_buffers":  # (with "backward", the backward writes over the old weights)
-            fresh.update(id(x) for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
+        fresh.update(id(x) for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
         fresh.update(id(x) for x in jax.tree.leaves(state.streamed.stacked[k]) if on_host(x))
     if not fresh:
         return None

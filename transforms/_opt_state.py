@@ -29,10 +29,10 @@ from ._optimizer import OffloadedOptimizer
 
 
 def _default_where(x) -> bool:
-    # Floating arrays with at least one dimension: moments and the like, and compact_state's
-    # float8 codes (stored four to a uint32). Step counters and scalar hyperparameters stay on the
+    # Floating arrays with at least one dimension: moments and the like (compact_state's float8
+    # codes too, four to a float32 word). Step counters and scalar hyperparameters stay on the
     # device, where they cost nothing.
-    return (is_floating(x) or x.dtype == jnp.uint32) and x.ndim > 0
+    return is_floating(x) and x.ndim > 0
 
 
 #: The dtypes ``offload_opt_state(..., pending_dtype=...)`` keeps the pending gradients in.
@@ -44,7 +44,7 @@ REWRITES = zoo_nn.LAYER_UPDATE_REWRITES
 
 def stack_matrix_state(x) -> bool:
     """A ``where=`` for :func:`offload_opt_state`: the state leaves of the stacks' matrices (a layer
-    axis and two more; float8 codes too, stored as ``uint32`` words), so that only those live in
+    axis and two more; float8 codes too, stored as 32-bit words), so that only those live in
     host memory and the state of the embedding, the head and every norm stays on the device. With
     the deferred update their update after the backward pass then moves nothing over the link
     (``llama:1b``'s tied embedding: 2.1 GB a step with 16-bit moments).
@@ -58,7 +58,7 @@ def stack_matrix_state(x) -> bool:
     )
     ```
     """
-    return getattr(x, "ndim", 0) >= 3 and (jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint32)
+    return getattr(x, "ndim", 0) >= 3 and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def offload_opt_state(
@@ -158,21 +158,22 @@ def offload_opt_state(
       ``pending_dtype`` between steps (``llama:small``'s 151 MB in 16 bits, ``llama:1b``'s 1.8 GiB).
       The planner does not choose it yet.
     - `rewrite`: with ``defer=True`` and weights in host memory (:func:`transforms.offload_params`),
-      where the deferred update writes each layer's new weights: ``"in_place"`` (the default), over
-      the old ones in the forward pass, with the state; ``"new_buffers"``, into new buffers beside
-      the old, weights and host state; ``"backward"``, over the old ones in the backward pass (the
-      new weights wait on the device from the layer's forward to its backward, which reads them;
-      host state goes into new buffers). In place, the forward's read of layer ``i + 1`` waits for
-      its write of layer ``i`` (one buffer per array, whose accesses XLA orders) and the link's
-      two directions take turns: on a TPU v5e ``llama:small``'s weight offload took 1.26x the step
-      without offload in place, 1.17x into new buffers. New buffers cost host memory (the
-      stacks' weights and host state twice during the step; the train step does not donate the
-      old ones, and refuses in one line, `MemoryError`, where they would not fit the host memory
-      available). ``"backward"`` costs device memory (the stacks' float32 weights from the forward
-      to the backward) and moves the weights' write out of the forward, whose link is the busiest,
-      into the backward, whose link is idle with the pending gradients on the device (the
-      backward reads the float32 weights themselves: ``offload_params(keep_weights=True)`` keeps
-      nothing then). The planner counts none but ``"in_place"`` and does not choose them yet.
+      where the deferred update writes each layer's new weights and host state: ``"in_place"``
+      (the default), over the old ones in the forward pass; ``"new_buffers"``, into new buffers
+      beside the old (which XLA then copies into the old ones, on the host); ``"backward"``, over
+      the old ones in the backward pass (the new weights and host state wait on the device from
+      the layer's forward to its backward, which reads the weights). In place, the forward's read
+      of layer ``i + 1`` waits for its write of layer ``i`` (one buffer per array, whose accesses
+      XLA orders) and the link's two directions take turns: on a TPU v5e ``llama:small``'s weight
+      offload took 1.26x the step without offload in place, 1.17x into new buffers, 1.00x in the
+      backward. New buffers cost host memory (the stacks' weights and host state twice during the
+      step; the train step refuses in one line, `MemoryError`, where they would not fit the host
+      memory available). ``"backward"`` costs device memory (the stacks' float32 weights and host
+      state from the forward to the backward) and moves their writes out of the forward, whose
+      link is the busiest, into the backward, whose link is idle with the pending gradients on the
+      device (the backward reads the float32 weights themselves: ``offload_params(keep_weights=True)``
+      keeps nothing then); the host state must be floating (:func:`compact_state`'s float8 words
+      are). The planner counts none but ``"in_place"`` and does not choose them yet.
     - `compact_rest`: with ``stream=True`` and a :func:`transforms.compact_state` optimizer,
       whether the state of the leaves outside the stacks (embedding, head, final norm) is stored
       compactly too (default ``True``). ``False`` keeps theirs in the wrapped optimizer's own

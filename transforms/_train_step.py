@@ -74,9 +74,7 @@ class TrainStep:
 
     - Every leaf of the returned model and optimizer state has the sharding and memory kind it
       came in with (`out_shardings` equal the input shardings), so offloaded state stays on host
-      over a run; the inputs are donated (but for what the deferred update writes into new buffers,
-      ``offload_opt_state(..., rewrite="new_buffers")``: a donated buffer is one its output must be
-      written into).
+      over a run; the inputs are donated.
     - Gradients (which come back in host memory for host-resident weights) are moved to the
       device before any optimizer math. With a streamed optimizer
       (``transforms.offload_opt_state(..., stream=True)``) they are left where they are and the
@@ -368,9 +366,8 @@ class TrainStep:
         fn = self._compiled.get(cache_key)
         if fn is None:
             options = _xla_options.resolve(self.compiler_options, model, opt_state)
-            anew = written_anew(self.optimizer, trainable, opt_state)
-            _check_room_for_new_buffers(self.optimizer, trainable, opt_state, anew)
-            fn = _jit_step(self._build(static), shardings, state_shardings, options, donate=self.donate, anew=anew)
+            _check_room_for_new_buffers(self.optimizer, trainable, opt_state)
+            fn = _jit_step(self._build(static), shardings, state_shardings, options, donate=self.donate)
             self._compiled[cache_key] = fn
         return fn, trainable, frozen, opt_state, static
 
@@ -463,13 +460,14 @@ def _host_copies(tree):
     return jax.tree.map(copy, tree)
 
 
-def _check_room_for_new_buffers(optimizer, trainable, opt_state, anew) -> None:
-    """One line (`MemoryError`) where what the deferred update writes into new buffers (``anew``:
-    :func:`~transforms._deferred.written_anew`'s masks; with ``rewrite="new_buffers"`` a second
-    copy of the host weights and host state during each step) would not fit the host memory
-    available now: run out, the machine would kill the process with nothing said, or swap."""
+def _check_room_for_new_buffers(optimizer, trainable, opt_state) -> None:
+    """One line (`MemoryError`) where what the deferred update writes into new buffers
+    (:func:`~transforms._deferred.written_anew`; with ``rewrite="new_buffers"`` a second copy of
+    the host weights and host state during each step) would not fit the host memory available
+    now: run out, the machine would kill the process with nothing said, or swap."""
     from .plan._devices import host_available_bytes
 
+    anew = written_anew(optimizer, trainable, opt_state)
     if anew is None:
         return
     chosen = lambda tree, mask: [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True) if m]
@@ -484,60 +482,20 @@ def _check_room_for_new_buffers(optimizer, trainable, opt_state, anew) -> None:
         )
 
 
-def _jit_step(program: Callable, shardings, state_shardings, options, *, donate: bool, anew):
+def _jit_step(program: Callable, shardings, state_shardings, options, *, donate: bool):
     """``jax.jit`` of the step ``program(trainable, frozen, opt_state, batch, key)``, its results
-    placed as its arguments, the trained leaves and the state donated (with ``donate``) but for
-    what the step writes into new buffers (``anew``, see :func:`~transforms._deferred.written_anew`:
-    a donated buffer is one its result must be written into), which go apart (:class:`_KeptApart`)."""
-    if donate and anew is not None:
-        return _KeptApart(program, *anew, shardings, state_shardings, options)
+    placed as its arguments, the trained leaves and the state donated (with ``donate``).
+
+    Donated too: what the deferred update writes into new buffers
+    (``offload_opt_state(..., rewrite="new_buffers")``), which XLA then copies into the old ones
+    after the loop that made them. Not donated, they cost more: each step's results then take
+    fresh pinned host buffers, and a TPU v5e took 6.5x the step for that (page-locking them,
+    benchmarks/results/accelerator_check_TPU_v5_lite_20261207T155855Z.md) against 1.17x with
+    the copies."""
     out_shardings = (shardings, state_shardings, None)
     return jax.jit(
         program, out_shardings=out_shardings, donate_argnums=(0, 2) if donate else (), compiler_options=options
     )
-
-
-class _KeptApart:
-    """The jitted ``step(trainable, frozen, opt_state, batch, key)`` with the leaves the masks select
-    (``True``) passed in and returned as arguments and results apart, not donated; called (and
-    lowered) as the step itself. The donated leaves' results come first, in their arguments'
-    order: JAX pairs each donated argument with the first result of its shape and dtype, memory
-    kind aside where some argument's is unknown, and a host weight's result could otherwise take
-    the buffer of a device one of its shape (a pending gradient on the device)."""
-
-    def __init__(self, step: Callable, params_mask, state_mask, shardings, state_shardings, options):
-        self.params_mask, self.state_mask = params_mask, state_mask
-
-        def program(trainable, frozen, opt_state, batch, key, trainable_apart, state_apart):
-            trainable = eqx.combine(trainable, trainable_apart)
-            new, new_state, metrics = step(trainable, frozen, eqx.combine(opt_state, state_apart), batch, key)
-            new_apart, new = eqx.partition(new, params_mask)
-            new_state_apart, new_state = eqx.partition(new_state, state_mask)
-            return new, new_state, metrics, new_apart, new_state_apart
-
-        by_mask = lambda tree, mask: eqx.partition(tree, mask, is_leaf=lambda x: x is None)
-        (shardings_apart, shardings), (state_apart, state_shardings) = (
-            by_mask(shardings, params_mask),
-            by_mask(state_shardings, state_mask),
-        )
-        self.jitted = jax.jit(
-            program,
-            out_shardings=(shardings, state_shardings, None, shardings_apart, state_apart),
-            donate_argnums=(0, 2),
-            compiler_options=options,
-        )
-
-    def _args(self, trainable, frozen, opt_state, batch, key) -> tuple:
-        trainable_apart, trainable = eqx.partition(trainable, self.params_mask)
-        state_apart, opt_state = eqx.partition(opt_state, self.state_mask)
-        return trainable, frozen, opt_state, batch, key, trainable_apart, state_apart
-
-    def __call__(self, *args):
-        new, new_state, metrics, new_apart, new_state_apart = self.jitted(*self._args(*args))
-        return eqx.combine(new, new_apart), eqx.combine(new_state, new_state_apart), metrics
-
-    def lower(self, *args):
-        return self.jitted.lower(*self._args(*args))
 
 
 def _defers(optimizer) -> bool:

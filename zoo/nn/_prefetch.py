@@ -305,6 +305,7 @@ def _backward(
     with_squares: bool = False,
     homes=None,
     weights_into=None,
+    more_back=(),
 ):
     """Gradients of the weights (each in its weight's memory), the input and the keyword arguments
     (summed over the layers, which all read them). With ``into`` (stacked arrays, one per floating
@@ -319,7 +320,8 @@ def _backward(
     product, and gradients returned as new arrays go where the weights live, in their dtype.
     ``weights_into``: stacked host buffers, one per floating leaf of ``arrays`` (on the device),
     into which each layer's leaves are written back as the layer is differentiated (in place; a
-    last result: the written buffers)."""
+    last result: the written buffers), then one per array of ``more_back`` (device stacks written
+    back with them, layer by layer: a layer update's new state)."""
     kf = _floating(kw)[0]
     homes = _floating(arrays if homes is None else homes)[0]
     # Residuals offloaded to host memory (a `Remat`'s offloaded names) are fetched one layer
@@ -337,8 +339,10 @@ def _backward(
 
     def layer(carry, w, here_host, here_device, i):
         dh, dkf, bufs, squares, behind, back = carry
-        if back is not None:  # this layer's weights back to host memory while it differentiates
-            sent = _to_host_like(jax.tree.leaves(_floating(w)[0]), back)
+        if back is not None:  # this layer's weights (and state) back to host memory while it differentiates
+            state = [jax.lax.dynamic_index_in_dim(s, i, keepdims=False) for s in more_back]
+            values = jax.tree.leaves(_floating(w)[0]) + state
+            sent = _to_host_like(values, back)
             back = [jax.lax.dynamic_update_index_in_dim(b, row_major(v), i, 0) for b, v in zip(back, sent, strict=True)]
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
@@ -455,12 +459,14 @@ class LayerUpdate(NamedTuple):
       turns). ``"new_buffers"``: into new buffers where the old ones live, the loop's stacked
       outputs (``scan`` is then given the weights and the host leaves of the state as ``read``,
       only the device leaves of the state as ``write``; the reads come from the old buffers,
-      which nothing writes; host memory holds both during the step). ``"backward"``: as
-      ``"new_buffers"`` for the state, while the new weights stay on the device for the backward
-      pass, which reads them and writes each layer's over its old weights (in place, one layer
-      an iteration); they come out as the cotangent of the stack's weights (differentiate with
-      respect to them), and ``done`` is given the old weights. Not differentiated, it runs as
-      ``"new_buffers"``.
+      which nothing writes; host memory holds both during the step). ``"backward"``: read as
+      with ``"new_buffers"``, while the new weights and the new values of the host leaves of
+      ``write`` stay on the device for the backward pass, which reads the weights and writes
+      each layer's weights and state over the old (in place, one layer an iteration, while the
+      link's host-to-device direction carries the offloaded activations); they come out as the
+      cotangents of the stack's weights and of ``write`` (differentiate with respect to both; the
+      host leaves of ``write`` must then be floating: JAX gives integer arrays no cotangent), and
+      ``done`` is given the old ones. Not differentiated, it runs as ``"new_buffers"``.
 
     **Example** (each layer's weights halved before it runs, a per-layer count kept beside them;
     the loop here writes new stacks, ``transforms``' writes them in place):
@@ -520,17 +526,19 @@ def _forward_update(
     ``(y, new_arrays, new_write, saved)``. The update sees and rewrites the floating arrays; the
     others (integer per-layer settings) are read as they are. With ``keep`` (see :func:`_keeps`),
     ``saved`` is ``(saved, kept)``: the kept copies of each layer's new weights (:func:`_keep`).
-    With ``back`` (host weights, ``rewrite="backward"``), ``new_arrays``' new weights are stacked
-    on the device, for the backward pass to write back."""
+    With ``back`` (host weights, ``rewrite="backward"``), ``new_arrays``' new weights and the new
+    values of ``write``'s host leaves are stacked on the device, for the backward pass to write
+    back."""
     floating, other = _floating(arrays)
     other_leaves, other_def = jax.tree.flatten(other)
     # Host weights are rewritten in place where they live, with the state; device ones are read
     # and their new values stacked as the loop's outputs (an in-place loop would copy device
     # stacks whole). Host weights not rewritten in place (``update.rewrite``) are read like
     # device ones, with the state, and their new values and the state's are stacked as the loop's
-    # outputs in the memory of the old (the weights on the device, with ``back``).
+    # outputs in the memory of the old (on the device, with ``back``).
     host = any(on_host(a) for a in jax.tree.leaves(floating))
     weights_home = (lambda w: w) if back else (lambda w: _to_host_like(w, floating))
+    state_home = (lambda a: a) if back else (lambda a: jax.device_put(a, _HOST))
 
     def layer_of(h, w_i, r_i, s_i, o_i):
         new_w, new_s = update.fn(args, h, w_i, r_i, s_i)
@@ -564,7 +572,7 @@ def _forward_update(
             s_i = jax.tree.unflatten(s_def, [next(from_host) if a else next(from_device) for a in s_host])
             h, new_w, new_s, saved = layer_of(h, w_i, r_i, s_i, o_i)
             new_s = jax.tree.leaves(new_s)
-            new_host = [jax.device_put(a, _HOST) for a, a_host in zip(new_s, s_host, strict=True) if a_host]
+            new_host = [state_home(a) for a, a_host in zip(new_s, s_host, strict=True) if a_host]
             new_device = [a for a, a_host in zip(new_s, s_host, strict=True) if not a_host]
             return h, (new_device, (weights_home(new_w), new_host, saved))
 
@@ -601,6 +609,13 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate, ke
             raise ValueError(
                 "LayerUpdate(rewrite='backward') needs grads: the weights' cotangent carries the new weights"
             )
+        if back and any(on_host(a) and not jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(write)):
+            found = sorted({str(a.dtype) for a in jax.tree.leaves(write) if on_host(a)})
+            raise ValueError(
+                "LayerUpdate(rewrite='backward'): the host leaves of write come back as their cotangent, which JAX "
+                f"gives floating arrays only; got host state of dtypes {found} (store integer state as float32 "
+                "words with a bitcast, or keep it on the device, or use rewrite='new_buffers')"
+            )
         kept = _keeps(keep, policy, arrays) and not back  # (the backward reads the new weights themselves)
         h, new_arrays, new_write, saved = _forward_update(
             apply, arrays, x, kw, n_layers, policy, update, args, read, write, kept, back
@@ -609,29 +624,50 @@ def _differentiable_update(apply, n_layers: int, policy, update: LayerUpdate, ke
         if kept:
             saved, copies = saved
             reads = _with_kept(new_arrays, copies)
-        if back:  # the old weights are the forward's output (done() sees them) and the backward's target
-            return (h, arrays, new_write), (reads, saved, kw, grads, new_arrays, arrays)
+        if back:
+            # The old weights and host state are the forward's outputs (done() sees them) and the
+            # backward's targets; the new host state waits on the device with the new weights.
+            old_write = jax.tree.map(lambda a: a if on_host(a) else None, write)
+            pairs = zip(jax.tree.leaves(write), jax.tree.leaves(new_write), strict=True)
+            new_host = [new for old, new in pairs if on_host(old)]
+            out_write = jax.tree.map(lambda a, b: a if on_host(a) else b, write, new_write)
+            return (h, arrays, out_write), (reads, saved, kw, grads, new_arrays, (arrays, old_write, new_host))
         return (h, new_arrays, new_write), (reads, saved, kw, grads, new_arrays, None)
 
     def run_bwd(res, cts):
         reads, saved, kw, grads, new_arrays, old = res
         with_squares = update.probe is not None
-        into = None if old is None else jax.tree.leaves(_floating(old)[0])
+        into, more_back = None, ()
+        if old is not None:
+            old_arrays, old_write, more_back = old
+            into = jax.tree.leaves(_floating(old_arrays)[0]) + jax.tree.leaves(old_write)
         dw, dx, dkw, *more = _backward(
-            reads, saved, kw, cts[0], n_layers, grads, with_squares, homes=new_arrays, weights_into=into
+            reads,
+            saved,
+            kw,
+            cts[0],
+            n_layers,
+            grads,
+            with_squares,
+            homes=new_arrays,
+            weights_into=into,
+            more_back=more_back,
         )
         squares = more[0] if with_squares else None
         if grads is None:
             return dw, dx, dkw, None, None, None, None, squares
         # The gradients travel as the cotangent of the buffers they were written into (in those
-        # buffers' dtype, which may be narrower than the weights'); the new weights written back
-        # by the backward, as the weights' own.
-        weights = None
+        # buffers' dtype, which may be narrower than the weights'); the new weights and host state
+        # written back by the backward, as the cotangents of the old.
+        weights = state = None
         if old is not None:
-            floating, other = _floating(old)
+            floating, other = _floating(old_arrays)
+            n_w = len(jax.tree.leaves(floating))
             zeros = jax.tree.map(_zero_cotangent, other)
-            weights = eqx.combine(jax.tree.unflatten(jax.tree.structure(floating), more[-1]), zeros)
-        return weights, dx, dkw, None, None, None, jax.tree.leaves(_floating(dw)[0]), squares
+            weights = eqx.combine(jax.tree.unflatten(jax.tree.structure(floating), more[-1][:n_w]), zeros)
+            written = iter(more[-1][n_w:])
+            state = jax.tree.map(lambda a: None if a is None else next(written), old_write, is_leaf=lambda a: a is None)
+        return weights, dx, dkw, None, None, state, jax.tree.leaves(_floating(dw)[0]), squares
 
     run.defvjp(run_fwd, run_bwd)
     return run
