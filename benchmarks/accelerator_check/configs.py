@@ -66,7 +66,7 @@ class Config:
         if self.rewrite == "new_buffers":
             out["host_weights_written"] = "into new buffers"
         elif self.rewrite == "backward":
-            out["host_weights_written"] = "by the backward pass"
+            out["host_weights_written"] = "by the backward pass (with the host state)"
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -566,8 +566,8 @@ def config_table() -> list[Config]:
         _f8_host_stacks(
             "all_three_stacks_defer_f8_host_device_grads_backward",
             "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers with the new weights written back by the "
-            "backward pass (offload_opt_state(..., rewrite='backward'); the moments still into new buffers): 26 MB "
-            "a llama:small layer out of the forward, whose link is the busiest, into the backward, whose is idle",
+            "backward pass with the host moments (offload_opt_state(..., rewrite='backward')): 38 MB a llama:small "
+            "layer out of the forward, whose link is the busiest, into the backward, whose is idle",
             pending_device=True,
             rewrite="backward",
         ),

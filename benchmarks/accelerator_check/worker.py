@@ -550,7 +550,7 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             how = (
                 "writes them into new buffers"
                 if conf.rewrite == "new_buffers"
-                else "writes the weights in its backward"
+                else "writes the weights and host state in its backward"
             )
             notes.append(
                 f"counted with host weights and state rewritten in place by the forward; this configuration {how}"

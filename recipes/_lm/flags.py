@@ -190,7 +190,8 @@ def build_parser(
         choices=transforms.REWRITES,
         help="with --offload params,opt_state_defer: where the deferred update writes the new host weights "
         "(offload_opt_state(..., rewrite=...)): in_place; new_buffers (a second copy of the host weights and state "
-        "during each step); backward (the new weights wait on the device until the layer's backward pass)",
+        "during each step); backward (the new weights and host state wait on the device until the layer's backward "
+        "pass, which writes them back)",
     )
     a(
         "--plan",
