@@ -14,7 +14,7 @@ step later. :func:`apply_pending` applies the last pending update (``TrainStep.f
 A stack whose weights live in host memory (:func:`transforms.offload_params`) gets a
 :class:`zoo.nn.LayerUpdate` instead: its prefetched loop fetches each layer's weights, pending
 gradients and state, updates them, writes the weights and the state back in place (or into new
-buffers beside the old, ``rewrite="new_buffers"``, or the weights in the backward pass,
+buffers beside the old, ``rewrite="new_buffers"``, or both in the backward pass,
 ``rewrite="backward"``: the read of the next layer then need not wait for this layer's write)
 and runs the layer with the new weights; the backward pass reads those and writes its gradients
 over the pending ones (in place, in host memory), summing their squares on the device for the global norm.
