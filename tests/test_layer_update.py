@@ -109,6 +109,10 @@ def test_rewritten_elsewhere_the_new_weights_and_gradients_are_the_same(case):
     assert {x.sharding.memory_kind for x in jax.tree.leaves(b_own)} == {"pinned_host"}
     with pytest.raises(ValueError, match="'in_place', 'new_buffers', 'backward'"):
         run(host, static, pending, counts, xs, rewrite="sideways")
+    # Host state written back by the backward leaves as its cotangent: integer state cannot.
+    host_counts = jax.device_put(counts, jax.memory.Space.Host)
+    with pytest.raises(ValueError, match=r"floating arrays only; got host state of dtypes \['int32'\]"):
+        run(host, static, pending, host_counts, xs, rewrite="backward")
 
 
 def test_the_backward_writes_the_gradients_into_the_given_buffers_in_place(case):
