@@ -282,27 +282,22 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 
-def written_anew(optimizer, params, state) -> tuple | None:
-    """``(params_mask, state_mask)``: which leaves of ``params`` and of ``state`` (a
-    :class:`transforms.DeferredState`) the deferred step writes into new buffers instead of over
-    their own (``offload_opt_state(..., rewrite="new_buffers")``: the floating arrays of each
-    stack with weights in host memory and the host leaves of its state), or ``None`` where it
-    writes none so. Host memory holds those twice during the step (:class:`transforms.TrainStep`
-    says so in one line where they would not fit)."""
+def new_buffer_bytes(optimizer, params, state) -> int:
+    """Bytes the deferred step writes into new host buffers beside the old each step
+    (``offload_opt_state(..., rewrite="new_buffers")``: the floating arrays of each stack with
+    weights in host memory and the host leaves of its state; 0 for any other optimizer or
+    rewrite). Host memory holds them twice during the step (:class:`transforms.TrainStep` says so
+    in one line where they would not fit)."""
     if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite != "new_buffers":
-        return None
+        return 0
     units, n = _units(params)
-    fresh = set()
+    total = 0
     for k in range(n):
         view = _view(params, units, k)
-        if not any_on_host(view):
-            continue
-        fresh.update(id(x) for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
-        fresh.update(id(x) for x in jax.tree.leaves(state.streamed.stacked[k]) if on_host(x))
-    if not fresh:
-        return None
-    mask = lambda tree: jax.tree.map(lambda x: id(x) in fresh, tree)
-    return mask(params), mask(state)
+        if any_on_host(view):
+            total += sum(x.nbytes for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
+            total += sum(x.nbytes for x in jax.tree.leaves(state.streamed.stacked[k]) if on_host(x))
+    return total
 
 
 def _prefetched(stack) -> bool:

@@ -14,7 +14,7 @@ import optax
 from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
 from . import _xla_options
-from ._deferred import apply_pending, deferred_step, written_anew
+from ._deferred import apply_pending, deferred_step, new_buffer_bytes
 from ._lora import needs_key, with_step_keys
 from ._memory import (
     HOST,
@@ -462,23 +462,18 @@ def _host_copies(tree):
 
 def _check_room_for_new_buffers(optimizer, trainable, opt_state) -> None:
     """One line (`MemoryError`) where what the deferred update writes into new buffers
-    (:func:`~transforms._deferred.written_anew`; with ``rewrite="new_buffers"`` a second copy of
-    the host weights and host state during each step) would not fit the host memory available
+    (:func:`~transforms._deferred.new_buffer_bytes`: with ``rewrite="new_buffers"`` a second copy
+    of the host weights and host state during each step) would not fit the host memory available
     now: run out, the machine would kill the process with nothing said, or swap."""
     from .plan._devices import host_available_bytes
 
-    anew = written_anew(optimizer, trainable, opt_state)
-    if anew is None:
-        return
-    chosen = lambda tree, mask: [x for x, m in zip(jax.tree.leaves(tree), jax.tree.leaves(mask), strict=True) if m]
-    needed = sum(x.nbytes for x in chosen(trainable, anew[0]) + chosen(opt_state, anew[1]))
-    available = host_available_bytes()
+    needed = new_buffer_bytes(optimizer, trainable, opt_state)
+    available = host_available_bytes() if needed else None
     if available is not None and needed > 0.9 * available:
-        others = "'backward' (the new weights wait on the device instead) or 'in_place'"
         raise MemoryError(
             f"train_step: offload_opt_state(..., rewrite={optimizer.rewrite!r}) writes {needed / 2**30:.2f} GiB of "
             f"host weights and state into new buffers each step and {available / 2**30:.2f} GiB of host memory "
-            f"is available; use rewrite={others if optimizer.rewrite == 'new_buffers' else repr('in_place')}"
+            "is available; use rewrite='backward' (the new weights and state wait on the device instead) or 'in_place'"
         )
 
 
