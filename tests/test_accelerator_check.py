@@ -521,7 +521,8 @@ def test_bandwidth_worker_times_copies_both_ways():
     # And inside a layer loop: reads, rewrites, both; each layer a slice of the largest size.
     loop = bandwidth["loop"]
     assert loop["layer_bytes"] * loop["layers"] == 2 * 2**20
-    for name in ("loop_read", "loop_rewrite", "loop_read_rewrite"):
+    assert loop["layer_shape"][-1] == 128  # a layer in rows of 128: one contiguous piece in host memory
+    for name in ("loop_read", "loop_rewrite", "loop_read_rewrite", "loop_read_tiled"):
         assert bandwidth[f"{name}_gb_per_s"] > 0 and len(loop[name]["times_s"]) == 2
     assert "in a layer loop" in row[2]
 

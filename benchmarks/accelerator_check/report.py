@@ -45,6 +45,8 @@ def table_rows(results: dict) -> list[list[str]]:
                     f"; in a layer loop, in: read {rate('loop_read')} / rewrite {rate('loop_rewrite')}"
                     f" / both {rate('loop_read_rewrite')} GB/s"
                 )
+                if bw.get("loop_read_tiled_gb_per_s") is not None:
+                    text += f" (read, layers tiled together: {rate('loop_read_tiled')})"
             rows.append([name, status, text, *["-"] * (len(HEADER) - 3)])
             continue
         figures = [("step_time_s", "{:.4f}", 1), ("step_ratio_vs_none", "{:.2f}", 1), ("tokens_per_s", "{:.0f}", 1)]

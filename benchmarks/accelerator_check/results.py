@@ -85,7 +85,12 @@ def finish_config(name: str, conf: Config, run: dict, platform: str) -> dict:
     if conf.kind == "bandwidth":
         rates = ("h2d_gb_per_s", "d2h_gb_per_s", "d2h_fresh_gb_per_s", "both_gb_per_s")
         rates += ("eager_h2d_gb_per_s", "eager_d2h_gb_per_s")
-        rates += ("loop_read_gb_per_s", "loop_rewrite_gb_per_s", "loop_read_rewrite_gb_per_s")
+        rates += (
+            "loop_read_gb_per_s",
+            "loop_rewrite_gb_per_s",
+            "loop_read_rewrite_gb_per_s",
+            "loop_read_tiled_gb_per_s",
+        )
         entry["bandwidth"] = {k: report.get(k) for k in (*rates, "sizes", "loop")}
     return entry
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks._environment import write_json
 
-from .configs import ADAM_B1, CLIP_NORM, Config, apply_transforms, make_config, make_optimizer, optimizer_for
+from .configs import ADAM_B1, CLIP_NORM, Config, apply_transforms, make_config, make_optimizer, optimizer_for, traced_as
 from .grads import first_moment, gradient_summary, scale_summary
 from .guard import refusal
 from .hlo import compiled_by
@@ -206,8 +206,12 @@ def _loop_bandwidth(spec: dict, report: dict, host, total_bytes: int) -> None:
 
     from transforms._opt_stream import _in_place_scan
 
-    n = max(total_bytes // 4 // LOOP_LAYERS, 1)
-    stack = lambda v: jax.device_put(jnp.full((LOOP_LAYERS, n), v, jnp.float32), host)
+    n = max(total_bytes // 4 // LOOP_LAYERS // 128, 1) * 128
+    # Each layer in rows of 128, as the transforms store host stacks (one contiguous piece a
+    # layer); "_tiled": a flat (layers, n) stack, which a TPU tiles eight layers together, so
+    # that a layer's copy gathers 512-byte pieces (why compact_state stores rows of 128).
+    layouts = {"": (n // 128, 128), "_tiled": (n,)}
+    stack = lambda v, layout="": jax.device_put(jnp.full((LOOP_LAYERS, *layouts[layout]), v, jnp.float32), host)
 
     def loop(read, write):
         def body(c, read_i, write_i):
@@ -219,11 +223,16 @@ def _loop_bandwidth(spec: dict, report: dict, host, total_bytes: int) -> None:
 
     fn = jax.jit(loop, donate_argnums=1)
     layer_bytes = n * 4
-    cases = {"loop_read": (1, 0), "loop_rewrite": (0, 1), "loop_read_rewrite": (1, 1)}
-    out = report["loop"] = {"layers": LOOP_LAYERS, "layer_bytes": layer_bytes}
-    for name, (reads, writes) in cases.items():
-        read = [stack(1.0) for _ in range(reads)]
-        buffer = [[stack(0.0) for _ in range(writes)]]
+    cases = {
+        "loop_read": (1, 0, ""),
+        "loop_rewrite": (0, 1, ""),
+        "loop_read_rewrite": (1, 1, ""),
+        "loop_read_tiled": (1, 0, "_tiled"),
+    }
+    out = report["loop"] = {"layers": LOOP_LAYERS, "layer_bytes": layer_bytes, "layer_shape": layouts[""]}
+    for name, (reads, writes, layout) in cases.items():
+        read = [stack(1.0, layout) for _ in range(reads)]
+        buffer = [[stack(0.0, layout) for _ in range(writes)]]
 
         def call(read=read, buffer=buffer):
             buffer[0] = jax.block_until_ready(fn(read, buffer[0]))[1]
@@ -603,11 +612,12 @@ def worker_train(spec: dict, report: dict, write) -> None:
     from transforms import host_baseline
 
     report["host_baseline_bytes"] = host_baseline()  # the runtime's own share, before any model
-    cfg, model, optimizer, step, state, tokens = _init_train(spec, conf, report, write)
-    write("initialized")
-    model, state, mu = _first_step(spec, report, model, step, state, tokens)
-    write("first_step")
-    model, state = _timed_steps(spec, report, model, step, state, tokens, compiles)
+    with traced_as(conf):
+        cfg, model, optimizer, step, state, tokens = _init_train(spec, conf, report, write)
+        write("initialized")
+        model, state, mu = _first_step(spec, report, model, step, state, tokens)
+        write("first_step")
+        model, state = _timed_steps(spec, report, model, step, state, tokens, compiles)
     report["trace_count"] = step.trace_count
     write("measured")
     if isinstance(mu, DeferredMoment):  # after the peak was read: its flush needs the device
