@@ -47,7 +47,7 @@ from pathlib import Path
 
 from benchmarks import _environment as env
 from benchmarks.accelerator_check.cli import compiler_options
-from benchmarks.accelerator_check.configs import apply_transforms, config_table, optimizer_for
+from benchmarks.accelerator_check.configs import apply_transforms, config_table, optimizer_for, traced_as
 from benchmarks.accelerator_check.hlo import (
     TPU_CLOCK_HZ,
     TPU_CYCLE_SCALE,
@@ -220,7 +220,8 @@ def measure(args, config: str, device) -> dict:
         model, state, step = build(
             args.model, config, weights=getattr(args, "weights", "all"), attention=_tpu_attention(args)
         )
-        lowered = lowered_for(device, model, state, step, args.batch, args.seq)
+        with traced_as({c.name: c for c in config_table()}[config]):
+            lowered = lowered_for(device, model, state, step, args.batch, args.seq)
         compiled = lowered.compile(compiler_options=_options(args))
     except Exception as err:  # the compiler's refusal is the result
         first = next((ln for ln in str(err).splitlines() if ln.strip()), "")

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_prefetch import scan_counts, scans
+from test_prefetch import DEV, H, has_matmul, moves, scan_counts, scans
 
 import transforms
 from transforms._opt_stream import _in_place_scan
@@ -113,6 +113,44 @@ def test_rewritten_elsewhere_the_new_weights_and_gradients_are_the_same(case):
     host_counts = jax.device_put(counts, jax.memory.Space.Host)
     with pytest.raises(ValueError, match=r"floating arrays only; got host state of dtypes \['int32'\]"):
         run(host, static, pending, host_counts, xs, rewrite="backward")
+
+
+def test_the_backward_can_send_each_weight_back_once_its_gradient_exists(case):
+    """``BACK_WRITES`` ``"after_grads"``: the backward loop sends each layer's weights to host
+    memory only after their gradients (an optimization barrier ties each weight to its own), so
+    that the copies out are issued through the layer's work; the results are the same, bit for bit."""
+    from zoo.nn import _prefetch
+
+    _, static, pending, counts, xs, host = case
+    outs, bodies = {}, {}
+    for when in _prefetch.BACK_WRITES:
+        fn = lambda *a: run(*a[:1], static, *a[1:], rewrite="backward")  # (a new function: traced anew)
+        token = _prefetch._BACK_WRITES.set(when)
+        try:
+            outs[when] = jax.jit(fn)(host, pending, counts, xs)
+            jaxpr = jax.make_jaxpr(fn)(host, pending, counts, xs).jaxpr
+        finally:
+            _prefetch._BACK_WRITES.reset(token)
+        (backward,) = [e for e in scans(jaxpr) if e.params["reverse"]]
+        bodies[when] = backward.params["jaxpr"].jaxpr
+    for a, b in zip(*(jax.tree.leaves(o) for o in outs.values()), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    n_weights = len(jax.tree.leaves(host))
+    for when, body in bodies.items():
+        sent = [e for e, _ in moves(body, DEV, H)]
+        sends = [i for i, e in enumerate(body.eqns) if any(e is m for m in sent)]
+        dots = [i for i, e in enumerate(body.eqns) if has_matmul(e)]
+        barriers = [i for i, e in enumerate(body.eqns) if e.primitive.name == "optimization_barrier"]
+        assert len(sends) >= n_weights and dots
+        if when == "at_start":  # the weights sent before the layer's product
+            assert not barriers and min(sends) < min(dots)
+        else:  # one barrier a weight, after the layer's product; nothing sent before them (no host state here)
+            assert len(barriers) == n_weights and min(barriers) > max(dots) and min(sends) > max(barriers)
+    with pytest.raises(ValueError, match="back_writes must be one of"):
+        from benchmarks.accelerator_check.configs import Config, traced_as
+
+        with traced_as(Config("x", "", back_writes="sideways")):
+            pass
 
 
 def test_the_backward_writes_the_gradients_into_the_given_buffers_in_place(case):

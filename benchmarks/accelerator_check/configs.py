@@ -3,6 +3,7 @@ optimizer each one trains."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 GiB = 2**30
@@ -34,6 +35,7 @@ class Config:
     compact_rest: bool = True  # False: the moments outside the stacks not compacted (offload_opt_state's compact_rest)
     pending_device: bool = False  # the deferred update's pending gradients on the device (pending_on_device=True)
     rewrite: str = "in_place"  # where the deferred update writes host weights (offload_opt_state's rewrite)
+    back_writes: str = "at_start"  # rewrite="backward": when each layer's weights leave (zoo.nn._prefetch.BACK_WRITES)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -67,6 +69,8 @@ class Config:
             out["host_weights_written"] = "into new buffers"
         elif self.rewrite == "backward":
             out["host_weights_written"] = "by the backward pass (with the host state)"
+            if self.back_writes != "at_start":
+                out["backward_writes"] = self.back_writes
         return out
 
     def offloads_in_layer_loops(self) -> bool:
@@ -571,6 +575,15 @@ def config_table() -> list[Config]:
             pending_device=True,
             rewrite="backward",
         ),
+        _f8_host_stacks(
+            "all_three_stacks_defer_f8_host_device_grads_backward_staged",
+            "all_three_stacks_defer_f8_host_device_grads_backward with each layer's weights sent back once their "
+            "gradients exist (the state as the layer's backward begins): the 37.5 MB a llama:small layer writes "
+            "are issued through its work, not at once (on a v5e the first op after them waited 1.2 ms a layer)",
+            pending_device=True,
+            rewrite="backward",
+            back_writes="after_grads",
+        ),
         _all_three_defer(
             "all_three_defer_f8_stacks",
             "all_three_defer_bf16_stacks with the moments in 8 bits (compact_state(adamw, 'float8')): the forward "
@@ -637,6 +650,20 @@ def make_config(spec: str, *, seq: int, compute_dtype: str = "bfloat16", **overr
 def _nothing(x) -> bool:
     """No state leaf in host memory (``where="none"``: the deferred update with the state on the device)."""
     return False
+
+
+@contextlib.contextmanager
+def traced_as(conf: Config):
+    """Settings read while the step of ``conf`` is traced (``back_writes``), set for the ``with`` block."""
+    from zoo.nn import _prefetch
+
+    if conf.back_writes not in _prefetch.BACK_WRITES:
+        raise ValueError(f"{conf.name}: back_writes must be one of {_prefetch.BACK_WRITES}, got {conf.back_writes!r}")
+    token = _prefetch._BACK_WRITES.set(conf.back_writes)
+    try:
+        yield
+    finally:
+        _prefetch._BACK_WRITES.reset(token)
 
 
 def make_optimizer(

@@ -8,11 +8,12 @@ before any speed is measured, and every configuration that uses it is marked inv
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
 
-from .configs import DEFAULT_PLAN, Config, apply_transforms, config_table, make_config, optimizer_for
+from .configs import DEFAULT_PLAN, Config, apply_transforms, config_table, make_config, optimizer_for, traced_as
 from .grads import named_leaves
 from .tolerances import loss_max_rel_diff, tolerance
 
@@ -96,10 +97,11 @@ def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict
     step = transforms.train_step(zoo.lm_loss, optimizer)
     state = step.init(model)
     losses = []
-    for _ in range(m["steps"]):
-        model, state, metrics = step(model, state, tokens)
-        losses.append(float(metrics["loss"]))
-    model, state = step.flush(model, state)  # a deferred update's last one (a no-op otherwise)
+    with traced_as(conf) if conf else contextlib.nullcontext():
+        for _ in range(m["steps"]):
+            model, state, metrics = step(model, state, tokens)
+            losses.append(float(metrics["loss"]))
+        model, state = step.flush(model, state)  # a deferred update's last one (a no-op otherwise)
     return losses, host_tree(model), initial
 
 

@@ -24,6 +24,7 @@ example first.
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,6 +36,13 @@ import numpy as np
 
 from .._jax_compat import innermost_transform_is_vmap
 from ._placement import on_host, row_major
+
+#: When the backward pass of ``LayerUpdate(rewrite="backward")`` sends each layer's weights back
+#: to host memory: ``"at_start"`` (with the state, as its iteration begins) or ``"after_grads"``
+#: (the state as the iteration begins, each weight once its gradient is made, so that the copies
+#: out are issued through the layer's work rather than all at once). Read while tracing.
+BACK_WRITES = ("at_start", "after_grads")
+_BACK_WRITES = contextvars.ContextVar("back_writes", default="at_start")
 
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
 #: Where :class:`LayerUpdate` may write host weights' new values (its ``rewrite``).
@@ -337,19 +345,32 @@ def _backward(
         sent = _to_host_like(grads, bufs)
         return [jax.lax.dynamic_update_index_in_dim(b, d, i, 0) for b, d in zip(bufs, sent, strict=True)]
 
+    def send_back(bufs, values, i):
+        """``values`` (one layer's, on the device) written into the stacked ``bufs`` at layer ``i``."""
+        sent = _to_host_like(values, bufs)
+        return [jax.lax.dynamic_update_index_in_dim(b, row_major(v), i, 0) for b, v in zip(bufs, sent, strict=True)]
+
     def layer(carry, w, here_host, here_device, i):
         dh, dkf, bufs, squares, behind, back = carry
+        staged = back is not None and _BACK_WRITES.get() == "after_grads"
         if back is not None:  # this layer's weights (and state) back to host memory while it differentiates
             state = [jax.lax.dynamic_index_in_dim(s, i, keepdims=False) for s in more_back]
-            values = jax.tree.leaves(_floating(w)[0]) + state
-            sent = _to_host_like(values, back)
-            back = [jax.lax.dynamic_update_index_in_dim(b, row_major(v), i, 0) for b, v in zip(back, sent, strict=True)]
+            w_new = jax.tree.leaves(_floating(w)[0])
+            n_w = len(w_new)
+            # Staged: the state now, the weights after their gradients (below).
+            back = back[:n_w] + send_back(back[n_w:], state, i) if staged else send_back(back, w_new + state, i)
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
         layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
         wf = jax.tree.map(lambda a, home: a.astype(home.dtype), _floating(w)[0], homes)  # (kept copies)
         dw, dh, dk = layer_saved.vjp((wf, kw))(dh)
         dkf = jax.tree.map(jnp.add, dkf, dk)
+        if staged:  # each weight leaves once its gradient exists (a barrier orders the two; both
+            # of its results are used, or XLA drops the unused one and the order with it)
+            dw_leaves, dw_def = jax.tree.flatten(dw)
+            tied = [jax.lax.optimization_barrier((v, d)) for v, d in zip(w_new, dw_leaves, strict=True)]
+            back = send_back(back[:n_w], [v for v, _ in tied], i) + back[n_w:]
+            dw = jax.tree.unflatten(dw_def, [d for _, d in tied])
         if squares is not None:  # on the device, before the gradients leave for host memory
             squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
         if bufs is None:
