@@ -35,7 +35,7 @@ class Config:
     compact_rest: bool = True  # False: the moments outside the stacks not compacted (offload_opt_state's compact_rest)
     pending_device: bool = False  # the deferred update's pending gradients on the device (pending_on_device=True)
     rewrite: str = "in_place"  # where the deferred update writes host weights (offload_opt_state's rewrite)
-    back_writes: str = "at_start"  # rewrite="backward": when each layer's weights leave (zoo.nn._prefetch.BACK_WRITES)
+    back_writes: str = "after_grads"  # rewrite="backward": when each layer's weights leave (_prefetch.BACK_WRITES)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -69,7 +69,7 @@ class Config:
             out["host_weights_written"] = "into new buffers"
         elif self.rewrite == "backward":
             out["host_weights_written"] = "by the backward pass (with the host state)"
-            if self.back_writes != "at_start":
+            if self.back_writes != "after_grads":
                 out["backward_writes"] = self.back_writes
         return out
 
@@ -571,18 +571,19 @@ def config_table() -> list[Config]:
             "all_three_stacks_defer_f8_host_device_grads_backward",
             "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers with the new weights written back by the "
             "backward pass with the host moments (offload_opt_state(..., rewrite='backward')): 38 MB a llama:small "
-            "layer out of the forward, whose link is the busiest, into the backward, whose is idle",
+            "layer out of the forward, whose link is the busiest, into the backward, whose is idle; each weight "
+            "sent once its gradient exists",
             pending_device=True,
             rewrite="backward",
         ),
         _f8_host_stacks(
-            "all_three_stacks_defer_f8_host_device_grads_backward_staged",
-            "all_three_stacks_defer_f8_host_device_grads_backward with each layer's weights sent back once their "
-            "gradients exist (the state as the layer's backward begins): the 37.5 MB a llama:small layer writes "
-            "are issued through its work, not at once (on a v5e the first op after them waited 1.2 ms a layer)",
+            "all_three_stacks_defer_f8_host_device_grads_backward_at_start",
+            "all_three_stacks_defer_f8_host_device_grads_backward with each layer's weights sent back as the "
+            "layer's backward begins, with the state (until 2026-12-07 the only schedule; now each weight leaves "
+            "once its gradient exists): on a v5e the first op after those 37.5 MB of copies waited 1.2 ms a layer",
             pending_device=True,
             rewrite="backward",
-            back_writes="after_grads",
+            back_writes="at_start",
         ),
         _all_three_defer(
             "all_three_defer_f8_stacks",
