@@ -46,6 +46,20 @@ from ._placement import on_host, row_major
 BACK_WRITES = ("after_grads", "at_start")
 _BACK_WRITES = contextvars.ContextVar("back_writes", default="after_grads")
 
+#: Layers a prefetched loop runs an iteration (`lax.scan`'s ``unroll``; 1 unless the number of
+#: layers divides by it): an experiment, read while tracing (see :func:`unrolled`).
+_LAYERS_PER_ITERATION = contextvars.ContextVar("layers_per_iteration", default=1)
+
+
+def unrolled(length: int) -> int:
+    """The ``unroll`` of a layer loop of ``length`` layers (:data:`_LAYERS_PER_ITERATION` where it
+    divides ``length``, else 1). Two layers an iteration give each layer's copies a buffer of their
+    own: a value carried to the next iteration lives in the loop's one buffer for it, so a copy into
+    it waits until the iteration no longer reads what it holds."""
+    k = _LAYERS_PER_ITERATION.get()
+    return k if k > 1 and length % k == 0 else 1
+
+
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
 #: Where :class:`LayerUpdate` may write host weights' new values (its ``rewrite``).
 REWRITES = ("in_place", "new_buffers", "backward")
@@ -108,7 +122,10 @@ def prefetch_scan(body, carry, fetched, xs=None, *, length: int, reverse: bool =
         return (inner, ahead), place(y)
 
     first = fetch_layer(fetched, length - 1 if reverse else 0)
-    (carry, _), ys = jax.lax.scan(step, (carry, first), (jnp.arange(length), xs), reverse=reverse)
+    # (Unrolled backward loops only: a forward's outputs include residuals placed in host memory,
+    # and an unrolled loop's stacked outputs are reshaped, which XLA:TPU refuses across memories.)
+    unroll = unrolled(length) if reverse else 1
+    (carry, _), ys = jax.lax.scan(step, (carry, first), (jnp.arange(length), xs), reverse=reverse, unroll=unroll)
     return carry, ys
 
 
