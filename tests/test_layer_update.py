@@ -153,6 +153,29 @@ def test_the_backward_can_send_each_weight_back_once_its_gradient_exists(case):
             pass
 
 
+def test_a_backward_loop_of_two_layers_an_iteration_gives_the_same_results(case):
+    """``_LAYERS_PER_ITERATION`` 2 (an experiment): the backward loop runs two layers an iteration
+    (half as many trips; the forward's stays one), with the same results; a number of layers it
+    does not divide keeps one."""
+    from zoo.nn import _prefetch
+
+    _, static, pending, counts, xs, host = case
+    outs, trips = {}, {}
+    for k in (1, 2):
+        fn = lambda *a: run(*a[:1], static, *a[1:], rewrite="backward")  # (a new function: traced anew)
+        token = _prefetch._LAYERS_PER_ITERATION.set(k)
+        try:
+            outs[k] = jax.jit(fn)(host, pending, counts, xs)
+            jaxpr = jax.make_jaxpr(fn)(host, pending, counts, xs).jaxpr
+            assert _prefetch.unrolled(N) == k and _prefetch.unrolled(N + 1) == 1
+        finally:
+            _prefetch._LAYERS_PER_ITERATION.reset(token)
+        trips[k] = {e.params["reverse"]: e.params["unroll"] for e in scans(jaxpr) if e.params["length"] == N}
+    assert trips == {1: {False: 1, True: 1}, 2: {False: 1, True: 2}}
+    for a, b in zip(*(jax.tree.leaves(o) for o in outs.values()), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_the_backward_writes_the_gradients_into_the_given_buffers_in_place(case):
     """The gradients are the backward loop's carry, started from the ``grads`` buffers (in place,
     as the forward writes the weights), not stacked outputs of the loop."""

@@ -111,8 +111,12 @@ def prefetch_scan(body, carry, fetched, xs=None, *, length: int, reverse: bool =
         layer = jax.tree.map(lambda a: (jax.device_put(a, _DEVICE) if on_host(a) else a)[0], fetched)
         carry, y = body(carry, layer, jax.tree.map(lambda a: a[0], xs))
         return carry, place(jax.tree.map(lambda a: a[None], y))
+    # (Unrolled backward loops only: a forward's outputs include residuals placed in host memory,
+    # and an unrolled loop's stacked outputs are reshaped, which XLA:TPU refuses across memories.)
+    unroll = unrolled(length) if reverse else 1
     if not jax.tree.leaves(fetched):
-        return jax.lax.scan(lambda c, x: _placed(body(c, fetched, x), place), carry, xs, length=length, reverse=reverse)
+        step = lambda c, x: _placed(body(c, fetched, x), place)
+        return jax.lax.scan(step, carry, xs, length=length, reverse=reverse, unroll=unroll)
 
     def step(state, scanned):
         inner, current = state
@@ -122,9 +126,6 @@ def prefetch_scan(body, carry, fetched, xs=None, *, length: int, reverse: bool =
         return (inner, ahead), place(y)
 
     first = fetch_layer(fetched, length - 1 if reverse else 0)
-    # (Unrolled backward loops only: a forward's outputs include residuals placed in host memory,
-    # and an unrolled loop's stacked outputs are reshaped, which XLA:TPU refuses across memories.)
-    unroll = unrolled(length) if reverse else 1
     (carry, _), ys = jax.lax.scan(step, (carry, first), (jnp.arange(length), xs), reverse=reverse, unroll=unroll)
     return carry, ys
 
