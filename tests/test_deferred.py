@@ -572,6 +572,31 @@ def test_new_buffers_that_would_not_fit_host_memory_are_one_line_with_a_way_out(
     step(model, state, tokens)  # (room enough: it runs)
 
 
+def test_backward_rewrites_that_would_not_fit_the_device_are_one_line_with_a_way_out(monkeypatch):
+    """rewrite="backward" keeps the new host weights and state on the device from the forward to
+    the backward: on a device with less memory than that, the step says so in one line before
+    compiling, naming the others; the count is one device's share (a CPU reports no limit)."""
+    from transforms import _train_step
+
+    cfg = zoo.config_from_name("llama:tiny")
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite="backward")
+    step = transforms.train_step(zoo.lm_loss, opt)
+    model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
+    state = step.init(model)
+    trainable = eqx.filter(model, eqx.is_array)
+    held = _deferred.rewrite_bytes(opt, trainable, state)
+    stacks = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_inexact_array)))
+    assert held == 3 * stacks  # the stacks' weights and their two moments, in host memory
+    monkeypatch.setattr(_train_step, "device_bytes_limit", lambda: held // 2)
+    refused = r"rewrite='backward'\) keeps .* on the device .* use rewrite='in_place'"
+    with pytest.raises(MemoryError, match=refused) as err:
+        step(model, state, tokens)
+    assert "\n" not in str(err.value) and step.trace_count == 0
+    monkeypatch.setattr(_train_step, "device_bytes_limit", lambda: 2 * held)
+    step(model, state, tokens)  # (room enough: it runs)
+
+
 def test_on_a_mesh_the_deferred_steps_equal_the_streamed_steps():
     """Over 8 devices (data 2 x fsdp 4), host weights: the deferred update's first step used to be
     refused (its pending norm, made eagerly on one device, beside weights sharded over the mesh).

@@ -37,6 +37,8 @@ read as they are), run with ``scan=True``.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -282,21 +284,29 @@ def deferred_step(loss_of, optimizer, params, state, pending: Pending, *, has_au
     return ((loss, aux) if has_aux else loss), new_params, state, pending
 
 
-def new_buffer_bytes(optimizer, params, state) -> int:
-    """Bytes the deferred step writes into new host buffers beside the old each step
-    (``offload_opt_state(..., rewrite="new_buffers")``: the floating arrays of each stack with
-    weights in host memory and the host leaves of its state; 0 for any other optimizer or
-    rewrite). Host memory holds them twice during the step (:class:`transforms.TrainStep` says so
-    in one line where they would not fit)."""
-    if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite != "new_buffers":
+def rewrite_bytes(optimizer, params, state, *, per_device: bool = False) -> int:
+    """Bytes the deferred step keeps apart from where they live while it rewrites them: the floating
+    arrays of each stack with weights in host memory and the host leaves of its state, with
+    ``offload_opt_state(..., rewrite="new_buffers")`` (written into new host buffers beside the
+    old: host memory holds them twice during the step) or ``rewrite="backward"`` (their new values
+    wait on the device from the forward to the backward pass); 0 for any other optimizer or rewrite.
+    ``per_device``: one device's share (an array sharded over several holds a shard on each).
+    :class:`transforms.TrainStep` says in one line where they would not fit."""
+    if not isinstance(optimizer, StreamedOptimizer) or not optimizer.defer or optimizer.rewrite == "in_place":
         return 0
+
+    def size(x) -> int:
+        if not per_device:
+            return x.nbytes
+        return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
     units, n = _units(params)
     total = 0
     for k in range(n):
         view = _view(params, units, k)
         if any_on_host(view):
-            total += sum(x.nbytes for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
-            total += sum(x.nbytes for x in jax.tree.leaves(state.streamed.stacked[k]) if on_host(x))
+            total += sum(size(x) for x in jax.tree.leaves(view) if jnp.issubdtype(x.dtype, jnp.inexact))
+            total += sum(size(x) for x in jax.tree.leaves(state.streamed.stacked[k]) if on_host(x))
     return total
 
 

@@ -165,15 +165,17 @@ def offload_opt_state(
       the layer's forward to its backward, which reads the weights). In place, the forward's read
       of layer ``i + 1`` waits for its write of layer ``i`` (one buffer per array, whose accesses
       XLA orders) and the link's two directions take turns: on a TPU v5e ``llama:small``'s weight
-      offload took 1.26x the step without offload in place, 1.17x into new buffers, 1.00x in the
-      backward. New buffers cost host memory (the stacks' weights and host state twice during the
-      step; the train step refuses in one line, `MemoryError`, where they would not fit the host
-      memory available). ``"backward"`` costs device memory (the stacks' float32 weights and host
-      state from the forward to the backward) and moves their writes out of the forward, whose
-      link is the busiest, into the backward, whose link is idle with the pending gradients on the
-      device (the backward reads the float32 weights themselves: ``offload_params(keep_weights=True)``
-      keeps nothing then); the host state must be floating (:func:`compact_state`'s float8 words
-      are). The planner counts none but ``"in_place"`` and does not choose them yet.
+      offload took 1.26x the step without offload in place, 1.17x into new buffers, 0.98-1.02x in
+      the backward (which sends each weight once its gradient exists). New buffers cost host
+      memory (the stacks' weights and host state twice during the step; the train step refuses in
+      one line, `MemoryError`, where they would not fit the host memory available). ``"backward"``
+      costs device memory (the stacks' float32 weights and host state from the forward to the
+      backward: the train step refuses in one line where they alone would not fit the device) and
+      moves their writes out of the forward, whose link is the busiest, into the backward, whose
+      link is idle with the pending gradients on the device (the backward reads the float32
+      weights themselves: ``offload_params(keep_weights=True)`` keeps nothing then); the host
+      state must be floating (:func:`compact_state`'s float8 words are). The planner counts none
+      but ``"in_place"`` and does not choose them yet.
     - `compact_rest`: with ``stream=True`` and a :func:`transforms.compact_state` optimizer,
       whether the state of the leaves outside the stacks (embedding, head, final norm) is stored
       compactly too (default ``True``). ``False`` keeps theirs in the wrapped optimizer's own

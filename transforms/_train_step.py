@@ -14,7 +14,7 @@ import optax
 from zoo.nn import Stack, any_on_host, trainable_mask, trainable_params
 
 from . import _xla_options
-from ._deferred import apply_pending, deferred_step, new_buffer_bytes
+from ._deferred import apply_pending, deferred_step, rewrite_bytes
 from ._lora import needs_key, with_step_keys
 from ._memory import (
     HOST,
@@ -366,7 +366,7 @@ class TrainStep:
         fn = self._compiled.get(cache_key)
         if fn is None:
             options = _xla_options.resolve(self.compiler_options, model, opt_state)
-            _check_room_for_new_buffers(self.optimizer, trainable, opt_state)
+            _check_room_for_rewrite(self.optimizer, trainable, opt_state)
             fn = _jit_step(self._build(static), shardings, state_shardings, options, donate=self.donate)
             self._compiled[cache_key] = fn
         return fn, trainable, frozen, opt_state, static
@@ -460,21 +460,44 @@ def _host_copies(tree):
     return jax.tree.map(copy, tree)
 
 
-def _check_room_for_new_buffers(optimizer, trainable, opt_state) -> None:
-    """One line (`MemoryError`) where what the deferred update writes into new buffers
-    (:func:`~transforms._deferred.new_buffer_bytes`: with ``rewrite="new_buffers"`` a second copy
-    of the host weights and host state during each step) would not fit the host memory available
-    now: run out, the machine would kill the process with nothing said, or swap."""
+def _check_room_for_rewrite(optimizer, trainable, opt_state) -> None:
+    """One line (`MemoryError`) where what the deferred update keeps apart while it rewrites the
+    host weights and state (:func:`~transforms._deferred.rewrite_bytes`) would not fit: with
+    ``rewrite="new_buffers"`` a second copy of them in host memory during each step (run out, the
+    machine would kill the process with nothing said, or swap), with ``rewrite="backward"`` their
+    new values on the device from the forward to the backward pass (on top of the step's own)."""
     from .plan._devices import host_available_bytes
 
-    needed = new_buffer_bytes(optimizer, trainable, opt_state)
-    available = host_available_bytes() if needed else None
-    if available is not None and needed > 0.9 * available:
-        raise MemoryError(
-            f"train_step: offload_opt_state(..., rewrite={optimizer.rewrite!r}) writes {needed / 2**30:.2f} GiB of "
-            f"host weights and state into new buffers each step and {available / 2**30:.2f} GiB of host memory "
-            "is available; use rewrite='backward' (the new weights and state wait on the device instead) or 'in_place'"
-        )
+    needed = rewrite_bytes(optimizer, trainable, opt_state, per_device=optimizer.rewrite == "backward")
+    if not needed:
+        return
+    gib = lambda n: f"{n / 2**30:.2f} GiB"
+    if optimizer.rewrite == "new_buffers":
+        available = host_available_bytes()
+        if available is not None and needed > 0.9 * available:
+            raise MemoryError(
+                f"train_step: offload_opt_state(..., rewrite='new_buffers') writes {gib(needed)} of host weights and "
+                f"state into new buffers each step and {gib(available)} of host memory is available; use "
+                "rewrite='backward' (the new weights and state wait on the device instead) or 'in_place'"
+            )
+    else:
+        limit = device_bytes_limit()
+        if limit is not None and needed > 0.9 * limit:
+            raise MemoryError(
+                f"train_step: offload_opt_state(..., rewrite='backward') keeps {gib(needed)} of new weights and "
+                f"state on the device from each step's forward to its backward and the device has {gib(limit)}; use "
+                "rewrite='in_place' (written back by the forward) or 'new_buffers' (into new host buffers)"
+            )
+
+
+def device_bytes_limit() -> int | None:
+    """The memory of the first local device as its runtime reports it (``bytes_limit``), or None
+    where it reports none (a CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # (a backend without memory statistics)
+        return None
+    return (stats or {}).get("bytes_limit")
 
 
 def _jit_step(program: Callable, shardings, state_shardings, options, *, donate: bool):
