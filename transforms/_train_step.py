@@ -468,11 +468,12 @@ def _check_room_for_rewrite(optimizer, trainable, opt_state) -> None:
     new values on the device from the forward to the backward pass (on top of the step's own)."""
     from .plan._devices import host_available_bytes
 
-    needed = rewrite_bytes(optimizer, trainable, opt_state, per_device=optimizer.rewrite == "backward")
+    rewrite = getattr(optimizer, "rewrite", None)
+    needed = rewrite_bytes(optimizer, trainable, opt_state, per_device=rewrite == "backward")
     if not needed:
         return
     gib = lambda n: f"{n / 2**30:.2f} GiB"
-    if optimizer.rewrite == "new_buffers":
+    if rewrite == "new_buffers":
         available = host_available_bytes()
         if available is not None and needed > 0.9 * available:
             raise MemoryError(
