@@ -125,12 +125,9 @@ def test_the_backward_can_send_each_weight_back_once_its_gradient_exists(case):
     outs, bodies = {}, {}
     for when in _prefetch.BACK_WRITES:
         fn = lambda *a: run(*a[:1], static, *a[1:], rewrite="backward")  # (a new function: traced anew)
-        token = _prefetch._BACK_WRITES.set(when)
-        try:
+        with nn.layer_loop_schedule(back_writes=when):
             outs[when] = jax.jit(fn)(host, pending, counts, xs)
             jaxpr = jax.make_jaxpr(fn)(host, pending, counts, xs).jaxpr
-        finally:
-            _prefetch._BACK_WRITES.reset(token)
         (backward,) = [e for e in scans(jaxpr) if e.params["reverse"]]
         bodies[when] = backward.params["jaxpr"].jaxpr
     for a, b in zip(*(jax.tree.leaves(o) for o in outs.values()), strict=True):
@@ -146,11 +143,11 @@ def test_the_backward_can_send_each_weight_back_once_its_gradient_exists(case):
             assert not barriers and min(sends) < min(dots)
         else:  # one barrier a weight, after the layer's product; nothing sent before them (no host state here)
             assert len(barriers) == n_weights and min(barriers) > max(dots) and min(sends) > max(barriers)
-    with pytest.raises(ValueError, match="back_writes must be one of"):
-        from benchmarks.accelerator_check.configs import Config, traced_as
-
-        with traced_as(Config("x", "", back_writes="sideways")):
-            pass
+    with pytest.raises(ValueError, match=r"back_writes must be one of \('after_grads', 'at_start'\), got 'sideways'"):
+        nn.layer_loop_schedule(back_writes="sideways").__enter__()
+    for bad in (0, -2, True):
+        with pytest.raises(ValueError, match="layers_per_iteration must be a whole number >= 1"):
+            nn.layer_loop_schedule(layers_per_iteration=bad).__enter__()
 
 
 def test_a_backward_loop_of_two_layers_an_iteration_gives_the_same_results(case):
@@ -163,13 +160,10 @@ def test_a_backward_loop_of_two_layers_an_iteration_gives_the_same_results(case)
     outs, trips = {}, {}
     for k in (1, 2):
         fn = lambda *a: run(*a[:1], static, *a[1:], rewrite="backward")  # (a new function: traced anew)
-        token = _prefetch._LAYERS_PER_ITERATION.set(k)
-        try:
+        with nn.layer_loop_schedule(layers_per_iteration=k):
             outs[k] = jax.jit(fn)(host, pending, counts, xs)
             jaxpr = jax.make_jaxpr(fn)(host, pending, counts, xs).jaxpr
             assert _prefetch.unrolled(N) == k and _prefetch.unrolled(N + 1) == 1
-        finally:
-            _prefetch._LAYERS_PER_ITERATION.reset(token)
         trips[k] = {e.params["reverse"]: e.params["unroll"] for e in scans(jaxpr) if e.params["length"] == N}
     assert trips == {1: {False: 1, True: 1}, 2: {False: 1, True: 2}}
     for a, b in zip(*(jax.tree.leaves(o) for o in outs.values()), strict=True):

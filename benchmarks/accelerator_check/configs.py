@@ -3,7 +3,6 @@ optimizer each one trains."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 GiB = 2**30
@@ -35,8 +34,8 @@ class Config:
     compact_rest: bool = True  # False: the moments outside the stacks not compacted (offload_opt_state's compact_rest)
     pending_device: bool = False  # the deferred update's pending gradients on the device (pending_on_device=True)
     rewrite: str = "in_place"  # where the deferred update writes host weights (offload_opt_state's rewrite)
-    back_writes: str = "after_grads"  # rewrite="backward": when each layer's weights leave (_prefetch.BACK_WRITES)
-    layers_per_iteration: int = 1  # the prefetched layer loops' unroll (zoo.nn._prefetch.unrolled; an experiment)
+    back_writes: str = "after_grads"  # rewrite="backward": when each weight leaves (zoo.nn.layer_loop_schedule)
+    layers_per_iteration: int = 1  # backward layer loops' unroll (zoo.nn.layer_loop_schedule; an experiment)
     capped: bool = False
     capacity: bool = False  # a larger model whose plain step does not fit, trained on the planner's plan
     parity: tuple[str, ...] = ()
@@ -666,23 +665,12 @@ def _nothing(x) -> bool:
     return False
 
 
-@contextlib.contextmanager
 def traced_as(conf: Config):
-    """Settings read while the step of ``conf`` is traced (``back_writes``, ``layers_per_iteration``),
-    set for the ``with`` block."""
-    from zoo.nn import _prefetch
+    """Settings read while the step of ``conf`` is traced (``back_writes``, ``layers_per_iteration``):
+    :func:`zoo.nn.layer_loop_schedule`, for a ``with`` block."""
+    import zoo
 
-    if conf.back_writes not in _prefetch.BACK_WRITES:
-        raise ValueError(f"{conf.name}: back_writes must be one of {_prefetch.BACK_WRITES}, got {conf.back_writes!r}")
-    tokens = (
-        _prefetch._BACK_WRITES.set(conf.back_writes),
-        _prefetch._LAYERS_PER_ITERATION.set(conf.layers_per_iteration),
-    )
-    try:
-        yield
-    finally:
-        _prefetch._BACK_WRITES.reset(tokens[0])
-        _prefetch._LAYERS_PER_ITERATION.reset(tokens[1])
+    return zoo.nn.layer_loop_schedule(back_writes=conf.back_writes, layers_per_iteration=conf.layers_per_iteration)
 
 
 def make_optimizer(

@@ -54,6 +54,7 @@ from ._placement import use_param as use_param
 from ._prefetch import REWRITES as LAYER_UPDATE_REWRITES
 from ._prefetch import LayerHalves as LayerHalves
 from ._prefetch import LayerUpdate as LayerUpdate
+from ._prefetch import layer_loop_schedule as layer_loop_schedule
 from ._prefetch import prefetch_scan as prefetch_scan
 from ._quant import SCHEMES as QUANTIZATION_SCHEMES
 from ._quant import QuantizedWeight as QuantizedWeight

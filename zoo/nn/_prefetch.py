@@ -24,6 +24,7 @@ example first.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import warnings
 from collections.abc import Callable
@@ -49,6 +50,44 @@ _BACK_WRITES = contextvars.ContextVar("back_writes", default="after_grads")
 #: Layers a prefetched loop runs an iteration (`lax.scan`'s ``unroll``; 1 unless the number of
 #: layers divides by it): an experiment, read while tracing (see :func:`unrolled`).
 _LAYERS_PER_ITERATION = contextvars.ContextVar("layers_per_iteration", default=1)
+
+
+@contextlib.contextmanager
+def layer_loop_schedule(*, back_writes: str | None = None, layers_per_iteration: int | None = None):
+    """While active (it is read as a step is traced), how the prefetched layer loops are scheduled:
+    ``back_writes``, when the backward pass of ``LayerUpdate(rewrite="backward")`` sends each
+    layer's new weights back to host memory (one of :data:`BACK_WRITES`: ``"after_grads"``, the
+    default, or ``"at_start"``); ``layers_per_iteration``, layers a backward loop runs an
+    iteration (default 1; an experiment, where the number of layers divides by it; a backward
+    whose per-layer outputs live in host memory does not compile unrolled on a TPU). ``None``
+    leaves a setting as it is. The accelerator check measures the schedules side by side with it.
+
+    **Example:**
+
+    ```python
+    import zoo
+    with zoo.nn.layer_loop_schedule(back_writes="at_start", layers_per_iteration=2):
+        pass   # steps traced here send every weight back as a layer's backward begins, two layers at a time
+    ```
+    """
+    if back_writes is not None and back_writes not in BACK_WRITES:
+        raise ValueError(f"layer_loop_schedule: back_writes must be one of {BACK_WRITES}, got {back_writes!r}")
+    if layers_per_iteration is not None and (
+        isinstance(layers_per_iteration, bool) or not isinstance(layers_per_iteration, int) or layers_per_iteration < 1
+    ):
+        raise ValueError(
+            f"layer_loop_schedule: layers_per_iteration must be a whole number >= 1, got {layers_per_iteration!r}"
+        )
+    tokens = []
+    if back_writes is not None:
+        tokens.append((_BACK_WRITES, _BACK_WRITES.set(back_writes)))
+    if layers_per_iteration is not None:
+        tokens.append((_LAYERS_PER_ITERATION, _LAYERS_PER_ITERATION.set(layers_per_iteration)))
+    try:
+        yield
+    finally:
+        for var, token in reversed(tokens):
+            var.reset(token)
 
 
 def unrolled(length: int) -> int:
