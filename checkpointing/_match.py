@@ -39,6 +39,14 @@ def _describe(shape, dtype) -> str:
     return f"{dtype}{list(shape)}"
 
 
+def legacy_words(key: str, entry: dict, dtype: str) -> bool:
+    """Whether the leaf ``key`` was saved as ``uint32`` words of 8-bit moment codes
+    (:class:`transforms.compact_state`'s ``Float8Block.codes`` before they were typed ``float32``)
+    and ``like`` wants them as ``float32``: the same bits, read as saved and reinterpreted
+    (:func:`checkpointing._read.finish_leaf`)."""
+    return key.rsplit(".", 1)[-1] == "codes" and entry.get("dtype") == "uint32" and dtype == "float32"
+
+
 def _is_concrete(leaf) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | np.generic)
 
@@ -59,7 +67,8 @@ def match(entries: list[dict], like: ArrayLeaves, targets: list, *, strict: bool
     for key, target in zip(like.keys, targets, strict=True):
         entry = saved.get(key)
         shape, dtype = tuple(target.shape), str(target.dtype)
-        if entry is not None and (shape != tuple(entry["shape"]) or dtype != entry["dtype"]):
+        same_dtype = dtype == entry["dtype"] or legacy_words(key, entry, dtype) if entry is not None else True
+        if entry is not None and (shape != tuple(entry["shape"]) or not same_dtype):
             differ.append(
                 f"{key} is {_describe(shape, dtype)} in `like` but {_describe(entry['shape'], entry['dtype'])} "
                 "in the checkpoint"

@@ -50,7 +50,22 @@ def finish_leaf(like_leaf, entry: dict, array):
         return keys if sharding is None or keys.sharding == sharding else jax.device_put(keys, sharding)
     if isinstance(like_leaf, np.generic):
         return np.asarray(array).astype(like_leaf.dtype)[()]
+    if entry.get("dtype") == "uint32" and jnp.dtype(like_leaf.dtype) == jnp.float32:  # (see _match.legacy_words)
+        array = _as_float32_words(array)
     return zoo.nn.memory_typed(array)  # a host leaf read into place has a device-space type
+
+
+def _as_float32_words(array):
+    """``uint32`` words reinterpreted as ``float32`` (the same bits), where they were read: a NumPy
+    view, or (a JAX array) on the device, then back to host memory for a host leaf."""
+    if isinstance(array, np.ndarray):
+        return array.view(np.float32)
+    sharding = array.sharding
+    on_device = sharding.with_memory_kind("device") if sharding.memory_kind != "device" else sharding
+    words = jax.jit(lambda a: jax.lax.bitcast_convert_type(a, jnp.float32), out_shardings=on_device)(
+        jax.device_put(array, on_device)
+    )
+    return words if on_device == sharding else jax.device_put(words, sharding)
 
 
 def _spec(entry: dict, target):

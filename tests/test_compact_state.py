@@ -153,3 +153,35 @@ def test_compact_rest_false_keeps_the_state_outside_the_stacks_in_float32():
         transforms.offload_opt_state(optax.adamw(1e-2), stream=True, compact_rest=False)
     with pytest.raises(ValueError, match=r"stream is False"):
         transforms.offload_opt_state(f8, compact_rest=False)
+
+
+def test_checkpoints_of_8_bit_moments_saved_as_uint32_words_restore_as_their_float32_words(tmp_path):
+    """Before 12f6294 the codes' words were stored ``uint32``; such a checkpoint restores into
+    today's state (``float32`` words) with the same bits, in host memory too, while any other dtype
+    that differs is still refused."""
+    import checkpointing
+
+    opt = transforms.compact_state(optax.adam(1e-2), "float8")
+    params = {"w": jax.random.normal(jax.random.key(0), (4, 256))}
+    state = opt.init(params)
+    _, state = opt.update(jax.tree.map(lambda p: p * 0.5, params), state, params)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    state = jax.tree.map(lambda x: jax.device_put(x, host) if x.ndim == 2 else x, state)
+    blocks = [
+        b for b in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, Float8Block)) if isinstance(b, Float8Block)
+    ]
+    assert blocks and all(b.codes.dtype == jnp.float32 for b in blocks)
+    as_uint = lambda b: b._replace(codes=jax.device_put(jax.lax.bitcast_convert_type(b.codes, jnp.uint32), host))
+    old = jax.tree.map(lambda x: as_uint(x) if isinstance(x, Float8Block) else x, state,
+                       is_leaf=lambda x: isinstance(x, Float8Block))  # fmt: skip
+    with checkpointing.Checkpointer(tmp_path / "old", async_save=False) as ckpt:
+        ckpt.save(1, {"opt_state": old})
+        _, restored, _ = ckpt.restore({"opt_state": state})
+    for got, want in zip(jax.tree.leaves(restored["opt_state"]), jax.tree.leaves(state), strict=True):
+        assert got.dtype == want.dtype and got.sharding.memory_kind == want.sharding.memory_kind
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    # Only the codes' words convert: another leaf saved uint32 is a dtype that differs.
+    with checkpointing.Checkpointer(tmp_path / "other", async_save=False) as ckpt:
+        ckpt.save(1, {"w": jnp.zeros((4, 4), jnp.uint32)})
+        with pytest.raises(ValueError, match=r"w is float32\[4, 4\] in `like` but uint32\[4, 4\]"):
+            ckpt.restore({"w": jnp.zeros((4, 4), jnp.float32)})

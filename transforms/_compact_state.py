@@ -57,7 +57,9 @@ class Float8Block(NamedTuple):
     The words are typed ``float32`` (the bits of four codes; nothing computes with them as
     numbers, and they are never NaN or infinite: a code's exponent is never all ones), so that
     a backward pass may carry them as a cotangent, which JAX gives floating arrays only (the
-    deferred update's ``rewrite="backward"`` writes the new moments back that way)."""
+    deferred update's ``rewrite="backward"`` writes the new moments back that way). They were
+    ``uint32`` before; :class:`checkpointing.Checkpointer` restores such checkpoints into them,
+    the same bits."""
 
     codes: jax.Array
     scales: jax.Array
