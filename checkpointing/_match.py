@@ -67,8 +67,9 @@ def match(entries: list[dict], like: ArrayLeaves, targets: list, *, strict: bool
     for key, target in zip(like.keys, targets, strict=True):
         entry = saved.get(key)
         shape, dtype = tuple(target.shape), str(target.dtype)
-        same_dtype = dtype == entry["dtype"] or legacy_words(key, entry, dtype) if entry is not None else True
-        if entry is not None and (shape != tuple(entry["shape"]) or not same_dtype):
+        if entry is None:
+            continue
+        if shape != tuple(entry["shape"]) or (dtype != entry["dtype"] and not legacy_words(key, entry, dtype)):
             differ.append(
                 f"{key} is {_describe(shape, dtype)} in `like` but {_describe(entry['shape'], entry['dtype'])} "
                 "in the checkpoint"

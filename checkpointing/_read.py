@@ -61,11 +61,9 @@ def _as_float32_words(array):
     if isinstance(array, np.ndarray):
         return array.view(np.float32)
     sharding = array.sharding
-    on_device = sharding.with_memory_kind("device") if sharding.memory_kind != "device" else sharding
-    words = jax.jit(lambda a: jax.lax.bitcast_convert_type(a, jnp.float32), out_shardings=on_device)(
-        jax.device_put(array, on_device)
-    )
-    return words if on_device == sharding else jax.device_put(words, sharding)
+    on_device = sharding.with_memory_kind("device")
+    words = jax.lax.bitcast_convert_type(jax.device_put(array, on_device), jnp.float32)
+    return jax.device_put(words, sharding)
 
 
 def _spec(entry: dict, target):

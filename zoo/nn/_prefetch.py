@@ -398,14 +398,9 @@ def _backward(
     res_host = [x for x, h in zip(saved.leaves, hosted, strict=True) if h]
     res_device = [x for x, h in zip(saved.leaves, hosted, strict=True) if not h]
 
-    def write(bufs, grads, i):
-        """``grads`` (one layer's, on the device, in the buffers' dtypes) written into ``bufs`` at
-        layer ``i``, sent where each buffer lives."""
-        sent = _to_host_like(grads, bufs)
-        return [jax.lax.dynamic_update_index_in_dim(b, d, i, 0) for b, d in zip(bufs, sent, strict=True)]
-
-    def send_back(bufs, values, i):
-        """``values`` (one layer's, on the device) written into the stacked ``bufs`` at layer ``i``."""
+    def write(bufs, values, i):
+        """``values`` (one layer's, on the device, in the buffers' dtypes: gradients, or new weights
+        and state) written into the stacked ``bufs`` at layer ``i``, sent where each buffer lives."""
         sent = _to_host_like(values, bufs)
         return [jax.lax.dynamic_update_index_in_dim(b, row_major(v), i, 0) for b, v in zip(bufs, sent, strict=True)]
 
@@ -417,7 +412,7 @@ def _backward(
             w_new = jax.tree.leaves(_floating(w)[0])
             n_w = len(w_new)
             # Staged: the state now, the weights after their gradients (below).
-            back = back[:n_w] + send_back(back[n_w:], state, i) if staged else send_back(back, w_new + state, i)
+            back = back[:n_w] + write(back[n_w:], state, i) if staged else write(back, w_new + state, i)
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
         layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
@@ -428,7 +423,7 @@ def _backward(
             # of its results are used, or XLA drops the unused one and the order with it)
             dw_leaves, dw_def = jax.tree.flatten(dw)
             tied = [jax.lax.optimization_barrier((v, d)) for v, d in zip(w_new, dw_leaves, strict=True)]
-            back = send_back(back[:n_w], [v for v, _ in tied], i) + back[n_w:]
+            back = write(back[:n_w], [v for v, _ in tied], i) + back[n_w:]
             dw = jax.tree.unflatten(dw_def, [d for _, d in tied])
         if squares is not None:  # on the device, before the gradients leave for host memory
             squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
