@@ -101,9 +101,11 @@ def _deferred_split_bf16(name: str, description: str, activations: str, **kw) ->
 
 def _all_three_defer(name: str, description: str, **kw) -> Config:
     """An ``all_three`` configuration on the deferred update (host weights prefetched, block inputs
-    offloaded, the update in the forward pass; its own parity case): they differ in the state's
-    and the pending gradients' dtypes and in what of the weights and state stays on the device."""
-    return _checked(name, description, params=True, prefetch=True, activations="block_input", opt="defer", **kw)
+    offloaded unless ``activations`` says otherwise, the update in the forward pass; its own parity
+    case): they differ in the state's and the pending gradients' dtypes and in what of the weights
+    and state stays on the device."""
+    kw.setdefault("activations", "block_input")
+    return _checked(name, description, params=True, prefetch=True, opt="defer", **kw)
 
 
 def _f8_host_stacks(name: str, description: str, **kw) -> Config:
@@ -595,6 +597,26 @@ def config_table() -> list[Config]:
             "of its own (0.36 ms a layer on a v5e)",
             pending_device=True,
             rewrite="backward",
+            layers_per_iteration=2,
+        ),
+        _f8_host_stacks(
+            "all_three_stacks_defer_f8_host_device_grads_backward_context",
+            "all_three_stacks_defer_f8_host_device_grads_backward with the attention's output offloaded too "
+            "(offload_activations(policy='block_input_and_context')): 12.6 MB a llama:small layer more out of the "
+            "forward and into the backward, the directions their weights and state leave idle, for the splash "
+            "kernel's forward not run again in the backward (on a v5e the forward reads 37.5 MB a layer and "
+            "writes 12.6; the backward the reverse)",
+            pending_device=True,
+            rewrite="backward",
+            activations="block_input_and_context",
+        ),
+        _f8_host_stacks(
+            "all_three_stacks_defer_f8_host_device_grads_backward_context_pairs",
+            "all_three_stacks_defer_f8_host_device_grads_backward_context with two layers an iteration of the "
+            "backward loop (see all_three_stacks_defer_f8_host_device_grads_backward_pairs)",
+            pending_device=True,
+            rewrite="backward",
+            activations="block_input_and_context",
             layers_per_iteration=2,
         ),
         _all_three_defer(
