@@ -68,23 +68,32 @@ def _loop(reads: int, writes: int, layers: int):
     return jax.jit(run, donate_argnums=1)
 
 
-def _stacks(count: int, total_mb: float, layers: int, host, value: float) -> list:
-    """``count`` float32 host stacks of ``layers`` layers, together ``total_mb`` MB a layer, each
-    layer in rows of 128 (one contiguous piece, as the transforms store host stacks)."""
+def _stacks(count: int, total_mb: float, layers: int, host, value: float, layer: str | None = None) -> list:
+    """``count`` host stacks of ``layers`` layers, together ``total_mb`` MB a layer, each layer in
+    float32 rows of 128 (one contiguous piece, as the transforms store host stacks); with
+    ``layer`` (``"bfloat16:8,1024,768"``) each layer of that dtype and shape instead (as the
+    offloaded activations are stored), ``total_mb`` ignored."""
     import jax
     import jax.numpy as jnp
 
     if count == 0:
         return []
-    rows = max(1, int(total_mb * 1e6 / 4 / 128 / count))
+    if layer:
+        dtype, dims = layer.split(":")
+        shape, dtype = tuple(int(d) for d in dims.split(",")), jnp.dtype(dtype)
+    else:
+        shape, dtype = (max(1, int(total_mb * 1e6 / 4 / 128 / count)), 128), jnp.float32
     # (device_put, not a jit with host out_shardings: inside a jit the latter's arrays are not
     # typed as host memory, and a write into them is refused.)
-    return [jax.device_put(jnp.full((layers, rows, 128), value, jnp.float32), host) for _ in range(count)]
+    return [jax.device_put(jnp.full((layers, *shape), value, dtype), host) for _ in range(count)]
 
 
-def measure(read_mb: float, write_mb: float, layers: int, pieces: list[int], reps: int) -> dict:
+def measure(
+    read_mb: float, write_mb: float, layers: int, pieces: list[int], reps: int, write_layer: str | None = None
+) -> dict:
     """Seconds of each case of :data:`CASES` for each piece count, ``reps`` times after one untimed
-    run, and the bytes each direction moved."""
+    run, and the bytes each direction moved; ``write_layer``: the written stacks' layer dtype and
+    shape (see :func:`_stacks`)."""
     import jax
 
     dev = jax.devices()[0]
@@ -96,7 +105,7 @@ def measure(read_mb: float, write_mb: float, layers: int, pieces: list[int], rep
             n_read = count if case in ("read", "both") else 0
             n_write = count if case in ("write", "both") else 0
             read = _stacks(n_read, read_mb, layers, host, 1.0)
-            write = [_stacks(n_write, write_mb, layers, host, 0.0)]
+            write = [_stacks(n_write, write_mb, layers, host, 0.0, write_layer)]
             fn = _loop(n_read, n_write, layers)
             h2d = sum(a.nbytes for a in read) * (layers - 1) // layers  # the last fetch repeats a layer
             h2d += sum(a.nbytes // layers for a in read)
@@ -132,6 +141,7 @@ def measure(read_mb: float, write_mb: float, layers: int, pieces: list[int], rep
         "layers": layers,
         "read_mb_per_layer": read_mb,
         "write_mb_per_layer": write_mb,
+        "write_layer": write_layer,
         "reps": reps,
         "rows": rows,
     }
@@ -139,9 +149,14 @@ def measure(read_mb: float, write_mb: float, layers: int, pieces: list[int], rep
 
 def table(result: dict) -> str:
     """One row per piece count and case, as Markdown."""
+    written = (
+        f"each piece written a layer of {result['write_layer']}"
+        if result.get("write_layer")
+        else f"{result['write_mb_per_layer']:g} MB written a layer"
+    )
     head = (
         f"Layer loops on {result['device_kind']}: {result['layers']} layers, {result['read_mb_per_layer']:g} MB "
-        f"read and {result['write_mb_per_layer']:g} MB written a layer, median of {result['reps']}"
+        f"read and {written} (float32 rows of 128 unless said), median of {result['reps']}"
     )
     columns = "| pieces a layer | case | ms | in GB/s | out GB/s | combined GB/s | overlap |"
     lines = [head, "", columns, "|---:|:---|---:|---:|---:|---:|---:|"]
@@ -166,6 +181,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--read-mb", type=float, default=37.5, help="MB read a layer (default 37.5)")
     p.add_argument("--write-mb", type=float, default=37.5, help="MB written a layer (default 37.5)")
+    p.add_argument(
+        "--write-layer",
+        default=None,
+        help="each written piece's layer as DTYPE:SHAPE (e.g. bfloat16:8,1024,768, an activation), not rows of 128",
+    )
     p.add_argument("--layers", type=int, default=12, help="loop iterations (default 12)")
     p.add_argument("--pieces", default="1,4,16", help="comma-separated arrays a layer is split into (default 1,4,16)")
     p.add_argument("--reps", type=int, default=5, help="timed runs of each loop (default 5)")
@@ -183,7 +203,17 @@ def main(argv=None) -> int:
         p.error(f"--reps {args.reps}: give at least 1")
     if args.read_mb <= 0 or args.write_mb <= 0:
         p.error(f"--read-mb {args.read_mb} / --write-mb {args.write_mb}: give sizes above 0")
-    result = measure(args.read_mb, args.write_mb, args.layers, pieces, args.reps)
+    if args.write_layer:
+        import jax.numpy as jnp
+
+        try:
+            dtype, dims = args.write_layer.split(":")
+            jnp.dtype(dtype)
+            if min(int(d) for d in dims.split(",")) < 1:
+                raise ValueError(dims)
+        except (ValueError, TypeError):
+            p.error(f"--write-layer {args.write_layer!r}: give DTYPE:SHAPE, e.g. bfloat16:8,1024,768")
+    result = measure(args.read_mb, args.write_mb, args.layers, pieces, args.reps, args.write_layer)
     env.save_run(args, "link_duplex", result, table(result))
     return 0
 
