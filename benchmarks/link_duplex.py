@@ -89,11 +89,17 @@ def _stacks(count: int, total_mb: float, layers: int, host, value: float, layer:
 
 
 def measure(
-    read_mb: float, write_mb: float, layers: int, pieces: list[int], reps: int, write_layer: str | None = None
+    read_mb: float,
+    write_mb: float,
+    layers: int,
+    pieces: list[int],
+    reps: int,
+    write_layer: str | None = None,
+    read_layer: str | None = None,
 ) -> dict:
     """Seconds of each case of :data:`CASES` for each piece count, ``reps`` times after one untimed
-    run, and the bytes each direction moved; ``write_layer``: the written stacks' layer dtype and
-    shape (see :func:`_stacks`)."""
+    run, and the bytes each direction moved; ``write_layer``, ``read_layer``: the written and read
+    stacks' layer dtype and shape (see :func:`_stacks`)."""
     import jax
 
     dev = jax.devices()[0]
@@ -104,7 +110,7 @@ def measure(
         for case in CASES:
             n_read = count if case in ("read", "both") else 0
             n_write = count if case in ("write", "both") else 0
-            read = _stacks(n_read, read_mb, layers, host, 1.0)
+            read = _stacks(n_read, read_mb, layers, host, 1.0, read_layer)
             write = [_stacks(n_write, write_mb, layers, host, 0.0, write_layer)]
             fn = _loop(n_read, n_write, layers)
             h2d = sum(a.nbytes for a in read) * (layers - 1) // layers  # the last fetch repeats a layer
@@ -142,6 +148,7 @@ def measure(
         "read_mb_per_layer": read_mb,
         "write_mb_per_layer": write_mb,
         "write_layer": write_layer,
+        "read_layer": read_layer,
         "reps": reps,
         "rows": rows,
     }
@@ -154,9 +161,14 @@ def table(result: dict) -> str:
         if result.get("write_layer")
         else f"{result['write_mb_per_layer']:g} MB written a layer"
     )
+    read = (
+        f"each piece read a layer of {result['read_layer']}"
+        if result.get("read_layer")
+        else f"{result['read_mb_per_layer']:g} MB read a layer"
+    )
     head = (
-        f"Layer loops on {result['device_kind']}: {result['layers']} layers, {result['read_mb_per_layer']:g} MB "
-        f"read and {written} (float32 rows of 128 unless said), median of {result['reps']}"
+        f"Layer loops on {result['device_kind']}: {result['layers']} layers, {read} and {written} "
+        f"(float32 rows of 128 unless said), median of {result['reps']}"
     )
     columns = "| pieces a layer | case | ms | in GB/s | out GB/s | combined GB/s | overlap |"
     lines = [head, "", columns, "|---:|:---|---:|---:|---:|---:|---:|"]
@@ -186,6 +198,7 @@ def main(argv=None) -> int:
         default=None,
         help="each written piece's layer as DTYPE:SHAPE (e.g. bfloat16:8,1024,768, an activation), not rows of 128",
     )
+    p.add_argument("--read-layer", default=None, help="each read piece's layer as DTYPE:SHAPE (see --write-layer)")
     p.add_argument("--layers", type=int, default=12, help="loop iterations (default 12)")
     p.add_argument("--pieces", default="1,4,16", help="comma-separated arrays a layer is split into (default 1,4,16)")
     p.add_argument("--reps", type=int, default=5, help="timed runs of each loop (default 5)")
@@ -203,17 +216,18 @@ def main(argv=None) -> int:
         p.error(f"--reps {args.reps}: give at least 1")
     if args.read_mb <= 0 or args.write_mb <= 0:
         p.error(f"--read-mb {args.read_mb} / --write-mb {args.write_mb}: give sizes above 0")
-    if args.write_layer:
-        import jax.numpy as jnp
+    import jax.numpy as jnp
 
-        try:
-            dtype, dims = args.write_layer.split(":")
-            jnp.dtype(dtype)
-            if min(int(d) for d in dims.split(",")) < 1:
-                raise ValueError(dims)
-        except (ValueError, TypeError):
-            p.error(f"--write-layer {args.write_layer!r}: give DTYPE:SHAPE, e.g. bfloat16:8,1024,768")
-    result = measure(args.read_mb, args.write_mb, args.layers, pieces, args.reps, args.write_layer)
+    for flag, layer in (("--write-layer", args.write_layer), ("--read-layer", args.read_layer)):
+        if layer:
+            try:
+                dtype, dims = layer.split(":")
+                jnp.dtype(dtype)
+                if min(int(d) for d in dims.split(",")) < 1:
+                    raise ValueError(dims)
+            except (ValueError, TypeError):
+                p.error(f"{flag} {layer!r}: give DTYPE:SHAPE, e.g. bfloat16:8,1024,768")
+    result = measure(args.read_mb, args.write_mb, args.layers, pieces, args.reps, args.write_layer, args.read_layer)
     env.save_run(args, "link_duplex", result, table(result))
     return 0
 
