@@ -96,10 +96,12 @@ def measure(
     reps: int,
     write_layer: str | None = None,
     read_layer: str | None = None,
+    write_pieces: int | None = None,
 ) -> dict:
     """Seconds of each case of :data:`CASES` for each piece count, ``reps`` times after one untimed
     run, and the bytes each direction moved; ``write_layer``, ``read_layer``: the written and read
-    stacks' layer dtype and shape (see :func:`_stacks`)."""
+    stacks' layer dtype and shape (see :func:`_stacks`); ``write_pieces``: the written pieces a
+    layer, where not as many as the read ones."""
     import jax
 
     dev = jax.devices()[0]
@@ -109,7 +111,7 @@ def measure(
         row = {"pieces": count}
         for case in CASES:
             n_read = count if case in ("read", "both") else 0
-            n_write = count if case in ("write", "both") else 0
+            n_write = (write_pieces or count) if case in ("write", "both") else 0
             read = _stacks(n_read, read_mb, layers, host, 1.0, read_layer)
             write = [_stacks(n_write, write_mb, layers, host, 0.0, write_layer)]
             fn = _loop(n_read, n_write, layers)
@@ -149,6 +151,7 @@ def measure(
         "write_mb_per_layer": write_mb,
         "write_layer": write_layer,
         "read_layer": read_layer,
+        "write_pieces": write_pieces,
         "reps": reps,
         "rows": rows,
     }
@@ -170,6 +173,8 @@ def table(result: dict) -> str:
         f"Layer loops on {result['device_kind']}: {result['layers']} layers, {read} and {written} "
         f"(float32 rows of 128 unless said), median of {result['reps']}"
     )
+    if result.get("write_pieces"):
+        head += f"; {result['write_pieces']} written piece(s) a layer whatever the read ones"
     columns = "| pieces a layer | case | ms | in GB/s | out GB/s | combined GB/s | overlap |"
     lines = [head, "", columns, "|---:|:---|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
@@ -198,6 +203,7 @@ def main(argv=None) -> int:
         default=None,
         help="each written piece's layer as DTYPE:SHAPE (e.g. bfloat16:8,1024,768, an activation), not rows of 128",
     )
+    p.add_argument("--write-pieces", type=int, default=None, help="pieces written a layer (default: as --pieces)")
     p.add_argument("--read-layer", default=None, help="each read piece's layer as DTYPE:SHAPE (see --write-layer)")
     p.add_argument("--layers", type=int, default=12, help="loop iterations (default 12)")
     p.add_argument("--pieces", default="1,4,16", help="comma-separated arrays a layer is split into (default 1,4,16)")
@@ -227,7 +233,10 @@ def main(argv=None) -> int:
                     raise ValueError(dims)
             except (ValueError, TypeError):
                 p.error(f"{flag} {layer!r}: give DTYPE:SHAPE, e.g. bfloat16:8,1024,768")
-    result = measure(args.read_mb, args.write_mb, args.layers, pieces, args.reps, args.write_layer, args.read_layer)
+    if args.write_pieces is not None and args.write_pieces < 1:
+        p.error(f"--write-pieces {args.write_pieces}: give at least 1")
+    shapes = {"write_layer": args.write_layer, "read_layer": args.read_layer, "write_pieces": args.write_pieces}
+    result = measure(args.read_mb, args.write_mb, args.layers, pieces, args.reps, **shapes)
     env.save_run(args, "link_duplex", result, table(result))
     return 0
 
