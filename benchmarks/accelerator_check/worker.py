@@ -374,6 +374,11 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum, compiler_options=options)
     t = time.perf_counter()
     state = jax.block_until_ready(step.init(model))
+    if conf.xla_options and jax.default_backend() != "tpu":  # (XLA:TPU options: another backend refuses them)
+        report["xla_options_ignored"] = f"{dict(conf.xla_options)}: options of XLA:TPU, not {jax.default_backend()}"
+    elif conf.xla_options:  # this configuration's own options on top of the run's
+        options = {**(step.compiler_options_for(model, state) or {}), **dict(conf.xla_options)}
+        step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum, compiler_options=options)
     report["compiler_options"] = step.compiler_options_for(model, state)
     report["timings"]["init_opt_state_s"] = time.perf_counter() - t
     report["placement_initial"] = placement(params=model, opt_state=state)
