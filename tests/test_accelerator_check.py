@@ -242,6 +242,20 @@ def test_compiler_options_reach_every_worker_and_one_results_file_keeps_one_set(
     assert cli.apply_defaults(cli.parse_args(["--append", str(earlier)]), reduced=False).compiler_options == {}
 
 
+def test_a_configurations_own_xla_options_go_on_top_of_the_runs_on_a_tpu_only():
+    table = {c.name: c for c in configs.config_table()}
+    own = table["all_three_stacks_defer_f8_host_device_grads_backward_pairs_overlap"]
+    assert own.transforms()["xla_options"] == {"xla_tpu_host_transfer_overlap_limit": 1024}
+    run = {"xla_tpu_enable_snowplow_scheduler": True}
+    merged, ignored = worker_module.own_options(run, own, "tpu")
+    assert merged == {**run, "xla_tpu_host_transfer_overlap_limit": 1024} and ignored is None
+    assert worker_module.own_options(None, own, "tpu")[0] == {"xla_tpu_host_transfer_overlap_limit": 1024}
+    kept, ignored = worker_module.own_options(run, own, "cpu")
+    assert kept == run and "options of XLA:TPU, not cpu" in ignored
+    plain = table["all_three_stacks_defer_f8_host_device_grads_backward_pairs"]
+    assert worker_module.own_options(run, plain, "tpu") == (run, None) and "xla_options" not in plain.transforms()
+
+
 USER_ERRORS = {
     "--configs none,bogus": "bogus",
     "--configs none,none": "twice",

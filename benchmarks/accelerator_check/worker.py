@@ -124,6 +124,17 @@ def _median_time(fn, reps: int) -> tuple[float, list[float]]:
     return statistics.median(times[1:]), times[1:]
 
 
+def own_options(run_options: dict | None, conf: Config, backend: str) -> tuple[dict | None, str | None]:
+    """``(options, ignored)``: the XLA options a configuration's step compiles with, its own
+    (``conf.xla_options``, options of XLA:TPU) on top of the run's ``run_options``; on another
+    ``backend``, which would refuse them, the run's alone and a line saying they were ignored."""
+    if not conf.xla_options:
+        return run_options, None
+    if backend != "tpu":
+        return run_options, f"{dict(conf.xla_options)}: options of XLA:TPU, not {backend}"
+    return {**(run_options or {}), **dict(conf.xla_options)}, None
+
+
 def worker_bandwidth(spec: dict, report: dict, write) -> None:
     """The median time of ``pinned_host`` <-> device copies of each size (after one untimed copy):
     inside a jitted program, as the transforms move data (``h2d`` and ``d2h`` each alone, then
@@ -374,11 +385,12 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum, compiler_options=options)
     t = time.perf_counter()
     state = jax.block_until_ready(step.init(model))
-    if conf.xla_options and jax.default_backend() != "tpu":  # (XLA:TPU options: another backend refuses them)
-        report["xla_options_ignored"] = f"{dict(conf.xla_options)}: options of XLA:TPU, not {jax.default_backend()}"
-    elif conf.xla_options:  # this configuration's own options on top of the run's
-        options = {**(step.compiler_options_for(model, state) or {}), **dict(conf.xla_options)}
-        step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum, compiler_options=options)
+    if conf.xla_options:
+        own, ignored = own_options(step.compiler_options_for(model, state), conf, jax.default_backend())
+        if ignored:
+            report["xla_options_ignored"] = ignored
+        else:
+            step = transforms.train_step(zoo.lm_loss, optimizer, accum_steps=accum, compiler_options=own)
     report["compiler_options"] = step.compiler_options_for(model, state)
     report["timings"]["init_opt_state_s"] = time.perf_counter() - t
     report["placement_initial"] = placement(params=model, opt_state=state)
