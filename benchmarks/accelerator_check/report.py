@@ -159,6 +159,13 @@ def markdown(results: dict) -> str:
         traced = (e.get("worker") or {}).get("profile_summary")
         if traced:
             details.append(f"- {n}: " + (traced["error"] if "error" in traced else describe_trace(traced)))
+        if e.get("loop_link"):
+            rows = [
+                f"{r['loop']} {r['ms']:.1f} ms: {r['h2d_gb_per_s']:.1f} in / {r['d2h_gb_per_s']:.1f} out GB/s"
+                + (f", the link busy {r['link_fraction']:.0%} of it" if r.get("link_fraction") is not None else "")
+                for r in e["loop_link"]
+            ]
+            details.append(f"- {n}: the link in each layer loop (its bytes over its time): " + "; ".join(rows))
     sources = {(e.get("transfers") or {}).get("link_source") for e in results["configs"].values()} - {None}
     details += [f"- bounds: link rates from {source}" for source in sorted(sources)]
     for n, e in results["configs"].items():

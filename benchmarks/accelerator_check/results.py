@@ -338,6 +338,32 @@ def _beaten(configs: dict, rates: dict) -> str | None:
     return None
 
 
+def loop_link(entry: dict, rates: dict | None) -> list[dict]:
+    """For each outermost layer loop of a profiled step (``worker.profile_summary``'s phases) whose
+    body the compiled program's transfer analysis counts (``hlo.while_loops``): its length, its
+    waits, the rate each direction moved at over it (the body's bytes times its trips over the
+    loop's time) and, with ``rates``, the share of the loop the link needs for those bytes
+    (``link_fraction``, :func:`link_time`). Near 1 the loop is link-bound; well below it, with
+    waits, its copies start too late or queue, not the link."""
+    phases = ((entry.get("worker") or {}).get("profile_summary") or {}).get("phases") or []
+    loops = (entry.get("hlo") or {}).get("while_loops") or {}
+    out = []
+    for phase in phases:
+        body = loops.get(phase.get("body") or "")
+        if not body or not phase.get("ms"):
+            continue
+        h2d = body["h2d_bytes_per_iter"] * body["trip_count"]
+        d2h = body["d2h_bytes_per_iter"] * body["trip_count"]
+        if not h2d and not d2h:
+            continue
+        seconds = phase["ms"] / 1e3
+        row = {"loop": phase["name"], "body": phase["body"], "ms": phase["ms"], "waits_ms": phase.get("waits_ms"),
+               "h2d_gb_per_s": h2d / seconds / 1e9, "d2h_gb_per_s": d2h / seconds / 1e9}  # fmt: skip
+        row["link_fraction"] = link_time(h2d, d2h, rates) / seconds if rates else None
+        out.append(row)
+    return out
+
+
 def derived(configs: dict, bandwidth: dict | None, device_kind: str | None = None) -> None:
     """Ratios to ``none``, the bytes each step moves (from the compiled program), the link time they
     take at the in-program bandwidth, and each step against its bound: max(``none``'s step time,
@@ -376,6 +402,7 @@ def derived(configs: dict, bandwidth: dict | None, device_kind: str | None = Non
                 entry["bound_by"] = "link" if busy >= (compute or 0.0) else "compute (none's step)"
                 entry["step_over_bound"] = step / bound if bound else None
         entry["transfers"] = moved
+        entry["loop_link"] = loop_link(entry, rates) or None
 
 
 def refresh(results: dict, started: float) -> None:

@@ -103,15 +103,18 @@ def _phases(t0: float, t1: float, ops: list[dict], loops: list[dict]) -> list[di
     """The step cut at its outermost loops (a layer stack's forward and backward scans): each
     loop, and each stretch between them, with its length, the time some op ran and the time spent
     waiting on copies. A forward that waits on its writes, or an update after the backward, shows
-    here where the totals by category hide it."""
+    here where the totals by category hide it. A loop's ``body`` names its HLO computation (from the
+    loop's HLO text), which the compiled program's transfer analysis counts the bytes of."""
     outer = [e for e in loops if not any(o is not e and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
                                          and o["dur"] > e["dur"] for o in loops)]  # fmt: skip
-    cuts, at = [], t0
+    cuts, at, bodies = [], t0, {}
     for loop in sorted(outer, key=lambda e: e["ts"]):
         if loop["ts"] > at:
             cuts.append(("between", at, loop["ts"]))
         cuts.append((loop["name"], loop["ts"], loop["ts"] + loop["dur"]))
         at = max(at, loop["ts"] + loop["dur"])
+        found = re.search(r"body=%([\w.\-]+)", str((loop.get("args") or {}).get("long_name", "")))
+        bodies[loop["name"]] = found.group(1) if found else None
     if t1 > at:
         cuts.append(("between", at, t1))
     phases = []
@@ -122,7 +125,7 @@ def _phases(t0: float, t1: float, ops: list[dict], loops: list[dict]) -> list[di
         waits = [(x, y) for e, x, y in clipped if (e.get("args") or {}).get("hlo_category") in WAITS]
         phases.append({"name": name, "start_ms": round((a - t0) / 1e3, 3), "ms": round((b - a) / 1e3, 3),
                        "busy_ms": round(_union_us([(x, y) for _, x, y in clipped]) / 1e3, 3),
-                       "waits_ms": round(_union_us(waits) / 1e3, 3)})  # fmt: skip
+                       "waits_ms": round(_union_us(waits) / 1e3, 3), "body": bodies.get(name)})  # fmt: skip
     return phases
 
 
