@@ -256,6 +256,26 @@ def test_a_configurations_own_xla_options_go_on_top_of_the_runs_on_a_tpu_only():
     assert worker_module.own_options(run, plain, "tpu") == (run, None) and "xla_options" not in plain.transforms()
 
 
+def test_the_planner_counts_the_deferred_update_with_the_stacks_state_only_where_it_can():
+    """``opt_state_defer_bf16_stacks_split`` keeps the embedding's and head's moments on the device:
+    the planner's ``"defer:stacks"`` counts that (more device bytes than all the state in host
+    memory) and no note says it counted the default selection; with host weights it cannot."""
+    import zoo
+
+    table = {c.name: c for c in configs.config_table()}
+    cfg = zoo.config_from_name("llama:tiny", compute_dtype="bfloat16", param_dtype="float32")
+    spec = {"batch": 2, "seq": 32, "plan_device": "tpu-v5e", "lr": 1e-3, "accum_steps": 1}
+    reports = {}
+    for name in ("opt_state_defer_bf16_stacks_split", "opt_state_defer_bf16_split"):
+        reports[name] = {}
+        worker_module._planner(spec, table[name], cfg, reports[name])
+    stacks, whole = (reports[n]["planner"] for n in ("opt_state_defer_bf16_stacks_split", "opt_state_defer_bf16_split"))
+    assert stacks["device_bytes"] > whole["device_bytes"] and "where=" not in stacks.get("note", "")
+    host_weights = {}
+    worker_module._planner(spec, table["all_three_stacks_defer_f8_host_device_grads_backward"], cfg, host_weights)
+    assert "counted with the default where=" in host_weights["planner"]["note"]
+
+
 USER_ERRORS = {
     "--configs none,bogus": "bogus",
     "--configs none,none": "twice",

@@ -551,13 +551,17 @@ def _planner(spec: dict, conf: Config, cfg, report: dict) -> None:
             accum_steps=spec["accum_steps"],
         )
         opt = {"device": False, "offload": "offload", "stream": "stream", "defer": "defer"}[conf.opt]
+        # The planner counts the deferred update with only the stacks' state in host memory where the
+        # weights stay on the device ("defer:stacks"); other selections it does not know.
+        stacks_state = opt == "defer" and conf.where == "stacks" and not conf.params
+        opt = "defer:stacks" if stacks_state else opt
         activations = "recompute_all" if conf.remat else conf.activations
         predicted = plan.predict(params=conf.params, opt_state=opt, activations=activations)
         report["planner"] = {k: predicted.get(k) for k in PLANNER_KEYS}
         report["planner"].update(peak_phase=predicted.get("peak_phase"), peak_terms=peak_terms(predicted))
         report["planner"].update(device=spec["plan_device"], device_budget_bytes=plan.device_budget)
         notes = []
-        if conf.where:  # the planner knows the default selection only
+        if conf.where and not stacks_state:  # the planner knows the default selection only
             notes.append(
                 f"counted with the default where= (all the state in host memory); this configuration keeps "
                 f"{'the stacks' + chr(39) + ' moments only' if conf.where == 'stacks' else 'none'} there"
