@@ -14,7 +14,13 @@ dynamic-update-slice into donated buffers, as the transforms write). No compute 
 few elements, so the loop's time is its copies'. For each piece count it times the reads alone,
 the writes alone and both in one loop, and reports the rates each direction achieved and the
 combined rate: with a full-duplex link ``both`` takes as long as the slower direction alone, with
-a shared one as long as the two added.
+a shared one as long as the two added. ``--write-layer`` / ``--read-layer DTYPE:SHAPE`` give each
+written or read piece a layer of that dtype and shape instead of float32 rows of 128 (an
+activation: ``bfloat16:8,1024,768``), ``--write-pieces`` a number of written pieces of its own.
+
+On the v5e (``benchmarks/results/link_duplex_TPU_v5_lite*``) the two directions added up in every
+such loop (overlap 0.86-0.97), while the train step's own loops did not: see
+``docs/OFFLOAD_SPEED.md``, nineteenth session.
 
 ```bash
 python -m benchmarks.link_duplex --out benchmarks/results          # on an accelerator host
