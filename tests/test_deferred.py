@@ -553,17 +553,22 @@ def test_host_weights_rewritten_elsewhere_take_the_same_steps_and_leave_the_forw
         transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite="sideways")
 
 
+def _rewriting_step(rewrite: str):
+    """``(optimizer, step, model, state, tokens)``: a tiny Llama with host weights on the deferred
+    update that writes its host weights back as ``rewrite`` says."""
+    cfg = zoo.config_from_name("llama:tiny")
+    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite=rewrite)
+    step = transforms.train_step(zoo.lm_loss, opt)
+    model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
+    return opt, step, model, step.init(model), jnp.zeros((2, 9), jnp.int32)
+
+
 def test_new_buffers_that_would_not_fit_host_memory_are_one_line_with_a_way_out(monkeypatch):
     """rewrite="new_buffers" holds the host weights and state twice during a step: with less host
     memory available than that, the step says so in one line before compiling, naming the others."""
     from transforms.plan import _devices
 
-    cfg = zoo.config_from_name("llama:tiny")
-    tokens = jnp.zeros((2, 9), jnp.int32)
-    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite="new_buffers")
-    step = transforms.train_step(zoo.lm_loss, opt)
-    model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
-    state = step.init(model)
+    _, step, model, state, tokens = _rewriting_step("new_buffers")
     monkeypatch.setattr(_devices, "host_available_bytes", lambda: 2**20)
     with pytest.raises(MemoryError, match=r"0\.00 GiB of host memory is available; use rewrite='backward'") as err:
         step(model, state, tokens)
@@ -578,12 +583,7 @@ def test_backward_rewrites_that_would_not_fit_the_device_are_one_line_with_a_way
     compiling, naming the others; the count is one device's share (a CPU reports no limit)."""
     from transforms import _train_step
 
-    cfg = zoo.config_from_name("llama:tiny")
-    tokens = jnp.zeros((2, 9), jnp.int32)
-    opt = transforms.offload_opt_state(optax.adamw(3e-3), stream=True, defer=True, rewrite="backward")
-    step = transforms.train_step(zoo.lm_loss, opt)
-    model = transforms.offload_params(zoo.build_model(cfg, key=jax.random.key(0)), prefetch=True)
-    state = step.init(model)
+    opt, step, model, state, tokens = _rewriting_step("backward")
     trainable = eqx.filter(model, eqx.is_array)
     held = _deferred.rewrite_bytes(opt, trainable, state)
     stacks = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model.stack, eqx.is_inexact_array)))

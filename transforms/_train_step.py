@@ -472,23 +472,19 @@ def _check_room_for_rewrite(optimizer, trainable, opt_state) -> None:
     needed = rewrite_bytes(optimizer, trainable, opt_state, per_device=rewrite == "backward")
     if not needed:
         return
+    room = host_available_bytes() if rewrite == "new_buffers" else device_bytes_limit()
+    if room is None or needed <= 0.9 * room:
+        return
     gib = lambda n: f"{n / 2**30:.2f} GiB"
     if rewrite == "new_buffers":
-        available = host_available_bytes()
-        if available is not None and needed > 0.9 * available:
-            raise MemoryError(
-                f"train_step: offload_opt_state(..., rewrite='new_buffers') writes {gib(needed)} of host weights and "
-                f"state into new buffers each step and {gib(available)} of host memory is available; use "
-                "rewrite='backward' (the new weights and state wait on the device instead) or 'in_place'"
-            )
+        what = f"writes {gib(needed)} of host weights and state into new buffers each step"
+        has = f"{gib(room)} of host memory is available"
+        way_out = "rewrite='backward' (the new weights and state wait on the device instead) or 'in_place'"
     else:
-        limit = device_bytes_limit()
-        if limit is not None and needed > 0.9 * limit:
-            raise MemoryError(
-                f"train_step: offload_opt_state(..., rewrite='backward') keeps {gib(needed)} of new weights and "
-                f"state on the device from each step's forward to its backward and the device has {gib(limit)}; use "
-                "rewrite='in_place' (written back by the forward) or 'new_buffers' (into new host buffers)"
-            )
+        what = f"keeps {gib(needed)} of new weights and state on the device from each step's forward to its backward"
+        has = f"the device has {gib(room)}"
+        way_out = "rewrite='in_place' (written back by the forward) or 'new_buffers' (into new host buffers)"
+    raise MemoryError(f"train_step: offload_opt_state(..., rewrite={rewrite!r}) {what} and {has}; use {way_out}")
 
 
 def device_bytes_limit() -> int | None:
