@@ -43,7 +43,7 @@ from benchmarks import _environment as env
 CASES = ("read", "write", "both")
 
 
-def _loop(reads: int, writes: int, layers: int):
+def _loop(layers: int):
     """A jitted ``(read_stacks, write_stacks) -> (total, written_stacks)``: ``layers`` iterations,
     each fetching the next layer of every read stack and writing this layer of every write stack."""
     import jax
@@ -70,7 +70,6 @@ def _loop(reads: int, writes: int, layers: int):
         (total, _, bufs), _ = jax.lax.scan(step, init, jnp.arange(layers))
         return total, bufs
 
-    del reads, writes
     return jax.jit(run, donate_argnums=1)
 
 
@@ -120,7 +119,7 @@ def measure(
             n_write = (write_pieces or count) if case in ("write", "both") else 0
             read = _stacks(n_read, read_mb, layers, host, 1.0, read_layer)
             write = [_stacks(n_write, write_mb, layers, host, 0.0, write_layer)]
-            fn = _loop(n_read, n_write, layers)
+            fn = _loop(layers)
             h2d = sum(a.nbytes for a in read) * (layers - 1) // layers  # the last fetch repeats a layer
             h2d += sum(a.nbytes // layers for a in read)
             d2h = sum(b.nbytes for b in write[0])

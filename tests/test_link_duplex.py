@@ -15,7 +15,7 @@ def test_the_loop_reads_each_layer_and_writes_each_layer_in_host_memory():
     layers, count = 3, 2
     read = link_duplex._stacks(count, 0.01, layers, host, 1.0)
     write = link_duplex._stacks(count, 0.01, layers, host, 0.0, "bfloat16:2,8,128")
-    total, written = link_duplex._loop(count, count, layers)(read, write)
+    total, written = link_duplex._loop(layers)(read, write)
     per_layer = count * 8 * 128  # each read piece's first eight rows of 128 ones
     assert float(total) == layers * per_layer
     for buf in written:
