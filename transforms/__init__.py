@@ -46,6 +46,8 @@ from ._report import host_baseline as host_baseline
 from ._report import host_rss as host_rss
 from ._report import memory_report as memory_report
 from ._report import transfer_report as transfer_report
+from ._rounding import ROUNDED_DTYPES as ROUNDED_DTYPES
+from ._rounding import stochastic_rounding as stochastic_rounding
 from ._train_step import TrainStep as TrainStep
 from ._train_step import train_step as train_step
 from .plan import DEVICES as DEVICE_PROFILES
