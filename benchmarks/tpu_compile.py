@@ -96,7 +96,7 @@ def build(model_name: str, config: str, *, lr: float = 1e-3, weights: str = "all
 
     _layer_split.SPLIT_ON_CPU = True  # the state is built here for a TPU: laid out as there
     conf = {c.name: c for c in config_table()}[config]
-    cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype="float32")
+    cfg = zoo.config_from_name(model_name, compute_dtype="bfloat16", param_dtype=conf.weights)
     cfg = cfg if attention is None else cfg.replace(attention=attention)
     if weights == "stacks" and conf.params:
         model = apply_transforms(zoo.build_model(cfg, key=jax.random.key(0)), dataclasses.replace(conf, params=False))
@@ -376,7 +376,8 @@ def main(argv=None) -> int:
         rows.append(_measured_apart(argv, config))
         print(table(rows[-1:], f"{config}:").splitlines()[-1], flush=True)
     head = (
-        f"Train step of {args.model} (fp32 weights, bf16 compute, AdamW after clipping), batch "
+        f"Train step of {args.model} (fp32 weights unless the config says otherwise, bf16 compute, AdamW after "
+        "clipping), batch "
         f"{args.batch} x {args.seq}, compiled for {args.topology if args.target == 'tpu' else 'this CPU'}"
         + (f" with {_options(args)}" if _options(args) else "")
         + (" (weights offloaded: the stacks' only)" if args.weights == "stacks" else "")

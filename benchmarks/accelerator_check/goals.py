@@ -131,7 +131,8 @@ def optimizer_goals(configs: dict) -> list[dict]:
 #: (with the state in 16 bits, or the embedding's and head's moments on the device, where named;
 #: ``*_stacks_defer*``: their weights too, offload_params(where="stacks"); ``*_f8_host``: those
 #: moments in float32, the stacks' in 8 bits; ``*_new_buffers``: the new weights written into new host
-#: buffers; ``*_backward``: written back by the backward pass);
+#: buffers; ``*_backward``: written back by the backward pass; ``*_bf16_weights``: the weights stored in
+#: bfloat16, updated through transforms.stochastic_rounding);
 #: ``params_defer_device_state`` offloads what ``params`` does; the other ``params_defer*`` offload
 #: the optimizer state beside the weights.
 OFFLOAD_SPEED = (("params", "params_step_ratio"), ("params_prefetch", "params_step_ratio"))
@@ -164,6 +165,8 @@ OFFLOAD_SPEED += tuple(
         "all_three_stacks_defer_f8_host_keep_device_grads",
         "all_three_stacks_defer_f8_host_keep_device_grads_new_buffers",
         "all_three_stacks_defer_f8_host_device_grads_backward",
+        "all_three_stacks_defer_f8_host_device_grads_backward_bf16_weights",
+        "all_three_stacks_defer_f8_host_device_grads_backward_pairs_bf16_weights",
         "all_three_defer_f8_stacks",
     )
 )

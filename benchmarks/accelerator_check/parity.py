@@ -17,6 +17,15 @@ from .configs import DEFAULT_PLAN, Config, apply_transforms, config_table, make_
 from .grads import named_leaves
 from .tolerances import loss_max_rel_diff, tolerance
 
+#: The clipping norm of the parity cases with bfloat16 weights (and their plain references): one the
+#: gradients never reach, so that the clip's select passes them through unscaled. Stochastic rounding
+#: turns a last-bit difference of an update into a one-spacing difference of a weight (with
+#: probability that difference over the spacing), and the global norm is summed in another order
+#: by a streamed update than by the plain one; unclipped, every path computes the same update bit
+#: for bit, and the case must match its reference to the usual tolerance. The clip itself is the
+#: same code for every weight dtype, checked by the float32 twin of each case.
+SR_CLIP_NORM = 1e9
+
 #: The model of the parity pass: ``llama:tiny`` with 4 layers (a reversed layer order moves them all).
 PARITY_MODEL = {"name": "llama:tiny", "n_layers": 4, "batch": 4, "seq": 32, "steps": 3, "lr": 1e-3}
 
@@ -40,10 +49,19 @@ def parity_table() -> list[Config]:
 
 def reference_of(conf: Config | None) -> Config | None:
     """The plain run a case is compared with: no transform, and the case's optimizer-state storage
-    (moments in 16 or 8 bits round differently from float32 ones; the same storage with the state on
-    the device is the same arithmetic, so the offloaded case must match it to rounding)."""
-    if conf is None or not conf.state:
+    and weight dtype (moments in 16 or 8 bits, or weights in bfloat16, round differently from float32
+    ones; the same storage with the state on the device is the same arithmetic, so the offloaded
+    case must match it to rounding)."""
+    if conf is None or not (conf.state or conf.weights != "float32"):
         return None
+    if conf.weights != "float32":
+        weights = f"{conf.weights} weights (transforms.stochastic_rounding)"
+        name, what, kw = f"plain_{conf.weights}_weights", weights, {"weights": conf.weights}
+        if conf.state:
+            name, what = f"{name}_{conf.state}", f"{weights}, compact_state({conf.state!r})"
+            kw.update(state=conf.state, compact_rest=conf.compact_rest)
+            what += "" if conf.compact_rest else " for the stacks, float32 moments for the rest"
+        return Config(f"{name}{'' if conf.compact_rest else '_stacks'}", f"{what}, no offload", **kw)
     if not conf.compact_rest:  # only the stacks' moments compact
         what = f"compact_state({conf.state!r}) for the stacks, float32 moments for the rest, no offload"
         return Config(f"plain_{conf.state}_stacks", what, state=conf.state, compact_rest=False)
@@ -80,7 +98,8 @@ def _builder(cfg):
 
 def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict]:
     """``(losses, final weights, initial weights)`` of ``PARITY_MODEL["steps"]`` steps with the transforms of
-    ``conf`` (the plain run for None), from the same initial weights and batch."""
+    ``conf`` (the plain run for None), from the same initial weights (in the weight dtype of ``conf``) and batch."""
+    import equinox as eqx
     import jax
     import jax.numpy as jnp
 
@@ -90,9 +109,12 @@ def train_case(conf: Config | None, spec: dict) -> tuple[list[float], dict, dict
     m = PARITY_MODEL
     cfg = make_config(m["name"], seq=m["seq"], compute_dtype=spec["dtype"], n_layers=m["n_layers"])
     model = _builder(cfg)(jax.random.key(0))
+    if conf is not None and conf.weights != "float32":  # the same weights, stored in the case's dtype
+        model = jax.tree.map(lambda x: x.astype(conf.weights) if eqx.is_inexact_array(x) else x, model)
     initial = host_tree(model)
     model = apply_transforms(model, conf) if conf else model
-    optimizer = optimizer_for(conf, m["lr"])
+    bf16 = conf is not None and conf.weights != "float32"
+    optimizer = optimizer_for(conf, m["lr"], **({"clip_norm": SR_CLIP_NORM} if bf16 else {}))
     tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"] + 1), 0, cfg.vocab_size, jnp.int32)
     step = transforms.train_step(zoo.lm_loss, optimizer)
     state = step.init(model)
@@ -156,7 +178,7 @@ def worker_parity(spec: dict, report: dict, write) -> None:
     if spec.get("test_break") and spec["test_break"] not in report["selected"]:
         report["test_break_unknown"] = f"{spec['test_break']!r} is not among the cases {report['selected']}"
     write("selected")
-    ref_losses, ref_weights, initial = train_case(None, spec)
+    ref_losses, ref_weights, _ = train_case(None, spec)
     report["reference_losses"] = ref_losses
     write("reference")
     references = {None: (ref_losses, ref_weights)}
@@ -169,10 +191,10 @@ def worker_parity(spec: dict, report: dict, write) -> None:
                 references[key] = train_case(plain, spec)[:2]
                 report.setdefault("other_references", {})[key] = references[key][0]
             case_ref_losses, case_ref_weights = references[key]
-            losses, weights, _ = train_case(table[name], spec)
+            losses, weights, case_initial = train_case(table[name], spec)
             if name == spec.get("test_break"):
                 weights = break_result(weights, PARITY_MODEL["n_layers"])
-            result = compare(losses, weights, case_ref_losses, case_ref_weights, initial, tol)
+            result = compare(losses, weights, case_ref_losses, case_ref_weights, case_initial, tol)
             if plain:
                 result["reference"] = plain.description
         except Exception as err:  # a transform that does not run fails its case; the pass goes on

@@ -353,7 +353,8 @@ def _init_train(spec: dict, conf: Config, report: dict, write=lambda phase=None:
     import zoo
 
     attention = {"attention": spec["attention"]} if spec.get("attention") else {}
-    cfg, batch, seq = make_config(spec["model"], seq=spec["seq"], **attention), spec["batch"], spec["seq"]
+    cfg = make_config(spec["model"], seq=spec["seq"], param_dtype=conf.weights, **attention)
+    batch, seq = spec["batch"], spec["seq"]
     report["model"] = {"spec": spec["model"], "n_params": cfg.n_params(), "n_layers": cfg.n_layers}
     report["model"].update(batch=batch, seq=seq, config=cfg.to_dict())
     plan, text = None, conf.capacity
