@@ -1290,6 +1290,34 @@ def test_compact_moment_configurations_are_checked_against_the_same_storage_on_t
     assert f8_losses[-1] != report["reference_losses"][-1] and case["losses"] == pytest.approx(f8_losses, rel=1e-5)
 
 
+def test_bfloat16_weight_configurations_are_checked_unclipped_against_bfloat16_weights_on_the_device():
+    """A bfloat16-weight case (transforms.stochastic_rounding) is compared with the plain run of the
+    same weights and moments, both unclipped: the offloaded update then matches it bit for bit."""
+    import jax
+
+    import zoo
+    from transforms._rounding import RoundingState
+
+    table = {c.name: c for c in configs.config_table()}
+    conf = table["all_three_stacks_defer_f8_host_device_grads_backward_pairs_bf16_weights"]
+    assert conf.weights == "bfloat16" and "stochastic_rounding" in conf.transforms()["weights"]
+    plain = parity.reference_of(conf)
+    assert (plain.opt, plain.weights, plain.state, plain.compact_rest) == ("device", "bfloat16", "float8", False)
+    assert parity.reference_of(configs.Config("w", "w", opt="stream", weights="bfloat16")).state is None
+    cfg = configs.make_config("llama:tiny", seq=32, param_dtype="bfloat16", n_layers=2)
+    params = jax.eval_shape(lambda: zoo.build_model(cfg, key=jax.random.key(0)))
+    params = jax.tree.map(lambda x: x if hasattr(x, "dtype") else None, params)
+    state = jax.eval_shape(configs.optimizer_for(plain, 1e-3).init, params)
+    rounding = lambda n: isinstance(n, RoundingState)
+    assert any(rounding(n) for n in jax.tree.leaves(state, is_leaf=rounding))
+    streamed = configs.Config("bf16_stream", "streamed", opt="stream", weights="bfloat16")
+    spec = {"dtype": "float32"}
+    ref_losses, ref_weights, _ = parity.train_case(parity.reference_of(streamed), spec)
+    losses, weights, initial = parity.train_case(streamed, spec)
+    result = parity.compare(losses, weights, ref_losses, ref_weights, initial, tolerances.tolerance("float32"))
+    assert result["passed"] and result["param_max_rel_diff"] == 0.0, result
+
+
 def test_the_stacks_only_configuration_keeps_the_other_moments_on_the_device():
     import jax
 
