@@ -131,3 +131,18 @@ def test_the_planner_counts_the_moments_and_plan_auto_reaches_the_16_bit_plan(mo
     assert (f32.opt_state, f32_policy) != (bf16.opt_state, bf16_policy)
     for a, b in zip(f32_bytes, bf16_bytes, strict=True):
         assert b == pytest.approx(a / 2, rel=0.01)
+
+
+def test_bfloat16_weights_train_through_stochastic_rounding_with_float32_moments(flags, tmp_path):
+    """``--param-dtype bfloat16``: the weights stay bfloat16, AdamW's moments are float32 (optax alone
+    would keep the second moment in bfloat16, where its 0.999 decay rounds to 1) and its state is
+    transforms.stochastic_rounding's, with its own update count; the loss falls as with float32."""
+    from transforms._rounding import RoundingState
+
+    run = train_lm.main([*flags, "--param-dtype", "bfloat16", "--out", str(tmp_path / "w")])
+    rounding = lambda n: isinstance(n, RoundingState)
+    found = [n for n in jax.tree.leaves(run["opt_state"], is_leaf=rounding) if rounding(n)]
+    assert found and int(found[0].count) == 3
+    assert {x.dtype for x in moments(found[0].inner)} == {jnp.dtype(jnp.float32)}
+    weights = [x for x in jax.tree.leaves(run["model"]) if getattr(x, "dtype", None) == jnp.bfloat16]
+    assert weights and all(jnp.isfinite(loss) for loss in run["losses"].values())

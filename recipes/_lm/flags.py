@@ -155,7 +155,12 @@ def build_parser(
         "crosses the host link when it is offloaded), float8 stores it as 8-bit blockwise codes (about a quarter); "
         "--plan and the memory checks count it so",
     )
-    a("--param-dtype", default="float32", help="dtype of the trained weights (a checkpoint's too, unless --lora-rank)")
+    a(
+        "--param-dtype",
+        default="float32",
+        help="dtype of the trained weights (a checkpoint's too, unless --lora-rank); bfloat16 ones are updated in "
+        "float32 and rounded stochastically (transforms.stochastic_rounding)",
+    )
     a("--base-dtype", default=None, help="with --lora-rank: dtype of the frozen base (default: the checkpoint's own)")
     a("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base (0: train all)")
     a("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default: twice the rank)")

@@ -216,6 +216,7 @@ class Run:
         self.schedule = lr_schedule(**schedule)
         hyper = {**schedule, "weight_decay": args.weight_decay, "mask": decay_mask(self.model)}  # matrices only
         hyper["moments"] = getattr(args, "moments", "float32")
+        hyper["param_dtype"] = getattr(args, "param_dtype", "float32")  # bfloat16: stochastic rounding
         # The deferred update's pending gradients in the dtype the planner counts them in (16 bits
         # where the weights stay on the device in float32 and compute in 16 bits).
         defer = self.plan is None and self.offload.opt_state in ("defer", "defer:stacks")

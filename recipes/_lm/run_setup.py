@@ -222,17 +222,23 @@ def make_optimizer(
     mask=None,
     kind: str = "cosine",
     moments: str = "float32",
+    param_dtype: str = "float32",
 ) -> optax.GradientTransformation:
     """AdamW with warmup and decay (:func:`lr_schedule` of ``kind``), after a global-norm clip
     (``clip=None``: no clip, for callers that clip elsewhere, e.g. a streamed update's
     ``clip_norm``); weight decay only where ``mask`` says (:func:`decay_mask`; ``None``: all).
     ``moments`` (one of `MOMENTS`): ``"bfloat16"`` or ``"float8"`` store AdamW's moments in that
     format between steps (``transforms.compact_state``: the update itself runs in float32; the clip
-    holds no state, so it stays outside)."""
+    holds no state, so it stays outside). ``param_dtype="bfloat16"``: the trained weights are stored
+    in bfloat16, so AdamW runs through ``transforms.stochastic_rounding`` (float32 moments and
+    math, each new weight rounded stochastically: rounded to nearest, updates below half the
+    spacing would be lost)."""
     if moments not in MOMENTS:
         raise ValueError(f"make_optimizer: unknown moments {moments!r}; choose one of {', '.join(MOMENTS)}")
     schedule = lr_schedule(lr=lr, warmup=warmup, steps=steps, kind=kind)
     adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=mask)
+    if param_dtype == "bfloat16":
+        adamw = transforms.stochastic_rounding(adamw)
     if moments != "float32":
         adamw = transforms.compact_state(adamw, moments)
     return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)

@@ -273,7 +273,10 @@ def _sixteen_bit(ctx, batch: int, seq: int) -> list[str]:
     if best(ctx.with_model(ctx.model.with_dtypes("bfloat16", "bfloat16")).rows(batch, seq)) is None:
         return []
     how = "config.replace(...)" if ctx.model.config is not None else "the model's weights and its describe()"
-    return [f"would fit: param_dtype='bfloat16', compute_dtype='bfloat16' ({how})"]
+    return [
+        f"would fit: param_dtype='bfloat16', compute_dtype='bfloat16' ({how}; train bfloat16 weights through "
+        "transforms.stochastic_rounding(optimizer), or small updates are rounded away)"
+    ]
 
 
 def suggest(ctx, rows: list[Row], batch: int, seq: int) -> list[str]:
