@@ -153,19 +153,29 @@ def test_the_backward_can_send_each_weight_back_once_its_gradient_exists(case):
 def test_a_backward_loop_of_two_layers_an_iteration_gives_the_same_results(case):
     """``_LAYERS_PER_ITERATION`` 2 (an experiment): the backward loop runs two layers an iteration
     (half as many trips; the forward's stays one), with the same results; a number of layers it
-    does not divide keeps one."""
+    does not divide keeps one. Writing the weights back (``rewrite="backward"``), the pair's first
+    layer sends both layers' weights in one copy per buffer (the second waited for the first's to
+    end, which XLA placed at the pair's end), and the second layer sends none."""
     from zoo.nn import _prefetch
 
     _, static, pending, counts, xs, host = case
-    outs, trips = {}, {}
+    outs, trips, sent_rows = {}, {}, {}
     for k in (1, 2):
         fn = lambda *a: run(*a[:1], static, *a[1:], rewrite="backward")  # (a new function: traced anew)
         with nn.layer_loop_schedule(layers_per_iteration=k):
             outs[k] = jax.jit(fn)(host, pending, counts, xs)
             jaxpr = jax.make_jaxpr(fn)(host, pending, counts, xs).jaxpr
             assert _prefetch.unrolled(N) == k and _prefetch.unrolled(N + 1) == 1
-        trips[k] = {e.params["reverse"]: e.params["unroll"] for e in scans(jaxpr) if e.params["length"] == N}
-    assert trips == {1: {False: 1, True: 1}, 2: {False: 1, True: 2}}
+        loops = [e for e in scans(jaxpr) if e.params["length"] in (N, N // 2)]
+        trips[k] = {e.params["reverse"]: (e.params["length"], e.params["unroll"]) for e in loops}
+        (backward,) = [e for e in loops if e.params["reverse"]]
+        sent = [e for e, _ in moves(backward.params["jaxpr"].jaxpr, DEV, H)]
+        sent_rows[k] = sorted(e.outvars[0].aval.shape for e in sent)
+    assert trips == {1: {False: (N, 1), True: (N, 1)}, 2: {False: (N, 1), True: (N // 2, 1)}}
+    # Each weight: one layer a copy at one layer an iteration, both layers of the pair in one at two
+    # (the gradients still go one layer at a time, one layer behind, into the pending buffers).
+    pairs = sorted((2, *w.shape[1:]) for w in jax.tree.leaves(host))
+    assert not [r for r in sent_rows[1] if r in pairs] and [r for r in sent_rows[2] if r[0] == 2] == pairs, sent_rows
     for a, b in zip(*(jax.tree.leaves(o) for o in outs.values()), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
