@@ -598,9 +598,10 @@ def config_table() -> list[Config]:
         _f8_host_stacks(
             "all_three_stacks_defer_f8_host_device_grads_backward_pairs",
             "all_three_stacks_defer_f8_host_device_grads_backward with two layers an iteration of the backward "
-            "loop (an experiment, lax.scan's unroll): a value carried to the next iteration lives in the loop's "
-            "one buffer for it, so the fetch of the next layer's block input waited until the layer's last read "
-            "of its own (0.36 ms a layer on a v5e)",
+            "loop (an experiment, zoo.nn.layer_loop_schedule): a value carried to the next iteration lives in the "
+            "loop's one buffer for it, so the fetch of the next layer's block input waited until the layer's last "
+            "read of its own (0.36 ms a layer on a v5e); the pair's first layer writes both layers' weights and "
+            "state back, one copy per buffer",
             pending_device=True,
             rewrite="backward",
             layers_per_iteration=2,

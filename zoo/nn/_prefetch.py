@@ -59,7 +59,10 @@ def layer_loop_schedule(*, back_writes: str | None = None, layers_per_iteration:
     layer's new weights back to host memory (one of :data:`BACK_WRITES`: ``"after_grads"``, the
     default, or ``"at_start"``); ``layers_per_iteration``, layers a backward loop runs an
     iteration (default 1; an experiment, where the number of layers divides by it; a backward
-    whose per-layer outputs live in host memory does not compile unrolled on a TPU). ``None``
+    whose per-layer outputs live in host memory does not compile unrolled on a TPU). At 2, a
+    backward that writes the new weights back runs the pairs itself, the first layer of each
+    writing both layers' weights and state, one copy per buffer (on a v5e ``all_three`` with
+    bfloat16 weights then took 1.21x the plain step, from 1.30x). ``None``
     leaves a setting as it is. The accelerator check measures the schedules side by side with it.
 
     **Example:**
