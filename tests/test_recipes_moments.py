@@ -136,13 +136,17 @@ def test_the_planner_counts_the_moments_and_plan_auto_reaches_the_16_bit_plan(mo
 def test_bfloat16_weights_train_through_stochastic_rounding_with_float32_moments(flags, tmp_path):
     """``--param-dtype bfloat16``: the weights stay bfloat16, AdamW's moments are float32 (optax alone
     would keep the second moment in bfloat16, where its 0.999 decay rounds to 1) and its state is
-    transforms.stochastic_rounding's, with its own update count; the loss falls as with float32."""
+    transforms.stochastic_rounding's, with its own update count, which a resumed run restores."""
     from transforms._rounding import RoundingState
 
-    run = train_lm.main([*flags, "--param-dtype", "bfloat16", "--out", str(tmp_path / "w")])
+    out = tmp_path / "w"
+    first = train_lm.main([*flags, "--param-dtype", "bfloat16", "--stop-after", "2", "--out", str(out)])
+    run = train_lm.main(["--resume", str(out), "--quiet-samples"])
+    assert run["start_step"] == 2 and run["final_step"] == 3
     rounding = lambda n: isinstance(n, RoundingState)
-    found = [n for n in jax.tree.leaves(run["opt_state"], is_leaf=rounding) if rounding(n)]
-    assert found and int(found[0].count) == 3
-    assert {x.dtype for x in moments(found[0].inner)} == {jnp.dtype(jnp.float32)}
+    for state, count in ((first["opt_state"], 2), (run["opt_state"], 3)):
+        found = [n for n in jax.tree.leaves(state, is_leaf=rounding) if rounding(n)]
+        assert found and int(found[0].count) == count
+        assert {x.dtype for x in moments(found[0].inner)} == {jnp.dtype(jnp.float32)}
     weights = [x for x in jax.tree.leaves(run["model"]) if getattr(x, "dtype", None) == jnp.bfloat16]
     assert weights and all(jnp.isfinite(loss) for loss in run["losses"].values())
