@@ -150,3 +150,12 @@ def test_bfloat16_weights_train_through_stochastic_rounding_with_float32_moments
         assert {x.dtype for x in moments(found[0].inner)} == {jnp.dtype(jnp.float32)}
     weights = [x for x in jax.tree.leaves(run["model"]) if getattr(x, "dtype", None) == jnp.bfloat16]
     assert weights and all(jnp.isfinite(loss) for loss in run["losses"].values())
+
+
+def test_the_run_predicts_float32_moments_for_bfloat16_weights(flags, tmp_path):
+    """The planner counts the moments stochastic rounding keeps (float32), not optax's own for
+    bfloat16 weights (bfloat16): the same optimizer-state bytes as float32 weights."""
+    default = run_module.Run(run_flags.parse([*flags, "--out", str(tmp_path / "a")]))
+    narrow = run_module.Run(run_flags.parse([*flags, "--param-dtype", "bfloat16", "--out", str(tmp_path / "b")]))
+    state = lambda run: run.prediction()["phases"]["update"]["optimizer state"]
+    assert state(narrow) == pytest.approx(state(default), rel=0.01)

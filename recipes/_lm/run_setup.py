@@ -247,11 +247,13 @@ def make_optimizer(
 def planned_optimizer(args):
     """The optimizer the planner sizes the state of for a run of ``args`` (``transforms.plan``'s
     ``optimizer=``): its name ``"adamw"`` with float32 moments (the planner's own AdamW, as before
-    ``--moments``), else the run's AdamW with its moments stored as ``--moments``, unclipped (the
-    planner counts ``--clip`` from its ``clip_norm``) and without the decay mask (which adds no
-    state)."""
+    ``--moments``), else the run's AdamW with its moments stored as ``--moments`` (bfloat16 weights:
+    through ``transforms.stochastic_rounding``, whose moments are float32 where optax's own would be
+    bfloat16), unclipped (the planner counts ``--clip`` from its ``clip_norm``) and without the decay
+    mask (which adds no state)."""
     moments = getattr(args, "moments", "float32")
-    if moments == "float32":
+    param_dtype = getattr(args, "param_dtype", "float32")
+    if moments == "float32" and param_dtype != "bfloat16":
         return "adamw"
     return make_optimizer(
         lr=args.lr,
@@ -261,6 +263,7 @@ def planned_optimizer(args):
         clip=None,
         kind=getattr(args, "schedule", "cosine"),
         moments=moments,
+        param_dtype=param_dtype,
     )
 
 
