@@ -485,6 +485,13 @@ def _backward(
     return out if back is None else (*out, back)
 
 
+def _interleaved(even, odd, n_layers: int):
+    """The per-layer outputs of a loop two layers an iteration (``even``: layers 0, 2, ...; ``odd``:
+    1, 3, ...) stacked in layer order."""
+    interleave = lambda a, b: jnp.stack([a, b], axis=1).reshape(n_layers, *a.shape[1:])
+    return jax.tree.map(interleave, even, odd)
+
+
 def _backward_by_pairs(layer, carry, arrays, host: list, device: list, n_layers: int):
     """:func:`_backward`'s loop two layers an iteration (:func:`layer_loop_schedule`) when it writes
     the new weights and state back (``weights_into``; the weights on the device): iteration ``k``
@@ -508,8 +515,7 @@ def _backward_by_pairs(layer, carry, arrays, host: list, device: list, n_layers:
 
     first = [fetch_layer(host, n_layers - 1), fetch_layer(host, n_layers - 2)]
     (carry, _), (y_even, y_odd) = jax.lax.scan(body, (carry, first), jnp.arange(half), reverse=True)
-    interleave = lambda a, b: jnp.stack([a, b], axis=1).reshape(n_layers, *a.shape[1:])
-    return carry, jax.tree.map(interleave, y_even, y_odd)
+    return carry, _interleaved(y_even, y_odd, n_layers)
 
 
 def _backward_in_pairs(layer, carry, arrays, halves: list, device: list, n_layers: int):
@@ -534,8 +540,7 @@ def _backward_in_pairs(layer, carry, arrays, halves: list, device: list, n_layer
     half = n_layers // 2
     pairs = ([x.even for x in halves], [x.odd for x in halves])
     carry, (y_even, y_odd) = prefetch_scan(body, carry, pairs, jnp.arange(half), length=half, reverse=True)
-    interleave = lambda a, b: jnp.stack([a, b], axis=1).reshape(n_layers, *a.shape[1:])
-    return carry, jax.tree.map(interleave, y_even, y_odd)
+    return carry, _interleaved(y_even, y_odd, n_layers)
 
 
 class LayerUpdate(NamedTuple):
