@@ -1301,6 +1301,9 @@ def test_bfloat16_weight_configurations_are_checked_unclipped_against_bfloat16_w
     table = {c.name: c for c in configs.config_table()}
     conf = table["all_three_stacks_defer_f8_host_device_grads_backward_pairs_bf16_weights"]
     assert conf.weights == "bfloat16" and "stochastic_rounding" in conf.transforms()["weights"]
+    # The report's header names the configurations whose weights are not float32.
+    assert conf.name in report._bf16_weights_note({"configs": {"none": {}, conf.name: {}}})
+    assert report._bf16_weights_note({"configs": {"none": {}}}) == ""
     plain = parity.reference_of(conf)
     assert (plain.opt, plain.weights, plain.state, plain.compact_rest) == ("device", "bfloat16", "float8", False)
     assert parity.reference_of(configs.Config("w", "w", opt="stream", weights="bfloat16")).state is None

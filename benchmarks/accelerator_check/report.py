@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks._environment import sanitize, stamp, write_results
 
-from .configs import GiB
+from .configs import GiB, config_table
 from .guard import ACCELERATORS, label
 from .results import planner_of
 from .trace import describe as describe_trace
@@ -102,7 +102,8 @@ def markdown(results: dict) -> str:
         "",
         *[f"    {line}" for line in [*parity_lines(results), *invalid]],
         "",
-        f"Model {args['model']} (bf16 compute, fp32 params), batch {args['batch']} x seq {args['seq']}, "
+        f"Model {args['model']} (bf16 compute, fp32 params{_bf16_weights_note(results)}), batch {args['batch']} "
+        f"x seq {args['seq']}, "
         f"AdamW + global-norm clip 1.0; median of {args['steps']} steps after the first and {args['warmup']} "
         "warm-up. Invalid configurations show no speed (see their invalid_reason). GB moved: the compiled "
         "step's copies between host and device, both ways, each loop's times its trips; x bound: the step over "
@@ -190,6 +191,14 @@ def print_summary(results: dict, path: Path) -> None:
     prefix = label(results["platform"])
     for line in ["", *markdown(results).splitlines(), f"wrote {path} and {path.with_suffix('.md')}"]:
         print(prefix + line if line else "")
+
+
+def _bf16_weights_note(results: dict) -> str:
+    """``"; bf16 for NAME, ..."``: the configurations whose weights are stored in bfloat16
+    (``Config.weights``, updated through transforms.stochastic_rounding), or nothing."""
+    bf16 = {c.name for c in config_table() if c.weights == "bfloat16"}
+    names = [n for n in results.get("configs", {}) if n in bf16]
+    return f"; bf16 with stochastic rounding for {', '.join(names)}" if names else ""
 
 
 def _capacity_note(results, args) -> str:
