@@ -13,7 +13,7 @@ training windows never start in), their ratio to the float32 arm, and the bytes 
 state and of the weights (what offloaded ones move over the link each way per step).
 
 ```bash
-python -m benchmarks.compact_state_cpu                    # about 8 minutes on 2 cores
+python -m benchmarks.compact_state_cpu                    # about 3 minutes on 2 cores
 python -m benchmarks.compact_state_cpu --steps 20 --out /tmp/c   # a smoke test
 ```
 
