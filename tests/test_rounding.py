@@ -87,15 +87,17 @@ def test_moments_are_float32_and_float32_weights_get_the_wrapped_update():
 
 def test_every_update_path_gives_the_same_weights_bit_for_bit():
     """The plain step, the streamed update and the deferred one (each stack's update in the next
-    forward pass, a layer at a time) compute the same updates, so stochastic rounding gives the same
-    bfloat16 weights: the random bits depend on the numbers, not on where the update runs."""
+    forward pass, a layer at a time; with host weights, written back by the backward) compute the
+    same updates, so stochastic rounding gives the same bfloat16 weights: the random bits depend on
+    the numbers, not on where the update runs."""
     cfg = zoo.config_from_name("llama:tiny", param_dtype="bfloat16", n_layers=2)
     model = zoo.build_model(cfg, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
     inner = transforms.stochastic_rounding(optax.adamw(1e-2))
 
-    def run(opt):
+    def run(opt, host=False):
         m = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model)
+        m = transforms.offload_params(m, prefetch=True) if host else m
         step = transforms.train_step(zoo.lm_loss, opt)
         state = step.init(m)
         for _ in range(2):
@@ -107,9 +109,11 @@ def test_every_update_path_gives_the_same_weights_bit_for_bit():
     assert all(x.dtype == jnp.bfloat16 for x in plain)
     before = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
     assert any(not np.array_equal(a, b) for a, b in zip(plain, before, strict=True))
-    for opt in (
-        transforms.offload_opt_state(inner, stream=True),
-        transforms.offload_opt_state(inner, stream=True, defer=True),
+    for opt, host in (
+        (transforms.offload_opt_state(inner, stream=True), False),
+        (transforms.offload_opt_state(inner, stream=True, defer=True), False),
+        # Host weights, each layer's update in the forward and written back by the backward pass.
+        (transforms.offload_opt_state(inner, stream=True, defer=True, rewrite="backward"), True),
     ):
-        for a, b in zip(plain, run(opt), strict=True):
+        for a, b in zip(plain, run(opt, host), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
