@@ -176,6 +176,29 @@ def test_when_every_checkpoint_is_corrupt_each_recipe_says_so_in_one_line(tmp_pa
     assert proc.stderr.count("\n") == 1 and "no intact checkpoint" in proc.stderr, proc.stderr
 
 
+def test_a_checkpoint_of_another_state_is_one_line_with_the_ways_out(tmp_path, straight, monkeypatch):
+    """A checkpoint whose state has other leaves than the run builds (saved by another version, e.g. a
+    bfloat16 run from before its stochastic-rounding state) is refused in one line naming the first
+    difference, not a traceback of the checkpointer's mismatch."""
+    import checkpointing
+    from checkpointing._errors import Mismatch
+
+    def other(self, like, **kw):
+        raise Mismatch(
+            "`like` does not match the checkpoint /x/2:\n  missing from the checkpoint (in `like` only), 2: "
+            "opt_state.1.count, opt_state.1.inner.0.count\n  unexpected (in the checkpoint only), 1: "
+            "opt_state.1.0.count\nrestore(..., strict=False) keeps `like`'s values for the missing leaves"
+        )
+
+    monkeypatch.setattr(checkpointing.Checkpointer, "restore", other)
+    with pytest.raises(SystemExit) as err:
+        train_lm.main(["--resume", str(straight["out"])])
+    line = str(err.value.code)
+    assert "\n" not in line and line.startswith(f"--resume {straight['out']}: the checkpoint in "), line
+    assert "(missing from the checkpoint, 2: opt_state.1.count, opt_state.1.inner.0.count)" in line, line
+    assert line.endswith("resume it with the version that saved it, or start a new run"), line
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.time() + timeout
     while time.time() < deadline:

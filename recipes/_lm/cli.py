@@ -17,6 +17,7 @@ import sys
 import warnings
 
 import checkpointing
+from checkpointing._errors import Mismatch
 
 
 class Parser(argparse.ArgumentParser):
@@ -146,6 +147,8 @@ def restore(ckpt: checkpointing.Checkpointer, like, *, step: int | None, what: s
             found = ckpt.restore(like, step=step, donate=True)
         except checkpointing.CorruptCheckpointError as err:
             error = no_intact(err, ckpt.directory, what)
+        except Mismatch as err:
+            error = other_state(err, ckpt.directory, what)
     _reemit(w for w in caught if not _fallback(w))
     if error:
         raise SystemExit(error)  # names every checkpoint tried: the skipped ones too
@@ -153,6 +156,20 @@ def restore(ckpt: checkpointing.Checkpointer, like, *, step: int | None, what: s
         if _fallback(w):
             (warn or _stderr)(f"warning: {w.message}")
     return found
+
+
+def other_state(err: Exception, directory, what: str) -> str:
+    """One line for a checkpoint whose state has other leaves than the run builds: the first kind
+    of difference, a few of its leaves, and the ways out."""
+    lines = [line.strip() for line in str(err).splitlines()[1:] if line.strip() and not line.startswith("restore(")]
+    detail = lines[0] if lines else "another tree"
+    detail = detail.replace(" (in `like` only)", "").replace(" (in the checkpoint only)", "")
+    detail = detail if len(detail) <= 200 else detail[:197] + "..."
+    return (
+        f"{what}: the checkpoint in {directory} holds another state than this run builds ({detail}): it was "
+        "saved by another version of the library or with other settings; resume it with the version that saved "
+        "it, or start a new run"
+    )
 
 
 def _stderr(line: str) -> None:
