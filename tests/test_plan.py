@@ -1162,3 +1162,21 @@ def test_docstring_examples_run(obj):
     assert blocks
     for block in blocks:
         exec(compile(textwrap.dedent(block), obj.__name__, "exec"), {})
+
+
+def test_a_plan_that_moves_float32_weights_says_what_bfloat16_ones_would_save():
+    """llama:1b at 8 x 2048 on a v5e offloads its weights: the plan names the faster step of the same
+    search with bfloat16 weights through transforms.stochastic_rounding (their float32 moments
+    counted), and says nothing where the weights are already bfloat16 or stay on the device."""
+    cfg = zoo.config_from_name("llama:1b")
+    p = transforms.plan(cfg, batch=8, seq=2048, device="tpu-v5e")
+    assert p.candidate.params
+    (note,) = [n for n in p.notes if n.startswith("bfloat16 weights would move half")]
+    faster, slower = (float(x) for x in re.findall(r"predicted ([\d.]+) s a step against ([\d.]+)", note)[0])
+    assert faster < slower == pytest.approx(p.shown.estimate.step_s, abs=1e-3)
+    assert "transforms.stochastic_rounding" in note
+    narrow = transforms.plan(cfg.replace(param_dtype="bfloat16"), batch=8, seq=2048, device="tpu-v5e")
+    small = transforms.plan(zoo.config_from_name("llama:small"), batch=8, seq=1024, device="tpu-v5e")
+    assert not small.candidate.params
+    for other in (narrow, small):
+        assert not [n for n in other.notes if n.startswith("bfloat16 weights would")]

@@ -153,6 +153,31 @@ def plan_notes(
     return notes, env
 
 
+def bf16_weights_note(ctx, chosen: Row | None, batch: int, seq: int) -> list[str]:
+    """For a plan that moves float32 weights over the host link: the same search with the weights
+    stored in bfloat16 and the optimizer run through ``transforms.stochastic_rounding`` (its
+    moments float32), said when it predicts a faster step. Nothing otherwise: the weights' dtype is
+    the user's choice (it changes the arithmetic), so the plan never makes it."""
+    from .._rounding import RoundedOptimizer, stochastic_rounding
+
+    spec = ctx.model.spec
+    if chosen is None or not chosen.estimate.candidate.params or spec.param_dtype != "float32":
+        return []
+    if isinstance(ctx.optimizer, RoundedOptimizer):
+        return []
+    narrow = dataclasses.replace(ctx, optimizer=stochastic_rounding(ctx.optimizer))
+    narrow = narrow.with_model(ctx.model.with_dtypes("bfloat16", spec.compute_dtype))
+    alt = best(narrow.rows(batch, seq))
+    if alt is None or alt.estimate.step_s >= chosen.estimate.step_s:
+        return []
+    return [
+        f"bfloat16 weights would move half the weights' bytes over the link: predicted {alt.estimate.step_s:.3f} s a "
+        f"step against {chosen.estimate.step_s:.3f} ({alt.label}); store them in bfloat16 (param_dtype='bfloat16') "
+        "and train through transforms.stochastic_rounding(optimizer), which keeps float32 moments and rounds each "
+        "new weight stochastically (benchmarks/compact_state_cpu.py: within 1% of float32's loss)"
+    ]
+
+
 # --- when nothing fits ------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import jax
 
 from zoo import memory_analysis
 
-from ._advice import Budgets, plan_notes, suggest
+from ._advice import Budgets, bf16_weights_note, plan_notes, suggest
 from ._bytes import ACTIVATION_OPTIONS, OPT_STATE_OPTIONS, Candidate, evaluate
 from ._checks import OPTIMIZERS as OPTIMIZERS
 from ._checks import check_steps, clip_norm_value, fraction, global_parts, resolve_optimizer
@@ -282,6 +282,7 @@ def plan(
         batch=batch,
         loss_chunk=chunk if chunk < tokens else 0,
     )
+    narrow = bf16_weights_note(ctx, chosen, batch, seq)
     return Plan(
         model=model.label,
         config=model.config,
@@ -302,7 +303,7 @@ def plan(
         pinned_host_limit=budgets.pinned,
         rows=rows,
         chosen=chosen,
-        notes=[*notes, *more_notes, *quantize_notes(quantize, training=True)],
+        notes=[*notes, *more_notes, *quantize_notes(quantize, training=True), *narrow],
         suggestions=[] if chosen is not None else suggest(ctx, rows, batch, seq),
         env=env,
         clip_norm=clip_norm,
