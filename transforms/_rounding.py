@@ -2,8 +2,8 @@
 
 Host-resident weights cross the link every step; stored in bfloat16 they move half of float32's
 bytes and need no float32 master copy anywhere. Rounded to nearest, a bfloat16 weight loses every
-update smaller than half its spacing (8 bits of mantissa: at 1.0 an update under 2**-9 is lost, as
-most of Adam's late ones are). Rounded stochastically, up with probability equal to the distance
+update smaller than half its spacing (8 bits of mantissa: an update below 2**-9 to 2**-8 of the
+weight is lost, as most of Adam's late ones are). Rounded stochastically, up with probability equal to the distance
 from the value below, the stored weight equals the float32 one in expectation, and small updates
 accumulate (Zamirai et al. 2020, "Revisiting BFloat16 Training", report bfloat16-only training
 matching float32 with it).
