@@ -131,4 +131,5 @@ def stochastic_rounding(optimizer: optax.GradientTransformation) -> optax.Gradie
 
 
 def _rounded(x) -> bool:
-    return hasattr(x, "dtype") and x.dtype == jnp.bfloat16
+    """Whether ``x`` is a weight :func:`stochastic_rounding` rounds (its dtype in `ROUNDED_DTYPES`)."""
+    return hasattr(x, "dtype") and str(x.dtype) in ROUNDED_DTYPES

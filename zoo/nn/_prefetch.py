@@ -401,14 +401,13 @@ def _backward(
     res_host = [x for x, h in zip(saved.leaves, hosted, strict=True) if h]
     res_device = [x for x, h in zip(saved.leaves, hosted, strict=True) if not h]
 
-    def write(bufs, values, i, rows: int = 0):
+    def write(bufs, values, i, rows: int = 1):
         """``values`` (on the device, in the buffers' dtypes: gradients, or new weights and state)
-        written into the stacked ``bufs`` at layer ``i`` (one layer's; with ``rows``, that many
-        layers' from ``i`` on, as one copy), sent where each buffer lives."""
+        written into the stacked ``bufs`` at layer ``i``: one layer's, or with ``rows`` > 1 that many
+        layers' from ``i`` on (a leading axis of ``rows``), as one copy; sent where each buffer lives."""
         sent = _to_host_like(values, bufs)
-        if rows:
-            return [jax.lax.dynamic_update_slice_in_dim(b, row_major(v), i, 0) for b, v in zip(bufs, sent, strict=True)]
-        return [jax.lax.dynamic_update_index_in_dim(b, row_major(v), i, 0) for b, v in zip(bufs, sent, strict=True)]
+        put = jax.lax.dynamic_update_slice_in_dim if rows > 1 else jax.lax.dynamic_update_index_in_dim
+        return [put(b, row_major(v), i, 0) for b, v in zip(bufs, sent, strict=True)]
 
     def layer(carry, w, here_host, here_device, i, rows: int = 1):
         """Layer ``i``'s backward. ``rows``: the layers whose weights and state it writes back
@@ -417,17 +416,16 @@ def _backward(
         dh, dkf, bufs, squares, behind, back = carry
         staged = back is not None and rows and _BACK_WRITES.get() == "after_grads"
         if back is not None and rows:  # the weights (and state) back to host memory while it differentiates
-            at = i if rows == 1 else i - (rows - 1)
+            at = i - (rows - 1)  # (the lowest layer written)
             if rows == 1:
                 state = [jax.lax.dynamic_index_in_dim(s, i, keepdims=False) for s in more_back]
                 w_new = jax.tree.leaves(_floating(w)[0])
             else:
                 state = [jax.lax.dynamic_slice_in_dim(s, at, rows) for s in more_back]
                 w_new = [jax.lax.dynamic_slice_in_dim(a, at, rows) for a in jax.tree.leaves(_floating(arrays)[0])]
-            many = 0 if rows == 1 else rows
             n_w = len(w_new)
             # Staged: the state now, the weights after their gradients (below).
-            back = back[:n_w] + write(back[n_w:], state, at, many) if staged else write(back, w_new + state, at, many)
+            back = back[:n_w] + write(back[n_w:], state, at, rows) if staged else write(back, w_new + state, at, rows)
         from_host, from_device = iter(here_host), iter(here_device)
         leaves = [next(from_host) if h else next(from_device) for h in hosted]
         layer_saved = _Saved(leaves, saved.treedef, saved.shared_at)
@@ -438,7 +436,7 @@ def _backward(
             # of its results are used, or XLA drops the unused one and the order with it)
             dw_leaves, dw_def = jax.tree.flatten(dw)
             tied = [jax.lax.optimization_barrier((v, d)) for v, d in zip(w_new, dw_leaves, strict=True)]
-            back = write(back[:n_w], [v for v, _ in tied], at, many) + back[n_w:]
+            back = write(back[:n_w], [v for v, _ in tied], at, rows) + back[n_w:]
             dw = jax.tree.unflatten(dw_def, [d for _, d in tied])
         if squares is not None:  # on the device, before the gradients leave for host memory
             squares = squares + sum(jnp.sum(jnp.square(d.astype(jnp.float32))) for d in jax.tree.leaves(dw))
