@@ -19,3 +19,4 @@ with checkpointing.Checkpointer(tempfile.mkdtemp(), keep=2) as ckpt:
 
 from ._checkpointer import Checkpointer as Checkpointer
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
+from ._errors import Mismatch as Mismatch

@@ -18,7 +18,9 @@ class Damaged(Exception):
 
 
 class Mismatch(ValueError):
-    """``like`` does not fit the checkpoint (a caller's error, never a reason to fall back)."""
+    """``like`` does not fit the checkpoint (a caller's error, never a reason to fall back): the
+    message's first line names the checkpoint, each line after it one kind of difference (leaves
+    only in ``like``, leaves only in the checkpoint, other shapes or dtypes) with its first leaves."""
 
 
 class UnknownFormat(ValueError):

@@ -181,10 +181,9 @@ def test_a_checkpoint_of_another_state_is_one_line_with_the_ways_out(tmp_path, s
     bfloat16 run from before its stochastic-rounding state) is refused in one line naming the first
     difference, not a traceback of the checkpointer's mismatch."""
     import checkpointing
-    from checkpointing._errors import Mismatch
 
     def other(self, like, **kw):
-        raise Mismatch(
+        raise checkpointing.Mismatch(
             "`like` does not match the checkpoint /x/2:\n  missing from the checkpoint (in `like` only), 2: "
             "opt_state.1.count, opt_state.1.inner.0.count\n  unexpected (in the checkpoint only), 1: "
             "opt_state.1.0.count\nrestore(..., strict=False) keeps `like`'s values for the missing leaves"

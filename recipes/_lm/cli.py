@@ -17,7 +17,6 @@ import sys
 import warnings
 
 import checkpointing
-from checkpointing._errors import Mismatch
 
 
 class Parser(argparse.ArgumentParser):
@@ -147,7 +146,7 @@ def restore(ckpt: checkpointing.Checkpointer, like, *, step: int | None, what: s
             found = ckpt.restore(like, step=step, donate=True)
         except checkpointing.CorruptCheckpointError as err:
             error = no_intact(err, ckpt.directory, what)
-        except Mismatch as err:
+        except checkpointing.Mismatch as err:
             error = other_state(err, ckpt.directory, what)
     _reemit(w for w in caught if not _fallback(w))
     if error:
