@@ -54,18 +54,17 @@ def reference_of(conf: Config | None) -> Config | None:
     case must match it to rounding)."""
     if conf is None or not (conf.state or conf.weights != "float32"):
         return None
+    name, what, kw = "plain", [], {}
     if conf.weights != "float32":
-        weights = f"{conf.weights} weights (transforms.stochastic_rounding)"
-        name, what, kw = f"plain_{conf.weights}_weights", weights, {"weights": conf.weights}
-        if conf.state:
-            name, what = f"{name}_{conf.state}", f"{weights}, compact_state({conf.state!r})"
-            kw.update(state=conf.state, compact_rest=conf.compact_rest)
-            what += "" if conf.compact_rest else " for the stacks, float32 moments for the rest"
-        return Config(f"{name}{'' if conf.compact_rest else '_stacks'}", f"{what}, no offload", **kw)
-    if not conf.compact_rest:  # only the stacks' moments compact
-        what = f"compact_state({conf.state!r}) for the stacks, float32 moments for the rest, no offload"
-        return Config(f"plain_{conf.state}_stacks", what, state=conf.state, compact_rest=False)
-    return Config(f"plain_{conf.state}", f"compact_state({conf.state!r}), no offload", state=conf.state)
+        name += f"_{conf.weights}_weights"
+        what.append(f"{conf.weights} weights (transforms.stochastic_rounding)")
+        kw["weights"] = conf.weights
+    if conf.state:
+        name += f"_{conf.state}" + ("" if conf.compact_rest else "_stacks")
+        stacks = "" if conf.compact_rest else " for the stacks, float32 moments for the rest"  # (only theirs compact)
+        what.append(f"compact_state({conf.state!r}){stacks}")
+        kw.update(state=conf.state, compact_rest=conf.compact_rest)
+    return Config(name, ", ".join(what) + ", no offload", **kw)
 
 
 def selected_cases(spec: dict) -> list[str]:
