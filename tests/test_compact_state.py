@@ -112,6 +112,26 @@ def test_float8_words_hold_four_contiguous_quarters_of_the_codes(shape):
     np.testing.assert_array_equal(np.asarray(_unpack(q.codes)).view(np.uint8), u8.astype(np.uint8))
 
 
+def test_float8_state_of_a_leaf_taken_in_row_blocks_is_stored_a_block_at_a_time(monkeypatch):
+    """A leaf the streamed update takes in row blocks (here blocks of 4 KiB: 16 rows of 64) is
+    stored as one packed piece per block, stacked: each piece is the block's own encoding, and
+    the values decoded are those of the leaf encoded whole (scales never span rows)."""
+    from transforms import _compact_state, _opt_rows
+
+    x = jax.random.normal(jax.random.key(5), (256, 64))
+    whole = _compact_state._encode_piece(x, 256)
+    monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_opt_rows, "BLOCKED_LEAF_BYTES", 4096)
+    assert _compact_state.segments(x.shape) == 16 and _compact_state.segments((16, 64)) == 1
+    q = jax.jit(_encode_f8, static_argnums=1)(x, 256)  # traced here, with the patched sizes
+    assert q.codes.shape == (16, 2, 128) and q.scales.shape == (16, 16)
+    piece = _compact_state._encode_piece(x[32:48], 256)  # the third block of 16 rows
+    np.testing.assert_array_equal(np.asarray(q.codes[2]).view(np.uint32), np.asarray(piece.codes).view(np.uint32))
+    np.testing.assert_array_equal(q.scales[2], piece.scales)
+    back = jax.jit(_decode_f8, static_argnums=(1, 2))(q, jnp.float32, x.shape)
+    np.testing.assert_array_equal(back, _compact_state._decode_piece(whole, jnp.float32, x.shape))
+
+
 def test_compact_rest_false_keeps_the_state_outside_the_stacks_in_float32():
     """``offload_opt_state(compact_state(...), stream=True, compact_rest=False)``: the stacks'
     moments in 8 bits, the embedding's, head's and final norm's in float32. The first step's

@@ -487,6 +487,27 @@ def test_row_blocks_move_one_block_at_a_time_and_never_the_whole_leaf(small_row_
         assert crossing == {(H, DEV), (DEV, H)}, (block, crossing)
 
 
+def test_float8_state_of_large_leaves_is_updated_in_its_stored_row_blocks(small_row_blocks):
+    """compact_state's float8 moments of a leaf taken in row blocks are stored a block at a time
+    (see test_compact_state): the streamed update reads, decodes, encodes and writes them one
+    block at a time, and updates as the plain optimizer does (no clip: the update is then
+    elementwise, so the codes are the same in any order)."""
+    params = transforms.offload_params(eqx.filter(WideVocab(jax.random.key(0)), eqx.is_inexact_array))
+    f8 = transforms.compact_state(injected_adamw(), "float8")
+    _, state = two_steps(f8, params)
+    assert small_row_blocks[0] == {0: 16, 1: 8}  # as with float32 moments
+    mu = state.rest.inner_state[0].mu.embed.weight  # 16 pieces of 16 rows: 256 words, 16 scales each
+    assert mu.codes.shape == (16, 2, 128) and mu.scales.shape == (16, 16)
+    assert mu.codes.sharding.memory_kind == HOST
+    opt = transforms.offload_opt_state(f8, stream=True)
+    grads = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), params)
+    jaxpr = jax.make_jaxpr(lambda g, p, s: opt.apply(g, s, p)[:2])(grads, params, opt.init(params)).jaxpr
+    found = list(moves(jaxpr))
+    assert not {shape for *_, shape in found} & {(16, 2, 128), (16, 16), (256, 64)}  # never whole
+    crossing = {(src, dst) for in_scan, src, dst, shape in found if shape == (2, 128) and in_scan}
+    assert crossing == {(H, DEV), (DEV, H)}  # a block's words, in and back out
+
+
 def test_row_blocks_are_whole_rows_in_multiples_of_eight(monkeypatch):
     from transforms import _opt_rows
 

@@ -18,7 +18,12 @@ new state again.
   never cross the leading axes, so a stack's state quantizes the same per layer as whole (the
   streamed update of :func:`transforms.offload_opt_state` accepts it). The codes are stored four
   to a 32-bit word, in rows of 128 words, and the scales in rows of 128 (see :class:`Float8Block`:
-  the layout a TPU copies out of host memory one layer at a time in one piece).
+  the layout a TPU copies out of host memory one layer at a time in one piece). A leaf large enough
+  to be updated in row blocks (more than 256 MB of float32, see ``_opt_rows.row_blocks``: an
+  embedding or head of a large vocabulary) is stored as one such piece per block of rows, stacked
+  (``codes`` and ``scales`` with a leading axis of the blocks), so that the streamed update decodes
+  and encodes it a block at a time: decoded whole, ``llama:1b``'s embedding took several float32
+  copies of its 1.05 GB on the device at once, and the step did not fit a TPU v5e.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class Float8Block(NamedTuple):
     (float32, one per block of the last axis). A leaf of ``size`` values stores ``size / 4`` words
     as rows of 128, ``(size / 512, 128)`` (flat where ``size`` does not divide by 512; float8 codes
     as they are where it does not divide by four), and ``size / n * blocks`` scales, as rows of 128
-    where they divide by 128 and flat otherwise.
+    where they divide by 128 and flat otherwise. A leaf of more than one piece (:func:`segments`)
+    stores each block of its rows so, the pieces stacked along a leading axis.
 
     In 32-bit words, in rows of 128, because a TPU lays arrays out in tiles of their last two axes
     (8 x 128 32-bit values): a stack of float8 codes (``(layers, rows, cols)``) in host memory did
@@ -69,7 +75,24 @@ def _block(last: int, block_size: int) -> int:
     return block_size if last % block_size == 0 else last
 
 
+def segments(shape: tuple[int, ...]) -> int:
+    """The pieces a float8 state leaf of ``shape`` is stored in: the row blocks the streamed update
+    takes a float32 leaf of that shape in (``_opt_rows.row_blocks``), or 1. The scales' blocks run
+    along the last axis, never across rows, so the codes are the same as stored whole; only the
+    packing of four codes to a word stays within a piece."""
+    from ._opt_rows import row_blocks  # (that module maps optimizer states, this one's included)
+
+    return (row_blocks(tuple(shape), 4) if len(shape) >= 2 else None) or 1
+
+
 def _encode_f8(x: jax.Array, block_size: int) -> Float8Block:
+    k = segments(x.shape)
+    if k > 1:
+        return jax.vmap(lambda piece: _encode_piece(piece, block_size))(x.reshape(k, -1, *x.shape[1:]))
+    return _encode_piece(x, block_size)
+
+
+def _encode_piece(x: jax.Array, block_size: int) -> Float8Block:
     x = x.astype(jnp.float32)
     b = _block(x.shape[-1], block_size)
     c = jnp.sign(x) * jnp.sqrt(jnp.abs(x))
@@ -114,6 +137,15 @@ def _unpack(words: jax.Array) -> jax.Array:
 
 
 def _decode_f8(q: Float8Block, dtype, shape: tuple[int, ...]) -> jax.Array:
+    k = segments(shape)
+    if k > 1:
+        piece = (shape[0] // k, *shape[1:])
+        decoded = jax.vmap(lambda c, s: _decode_piece(Float8Block(c, s), dtype, piece))(q.codes, q.scales)
+        return decoded.reshape(shape)
+    return _decode_piece(q, dtype, shape)
+
+
+def _decode_piece(q: Float8Block, dtype, shape: tuple[int, ...]) -> jax.Array:
     codes = q.codes if q.codes.dtype == _F8 else _unpack(q.codes)
     n_blocks = q.scales.size // (codes.size // shape[-1])
     blocks = codes.reshape(*shape[:-1], n_blocks, shape[-1] // n_blocks).astype(jnp.float32)

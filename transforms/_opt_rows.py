@@ -14,6 +14,10 @@ weight decay, schedules and path-based labels are): a probe on a tiny copy of ea
 its whole update with the update of its two halves; a leaf that fails it (a per-leaf norm, such as
 LAMB's trust ratio), or whose optimizer state cannot be matched to it leaf by leaf
 (`optax.tree_utils.tree_map_params`), is updated whole, as before.
+
+A :func:`transforms.compact_state` optimizer's copies are matched through the optimizer it wraps;
+a float8 copy is a ``Float8Block`` whose pieces already are the leaf's row blocks (see
+``_compact_state.segments``), so it is updated in those blocks, each decoded and encoded alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import numpy as np
 import optax
 
 from zoo.nn import on_host
+
+from ._compact_state import CompactState, Float8Block, segments
 
 #: Leaves outside the stacks larger than this are updated in row blocks. (Below it, the update of
 #: the leaf whole costs little device memory, and XLA:TPU can overlap its copies with the
@@ -63,6 +69,28 @@ def _is_none(x) -> bool:
     return x is None
 
 
+def _copy_leaf(x) -> bool:
+    return x is None or isinstance(x, Float8Block)
+
+
+def _mapped(inner):
+    """The optimizer whose ``init`` shows where ``inner``'s state holds copies of the parameters,
+    and what a copy is: ``compact_state``'s state mirrors the state of the optimizer it wraps,
+    with a ``Float8Block`` (two arrays) where a float8 moment is."""
+    return (inner.inner, _copy_leaf) if isinstance(inner, CompactState) else (inner, _is_none)
+
+
+def copy_blocks(copy, k: int):
+    """A copy of a leaf (its moment) as ``k`` row blocks: viewed so (:func:`blocks_view`), or, a
+    float8 copy, as it is stored (its pieces are the blocks)."""
+    return copy if isinstance(copy, Float8Block) else blocks_view(copy, k)
+
+
+def copy_whole(blocks, shape: tuple):
+    """The inverse of :func:`copy_blocks` for a leaf of ``shape``."""
+    return blocks if isinstance(blocks, Float8Block) else blocks.reshape(shape)
+
+
 def index_tree(tree):
     """``tree`` with its ``i``-th array leaf replaced by ``i`` (``None`` leaves kept)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -84,7 +112,8 @@ def copies_of(inner, state, idx, j: int) -> list:
             found.append(x)
         return x
 
-    optax.tree_utils.tree_map_params(inner, pick, state, idx, is_leaf=_is_none)
+    opt, leaf = _mapped(inner)
+    optax.tree_utils.tree_map_params(opt, pick, state, idx, is_leaf=leaf)
     return found
 
 
@@ -92,14 +121,14 @@ def with_copies(inner, state, idx, values: dict):
     """``state`` with leaf ``j``'s copies replaced by ``values[j]`` (in :func:`copies_of`'s order)
     for each ``j`` of ``values``."""
     its = {j: iter(v) for j, v in values.items()}
-    return optax.tree_utils.tree_map_params(
-        inner, lambda x, i: next(its[i]) if i in its else x, state, idx, is_leaf=_is_none
-    )
+    opt, leaf = _mapped(inner)
+    return optax.tree_utils.tree_map_params(opt, lambda x, i: next(its[i]) if i in its else x, state, idx, is_leaf=leaf)
 
 
 def without(inner, state, idx, drop: set):
     """``state`` with the copies of the leaves in ``drop`` replaced by ``None``."""
-    return optax.tree_utils.tree_map_params(inner, lambda x, i: None if i in drop else x, state, idx, is_leaf=_is_none)
+    opt, leaf = _mapped(inner)
+    return optax.tree_utils.tree_map_params(opt, lambda x, i: None if i in drop else x, state, idx, is_leaf=leaf)
 
 
 def rows_separable(inner, treedef, j: int, ndim: int) -> bool:
@@ -178,11 +207,21 @@ def blocked_leaves(inner, params_rest, state_rest) -> dict[int, int]:
             copies = copies_of(inner, state_rest, idx, j)
         except Exception:  # the state does not mirror the parameters in a way optax can map
             return {}
-        if not copies or not all(on_host(c) and c.shape == leaves[j].shape for c in copies):
+        if any(isinstance(c, Float8Block) for c in copies):  # stored in row blocks already
+            k = segments(leaves[j].shape)
+            block = (leaves[j].shape[0] // k, *leaves[j].shape[1:])
+            arrays = jax.tree.leaves(copies)
+            if k == 1 or segments(block) != 1 or not all(on_host(c) and c.shape[0] == k for c in arrays):
+                continue
+        else:
+            arrays = copies
+            if not copies or not all(on_host(c) and c.shape == leaves[j].shape for c in copies):
+                continue
+        if not all(_one_device(x) for x in (leaves[j], *arrays)):
             continue
-        if not all(_one_device(x) for x in (leaves[j], *copies)):
-            continue
-        if rows_separable(inner, treedef, j, leaves[j].ndim):
+        # compact_state's storage keeps rows apart (its scales run along the last axis): the
+        # optimizer it wraps decides.
+        if rows_separable(_mapped(inner)[0], treedef, j, leaves[j].ndim):
             out[j] = k
     return out
 

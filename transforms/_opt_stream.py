@@ -598,11 +598,11 @@ def _run(
                 return norm(acc, g_c), ((new_cs, new_p if host else None), None if host else new_p)
 
             view = lambda x, k=k: rows.blocks_view(x, k)
-            copies = [view(c) for c in rows.copies_of(r_inner, state.rest, idx, j)]
+            copies = [rows.copy_blocks(c, k) for c in rows.copies_of(r_inner, state.rest, idx, j)]
             read, write = (view(g_blocked[j]), None if host else view(p_j)), (copies, view(p_j) if host else None)
             squares, (cs, p_written), ys = _in_place_scan(rows_body, squares, read, write, k)
             new_blocked[j] = (p_written if host else ys).reshape(p_j.shape)
-            new_copies[j] = [c.reshape(p_j.shape) for c in cs]
+            new_copies[j] = [rows.copy_whole(c, p_j.shape) for c in cs]
 
     # The other leaves outside the stacks: once, leaf by leaf, as the plain offloaded update does.
     s_small = rows.without(r_inner, state.rest, idx, set(blocked)) if blocked else state.rest
