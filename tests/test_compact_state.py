@@ -116,12 +116,12 @@ def test_float8_state_of_a_leaf_taken_in_row_blocks_is_stored_a_block_at_a_time(
     """A leaf the streamed update takes in row blocks (here blocks of 4 KiB: 16 rows of 64) is
     stored as one packed piece per block, stacked: each piece is the block's own encoding, and
     the values decoded are those of the leaf encoded whole (scales never span rows)."""
-    from transforms import _compact_state, _opt_rows
+    from transforms import _compact_state, _row_blocks
 
     x = jax.random.normal(jax.random.key(5), (256, 64))
     whole = _compact_state._encode_piece(x, 256)
-    monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 4096)
-    monkeypatch.setattr(_opt_rows, "BLOCKED_LEAF_BYTES", 4096)
+    monkeypatch.setattr(_row_blocks, "ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_row_blocks, "BLOCKED_LEAF_BYTES", 4096)
     assert _compact_state.segments(x.shape) == 16 and _compact_state.segments((16, 64)) == 1
     q = jax.jit(_encode_f8, static_argnums=1)(x, 256)  # traced here, with the patched sizes
     assert q.codes.shape == (16, 2, 128) and q.scales.shape == (16, 16)

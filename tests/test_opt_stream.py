@@ -437,10 +437,10 @@ class WideVocab(eqx.Module):
 def small_row_blocks(monkeypatch):
     """Row blocks of 4 KiB (16 rows of the embedding, 8 of the head's 64 x 256), and what the
     update chose, by leaf index."""
-    from transforms import _opt_rows
+    from transforms import _opt_rows, _row_blocks
 
-    monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 4096)
-    monkeypatch.setattr(_opt_rows, "BLOCKED_LEAF_BYTES", 4096)
+    monkeypatch.setattr(_row_blocks, "ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_row_blocks, "BLOCKED_LEAF_BYTES", 4096)
     chosen = []
     real = _opt_rows.blocked_leaves
     monkeypatch.setattr(_opt_rows, "blocked_leaves", lambda *a: chosen.append(real(*a)) or chosen[-1])
@@ -509,20 +509,20 @@ def test_float8_state_of_large_leaves_is_updated_in_its_stored_row_blocks(small_
 
 
 def test_row_blocks_are_whole_rows_in_multiples_of_eight(monkeypatch):
-    from transforms import _opt_rows
+    from transforms import _row_blocks
 
-    monkeypatch.setattr(_opt_rows, "ROW_BLOCK_BYTES", 16 << 20)
-    assert _opt_rows.BLOCKED_LEAF_BYTES == 256 << 20
-    assert _opt_rows.row_blocks((32000, 768), 4) is None  # 98 MB: updated whole
-    monkeypatch.setattr(_opt_rows, "BLOCKED_LEAF_BYTES", 16 << 20)
+    monkeypatch.setattr(_row_blocks, "ROW_BLOCK_BYTES", 16 << 20)
+    assert _row_blocks.BLOCKED_LEAF_BYTES == 256 << 20
+    assert _row_blocks.row_blocks((32000, 768), 4) is None  # 98 MB: updated whole
+    monkeypatch.setattr(_row_blocks, "BLOCKED_LEAF_BYTES", 16 << 20)
     # 128256 = 2**8 * 3 * 167: the fewest blocks of <= 16 MiB whose rows are a multiple of 8 are
     # 96 blocks of 1336 rows (10.4 MiB).
-    assert _opt_rows.row_blocks((128256, 2048), 4) == 96
-    assert _opt_rows.row_blocks((32000, 768), 4) == 8  # 4000 rows, 11.7 MiB
-    assert _opt_rows.row_blocks((768, 32000), 4) == 6  # 128 rows, 15.6 MiB
-    assert _opt_rows.row_blocks((1000, 768), 4) is None  # within the size: whole
-    assert _opt_rows.row_blocks((50257, 768), 4) is None  # no block of a multiple of 8 rows divides 50257
-    assert _opt_rows.row_blocks((2**30,), 4) is None  # a vector
+    assert _row_blocks.row_blocks((128256, 2048), 4) == 96
+    assert _row_blocks.row_blocks((32000, 768), 4) == 8  # 4000 rows, 11.7 MiB
+    assert _row_blocks.row_blocks((768, 32000), 4) == 6  # 128 rows, 15.6 MiB
+    assert _row_blocks.row_blocks((1000, 768), 4) is None  # within the size: whole
+    assert _row_blocks.row_blocks((50257, 768), 4) is None  # no block of a multiple of 8 rows divides 50257
+    assert _row_blocks.row_blocks((2**30,), 4) is None  # a vector
 
 
 # ---- errors ----------------------------------------------------------------------------------

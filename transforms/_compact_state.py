@@ -19,7 +19,7 @@ new state again.
   streamed update of :func:`transforms.offload_opt_state` accepts it). The codes are stored four
   to a 32-bit word, in rows of 128 words, and the scales in rows of 128 (see :class:`Float8Block`:
   the layout a TPU copies out of host memory one layer at a time in one piece). A leaf large enough
-  to be updated in row blocks (more than 256 MB of float32, see ``_opt_rows.row_blocks``: an
+  to be updated in row blocks (more than 256 MB of float32, see ``_row_blocks.row_blocks``: an
   embedding or head of a large vocabulary) is stored as one such piece per block of rows, stacked
   (``codes`` and ``scales`` with a leading axis of the blocks), so that the streamed update decodes
   and encodes it a block at a time: decoded whole, ``llama:1b``'s embedding took several float32
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from ._memory import is_floating
+from ._row_blocks import row_blocks
 
 #: The storage formats of :func:`compact_state`.
 STATE_DTYPES = ("bfloat16", "float8")
@@ -77,11 +78,9 @@ def _block(last: int, block_size: int) -> int:
 
 def segments(shape: tuple[int, ...]) -> int:
     """The pieces a float8 state leaf of ``shape`` is stored in: the row blocks the streamed update
-    takes a float32 leaf of that shape in (``_opt_rows.row_blocks``), or 1. The scales' blocks run
+    takes a float32 leaf of that shape in (``_row_blocks.row_blocks``), or 1. The scales' blocks run
     along the last axis, never across rows, so the codes are the same as stored whole; only the
     packing of four codes to a word stays within a piece."""
-    from ._opt_rows import row_blocks  # (that module maps optimizer states, this one's included)
-
     return (row_blocks(tuple(shape), 4) if len(shape) >= 2 else None) or 1
 
 

@@ -4,9 +4,9 @@ The embedding and the head of a large vocabulary are the largest leaves of a mod
 tied embedding: 0.98 GiB in float32). Updated whole, each brings itself, its gradient and its optimizer
 state to the device at once and leaves a second copy of its state in host memory until the step
 ends: that set ``llama:1b``'s peak on a TPU v5e. Here such a leaf is viewed as ``(blocks, rows,
-...)`` (whole rows along its first dimension, a multiple of 8 rows a block, about
-:data:`ROW_BLOCK_BYTES` each) and updated block by block with the stacks' in-place scan: one block
-of it and of its state on the device at a time, written back over the old one. On one device
+...)`` (whole rows along its first dimension, a multiple of 8 rows a block, about 16 MiB each:
+``_row_blocks``) and updated block by block with the stacks' in-place scan: one block of it and of
+its state on the device at a time, written back over the old one. On one device
 only: a leaf laid out over a mesh is updated whole.
 
 Exact only for an optimizer whose update of a leaf is elementwise over its rows (Adam, SGD, Lion,
@@ -34,35 +34,7 @@ import optax
 from zoo.nn import on_host
 
 from ._compact_state import CompactState, Float8Block, segments
-
-#: Leaves outside the stacks larger than this are updated in row blocks. (Below it, the update of
-#: the leaf whole costs little device memory, and XLA:TPU can overlap its copies with the
-#: backward pass's last matmuls, which a loop of blocks cannot: llama:small's 98 MB embedding and
-#: head moved 0.34 GB a step more in copies that hide behind nothing when in blocks.)
-BLOCKED_LEAF_BYTES = 256 << 20
-#: The size of a row block, at most (where the rows allow).
-ROW_BLOCK_BYTES = 16 << 20
-#: Rows per block are a multiple of this (the sublane tiling of a TPU's memory layouts, so that the
-#: block view is a bitcast of the leaf).
-ROW_MULTIPLE = 8
-
-
-def row_blocks(shape: tuple, itemsize: int) -> int | None:
-    """The number of row blocks a leaf of ``shape`` is updated in: the fewest blocks of whole rows
-    (a multiple of :data:`ROW_MULTIPLE` each) of at most :data:`ROW_BLOCK_BYTES`, or the most
-    blocks there are if none is that small; ``None`` to update it whole (a vector, a leaf of at
-    most :data:`BLOCKED_LEAF_BYTES`, rows that no such block divides)."""
-    if len(shape) < 2 or math.prod(shape) * itemsize <= max(BLOCKED_LEAF_BYTES, ROW_BLOCK_BYTES):
-        return None
-    rows, row_bytes = shape[0], math.prod(shape[1:]) * itemsize
-    best = None
-    for k in range(2, rows // ROW_MULTIPLE + 1):
-        if rows % k or (rows // k) % ROW_MULTIPLE:
-            continue
-        best = k
-        if rows // k * row_bytes <= ROW_BLOCK_BYTES:
-            break
-    return best
+from ._row_blocks import ROW_MULTIPLE, row_blocks
 
 
 def _is_none(x) -> bool:

@@ -22,8 +22,8 @@ from zoo.nn import DEFAULT_ATTENTION_BLOCK as DEFAULT_BLOCK
 from zoo.nn import resolve_attention
 
 from .._memory import is_arraylike, is_floating
-from .._opt_rows import row_blocks
 from .._report import nbytes
+from .._row_blocks import row_blocks
 from .._tree import is_stack as _is_stack
 from .._tree import stack_units, stack_view
 
