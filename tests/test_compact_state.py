@@ -132,6 +132,33 @@ def test_float8_state_of_a_leaf_taken_in_row_blocks_is_stored_a_block_at_a_time(
     np.testing.assert_array_equal(back, _compact_state._decode_piece(whole, jnp.float32, x.shape))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_where_filter_sees_a_float8_moment_as_the_moment_it_stores(monkeypatch, stream):
+    """``where=stack_matrix_state`` keeps the embedding's and head's moments on the device and puts
+    the stack's in host memory, codes and scales together, although a large leaf's float8 pieces
+    have three dimensions, as a stack's moments do (here pieces of 4 KiB: 16 and 8 of them)."""
+    from transforms import _row_blocks
+
+    monkeypatch.setattr(_row_blocks, "ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_row_blocks, "BLOCKED_LEAF_BYTES", 4096)
+    model = zoo.Llama(zoo.LlamaConfig.preset("tiny"), key=jax.random.key(0))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    f8 = transforms.compact_state(optax.adamw(1e-3), "float8")
+    opt = transforms.offload_opt_state(f8, stream=stream, where=transforms.stack_matrix_state)
+    state = opt.init(params)
+    blocks = jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, Float8Block))
+    blocks = [b for b in blocks if isinstance(b, Float8Block)]
+    kinds = {(b.codes.ndim, b.codes.sharding.memory_kind, b.scales.sharding.memory_kind) for b in blocks}
+    embed = params.embed.weight
+    assert len(embed.shape) == 2 and embed.size * 4 > 4096  # its moments are stored in pieces
+    # Pieces of the embedding and head (3 dimensions) on the device; the stacks' moments (a layer axis,
+    # 3 dimensions or 4 in pieces) in host memory; each block's codes and scales in one place.
+    assert (3, "device", "device") in kinds
+    assert {k for _, k, _ in kinds} == {"device", "pinned_host"}
+    assert all(c == s for _, c, s in kinds)
+    assert all(k == "pinned_host" for n, k, _ in kinds if n == 4)
+
+
 def test_compact_rest_false_keeps_the_state_outside_the_stacks_in_float32():
     """``offload_opt_state(compact_state(...), stream=True, compact_rest=False)``: the stacks'
     moments in 8 bits, the embedding's, head's and final norm's in float32. The first step's

@@ -28,13 +28,15 @@ new state again.
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from ._memory import is_floating
+from ._memory import is_arraylike, is_floating
 from ._row_blocks import row_blocks
 
 #: The storage formats of :func:`compact_state`.
@@ -158,6 +160,38 @@ def _stored(x) -> bool:
     return is_floating(x) and x.ndim > 0
 
 
+#: While set, :func:`compact_state`'s ``init`` leaves the moments in float32 (see :func:`chosen`).
+_EXPANDED = contextvars.ContextVar("compact_state_expanded", default=False)
+
+
+def _is_f8(node) -> bool:
+    return isinstance(node, Float8Block)
+
+
+def chosen(select: Callable, init: Callable, *args) -> tuple[Any, Any]:
+    """``(abstract, chosen)``: the abstract state ``init(*args)`` makes, and which of its leaves a
+    ``where=`` filter ``select`` chooses: ``select`` of each array leaf, and for a moment stored in
+    float8 (a :class:`Float8Block`: codes and scales) ``select`` of the float32 moment it stores, for
+    both arrays. A filter thus sees moments as moments whatever their storage: a large leaf's
+    float8 pieces are stacked along a leading axis (:func:`segments`), which a filter on
+    dimensions (:func:`transforms.stack_matrix_state`) would take for a layer axis, and a filter
+    that judged codes and scales apart could part them."""
+    abstract = jax.eval_shape(lambda *a: init(*a), *args)
+    token = _EXPANDED.set(True)
+    try:  # (a new function: eval_shape must trace again, not reuse the trace above)
+        like = jax.eval_shape(lambda *a: init(*a), *args)
+    finally:
+        _EXPANDED.reset(token)
+
+    def one(a, m):
+        if _is_f8(a):
+            c = bool(is_arraylike(m) and select(m))
+            return Float8Block(c, c)
+        return bool(is_arraylike(a) and select(a))
+
+    return abstract, jax.tree.map(one, abstract, like, is_leaf=_is_f8)
+
+
 class CompactState(optax.GradientTransformationExtraArgs):
     """What :func:`compact_state` returns: an `optax.GradientTransformationExtraArgs` that also
     names the optimizer it wraps (``inner``) and its storage dtype (``dtype``), so that the planner
@@ -198,7 +232,7 @@ def compact_state(
 
     def store(state):
         def one(x):
-            if not _stored(x):
+            if not _stored(x) or _EXPANDED.get():
                 return x
             return x.astype(jnp.bfloat16) if dtype == "bfloat16" else _encode_f8(x, block_size)
 

@@ -11,10 +11,10 @@ import optax
 
 import zoo.nn as zoo_nn
 
+from . import _compact_state as compact
 from ._compact_state import CompactState
 from ._memory import (
     HOST,
-    is_arraylike,
     is_floating,
     mesh_of,
     require_host_memory,
@@ -44,7 +44,7 @@ REWRITES = zoo_nn.LAYER_UPDATE_REWRITES
 
 def stack_matrix_state(x) -> bool:
     """A ``where=`` for :func:`offload_opt_state`: the state leaves of the stacks' matrices (a layer
-    axis and two more; float8 codes too, stored as 32-bit words), so that only those live in
+    axis and two more; a float8 moment is judged as the float32 moment it stores), so that only those live in
     host memory and the state of the embedding, the head and every norm stays on the device. With
     the deferred update their update after the backward pass then moves nothing over the link
     (``llama:1b``'s tied embedding: 2.1 GB a step with 16-bit moments).
@@ -110,7 +110,9 @@ def offload_opt_state(
 
     - `optimizer`: an `optax.GradientTransformation`.
     - `where`: optional filter ``state_leaf -> bool`` choosing which state leaves live on host
-      (with ``stream=True`` it sees the stacked leaves, layer axis included). With ``defer=True``
+      (with ``stream=True`` it sees the stacked leaves, layer axis included; a moment stored by
+      :func:`transforms.compact_state` in float8 is seen as the float32 moment, its codes and
+      scales placed together). With ``defer=True``
       it may choose none: the state stays on the device and each stack's update still runs in
       the next forward pass, which with :func:`transforms.offload_params` updates each layer's
       host weights where they are fetched (no update loop after the backward pass).
@@ -277,8 +279,7 @@ def offload_opt_state(
             return optimizer.init(tree_to_device(p))
 
         # The state's shardings, with the selected leaves in host memory: it is written there directly.
-        abstract = jax.eval_shape(build, params)
-        chosen = jax.tree.map(lambda a: bool(is_arraylike(a) and select(a)), abstract)
+        abstract, chosen = compact.chosen(select, build, params)
         if where is not None and not any(jax.tree.leaves(chosen)):
             raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
         mesh = mesh_of(params)

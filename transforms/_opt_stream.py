@@ -35,13 +35,13 @@ import optax
 
 from zoo.nn import on_host, prefetch_scan
 
+from . import _compact_state as compact
 from . import _layer_split as split
 from . import _opt_rows as rows
 from ._compact_state import CompactState
 from ._memory import (
     DEVICE,
     HOST,
-    is_arraylike,
     layer_of,
     mesh_of,
     packed_layer_vector,
@@ -427,8 +427,7 @@ def _init(
         return StreamedState(stacked, r_inner.init(_view(p, units, -1)))
 
     # Leaves to keep in host memory, chosen on the stacked shapes (the layer axis included).
-    abstract = jax.eval_shape(abstract_state, params)
-    chosen = jax.tree.map(lambda a: bool(is_arraylike(a) and select(a)), abstract)
+    abstract, chosen = compact.chosen(select, abstract_state, params)
     if where_given and not allow_empty and not any(jax.tree.leaves(chosen)):
         raise ValueError("offload_opt_state: the filter selects no leaf of the optimizer state")
     if not where_given:  # by default, as offload_params does with such weights (see packed_layer_vector)
