@@ -337,6 +337,19 @@ def config_table() -> list[Config]:
             capacity=True,
         ),
         Config(
+            "capacity_defer_f8_block_input_bf16grads_stacks",
+            "capacity_f8's transforms stated rather than planned (since 2026-12-07 the plan for 8-bit moments is "
+            "capacity_defer_bf16_block_input_bf16grads_stacks's with float8: the stacks' moments in host memory, "
+            "the embedding's on the device), so that tpu_compile can compile them",
+            opt="defer",
+            state="float8",
+            activations="block_input",
+            split=True,
+            pending="bfloat16",
+            where="stacks",
+            capacity=True,
+        ),
+        Config(
             "capped",
             "all three transforms on a larger model under a device-memory cap",
             params=True,
