@@ -132,6 +132,26 @@ def test_float8_state_of_a_leaf_taken_in_row_blocks_is_stored_a_block_at_a_time(
     np.testing.assert_array_equal(back, _compact_state._decode_piece(whole, jnp.float32, x.shape))
 
 
+def test_a_float8_checkpoint_of_a_large_leaf_saved_whole_is_refused_not_misread(monkeypatch, tmp_path):
+    """Stored whole (as before the pieces), a large leaf's codes pack four quarters of the whole
+    leaf to a word; read as pieces they would decode to other numbers. The shapes differ, and the
+    checkpointer refuses them naming the leaves."""
+    import checkpointing
+    from transforms import _row_blocks
+
+    params = {"embed": jnp.ones((256, 64))}
+    opt = transforms.compact_state(optax.adam(1e-3), "float8")
+    whole = opt.init(params)
+    monkeypatch.setattr(_row_blocks, "ROW_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_row_blocks, "BLOCKED_LEAF_BYTES", 4096)
+    pieces = opt.init(params)
+    assert pieces[0].mu["embed"].codes.shape == (16, 2, 128) != whole[0].mu["embed"].codes.shape
+    saved = checkpointing.Checkpointer(tmp_path)
+    saved.save(1, whole)
+    with pytest.raises(checkpointing.Mismatch, match=r"0\.mu\.embed\.codes is float32\[16, 2, 128\]"):
+        saved.restore(pieces, step=1)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_where_filter_sees_a_float8_moment_as_the_moment_it_stores(monkeypatch, stream):
     """``where=stack_matrix_state`` keeps the embedding's and head's moments on the device and puts
