@@ -92,6 +92,30 @@ def test_capacity_configurations_with_stated_transforms_compile_and_planned_ones
     assert not any(table[n].capped for n in tpu_compile.CONFIGS)
 
 
+@pytest.mark.parametrize(
+    ("state", "stated"),
+    [
+        ("bfloat16", "capacity_defer_bf16_block_input_bf16grads_stacks"),
+        ("float8", "capacity_defer_f8_block_input_bf16grads_stacks"),
+    ],
+)
+def test_the_stated_capacity_configurations_are_the_planners_plans_for_a_v5e(state, stated):
+    """``capacity_bf16`` and ``capacity_f8`` run the planner's plan; these configurations state its
+    transforms so that tpu_compile can compile them: they must stay the plan."""
+    import optax
+
+    import transforms
+    from benchmarks.accelerator_check.configs import config_table, make_config
+
+    conf = {c.name: c for c in config_table()}[stated]
+    opt = transforms.compact_state(optax.adamw(1e-4), state)
+    cfg = make_config("llama:1b", seq=2048)
+    plan = transforms.plan(cfg, batch=8, seq=2048, device="tpu-v5e", optimizer=opt, clip_norm=1.0)
+    assert plan.fits and plan.candidate.opt_state == "defer:stacks" and not plan.candidate.params
+    assert plan.activation_policy == {conf.activations: "offload"} and plan.pending_dtype == conf.pending
+    assert (conf.opt, conf.where, conf.state, conf.params) == ("defer", "stacks", state, False)
+
+
 def test_a_tpu_target_compiles_the_splash_kernel_where_the_chip_would_run_it(monkeypatch):
     """The chip's train step runs the Pallas kernel for long sequences; compiled here for a TPU, the
     model takes it too (not the CPU backend's choice), built for the TPU rather than interpreted;
