@@ -135,3 +135,21 @@ def test_every_public_name_has_a_docstring():
             obj = getattr(module, name)
             if callable(obj) or isinstance(obj, type):
                 assert (obj.__doc__ or "").strip(), f"{module.__name__}.{name} has no docstring"
+
+
+def test_the_docs_name_only_configurations_and_results_that_exist():
+    """A configuration of the accelerator check named in the README or the offload-speed notes
+    exists (renamed ones would leave their figures unfindable), as does every results file the
+    README names by path. Names shaped like configurations that are the recipes' ``--offload``
+    choices, or a report's field, are not configurations."""
+    from benchmarks.accelerator_check.configs import config_table
+    from recipes._lm.offload import OFFLOADABLE
+
+    names = {c.name for c in config_table()} | set(OFFLOADABLE) | {"remat_policy"}
+    shaped = r"`((?:all_three|params|opt_state|act|capacity|remat)[a-z0-9_]*)`"
+    for doc in ("README.md", "docs/OFFLOAD_SPEED.md"):
+        text = (ROOT / doc).read_text()
+        unknown = sorted(set(re.findall(shaped, text)) - names)
+        assert not unknown, (doc, unknown)
+    paths = set(re.findall(r"`(benchmarks/results/[^`*{}]+)`", (ROOT / "README.md").read_text()))
+    assert paths and not [p for p in paths if not (ROOT / p).exists()]
