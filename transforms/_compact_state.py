@@ -176,7 +176,10 @@ def chosen(select: Callable, init: Callable, *args) -> tuple[Any, Any]:
     float8 pieces are stacked along a leading axis (:func:`segments`), which a filter on
     dimensions (:func:`transforms.stack_matrix_state`) would take for a layer axis, and a filter
     that judged codes and scales apart could part them."""
+    pick = lambda a: bool(is_arraylike(a) and select(a))
     abstract = jax.eval_shape(lambda *a: init(*a), *args)
+    if not any(map(_is_f8, jax.tree.leaves(abstract, is_leaf=_is_f8))):  # no float8 moment: one trace
+        return abstract, jax.tree.map(pick, abstract)
     token = _EXPANDED.set(True)
     try:  # (a new function: eval_shape must trace again, not reuse the trace above)
         like = jax.eval_shape(lambda *a: init(*a), *args)
@@ -184,10 +187,7 @@ def chosen(select: Callable, init: Callable, *args) -> tuple[Any, Any]:
         _EXPANDED.reset(token)
 
     def one(a, m):
-        if _is_f8(a):
-            c = bool(is_arraylike(m) and select(m))
-            return Float8Block(c, c)
-        return bool(is_arraylike(a) and select(a))
+        return Float8Block(pick(m), pick(m)) if _is_f8(a) else pick(a)
 
     return abstract, jax.tree.map(one, abstract, like, is_leaf=_is_f8)
 
